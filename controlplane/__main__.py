@@ -1,0 +1,5 @@
+"""``python -m controlplane`` runs ``elasticctl``."""
+
+from controlplane.cli import main
+
+main()

@@ -1,0 +1,155 @@
+"""Bootstrap: the one place that wires the real adapters (PostgreSQL, NATS) around the core."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import logging
+import signal
+
+from nats.aio.client import Client
+
+from controlplane import bus
+from controlplane.core.fold import fold_jobs
+from controlplane.core.view import JobView
+from controlplane.errors import BusUnavailable, StoreUnavailable
+from controlplane.ingest import Backoff, Ingest
+from controlplane.lock import AdvisoryLock
+from controlplane.settings import Settings
+from controlplane.store.migrate import check_schema
+from controlplane.store.port import AppendResult, EventStore
+from controlplane.store.postgres import PostgresEventStore
+
+log = logging.getLogger(__name__)
+
+
+def load_views(store: EventStore, *, after: int = 0) -> dict[str, JobView]:
+    """Fold the whole stored log into job views."""
+    return fold_jobs({}, store.iter_events(after=after))
+
+
+class ControlPlane:
+    """The control-plane service: ingest, and the live views folded from what it commits."""
+
+    def __init__(self, settings: Settings, store: PostgresEventStore | None = None) -> None:
+        self.settings = settings
+        self._store = store
+        self.views: dict[str, JobView] = {}
+        self.ingest: Ingest | None = None
+        #: How many times this process took the ingest lock and started ingesting.
+        self.sessions = 0
+
+    def _apply(self, result: AppendResult) -> None:
+        if result.stored:
+            self.views = fold_jobs(self.views, result.stored)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Serve until ``stop`` is set. Raises ``SchemaNotMigrated`` on an unmigrated database."""
+        settings = self.settings
+        store = self._store or PostgresEventStore.from_url(settings.database_url)
+        backoff = Backoff(max_s=settings.retry_max_s)
+        while not stop.is_set():
+            try:
+                await asyncio.to_thread(check_schema, store.engine)
+                break
+            except StoreUnavailable as exc:
+                log.warning("waiting for PostgreSQL: %s", exc)
+                await backoff.sleep(stop)
+        lock = AdvisoryLock(settings.database_url)
+        try:
+            while not stop.is_set():
+                if not await lock.acquire(stop, retry_s=settings.lock_retry_s):
+                    break
+                try:
+                    # Fold what the log holds now: another process may have ingested before.
+                    self.views = await asyncio.to_thread(load_views, store)
+                except StoreUnavailable as exc:
+                    log.warning("waiting for PostgreSQL: %s", exc)
+                    await lock.release()
+                    await backoff.sleep(stop)
+                    continue
+                backoff.reset()
+                log.info("folded %d job(s) from the log", len(self.views))
+                self.sessions += 1
+                await self._ingest_while_held(store, lock, stop)
+                await lock.release()
+        finally:
+            await lock.release()
+            if self._store is None:
+                store.close()
+
+    async def _ingest_while_held(
+        self, store: PostgresEventStore, lock: AdvisoryLock, stop: asyncio.Event
+    ) -> None:
+        """Ingest until ``stop`` or until the lock is lost (its connection ended)."""
+        settings = self.settings
+        lost = asyncio.Event()
+
+        async def watch() -> None:
+            while not stop.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), settings.lock_retry_s)
+                if not await lock.held():
+                    log.warning("lost the ingest lock; stopping ingest until it is ours again")
+                    lost.set()
+                    return
+
+        either = asyncio.Event()
+        relay = [asyncio.ensure_future(e.wait()) for e in (stop, lost)]
+        for waiter in relay:
+            waiter.add_done_callback(lambda _: either.set())
+        watcher = asyncio.ensure_future(watch())
+        nc = await _connect(settings, either)
+        appender = store.appender()
+        try:
+            if nc is None:
+                return
+            self.ingest = Ingest(
+                appender,
+                bus.EventConsumer(nc, settings),
+                batch=settings.ingest_batch,
+                fetch_wait_s=settings.ingest_fetch_timeout_s,
+                retry_max_s=settings.retry_max_s,
+                on_commit=self._apply,
+            )
+            log.info("ingesting from %s into PostgreSQL", settings.nats_url)
+            await self.ingest.run(either)
+        finally:
+            for pending in (*relay, watcher):
+                pending.cancel()
+            await appender.close()
+            if nc is not None:
+                await nc.close()
+
+
+async def _connect(settings: Settings, stop: asyncio.Event) -> Client | None:
+    backoff = Backoff(max_s=settings.retry_max_s)
+    while not stop.is_set():
+        try:
+            return await bus.connect(settings)
+        except BusUnavailable as exc:
+            log.warning("waiting for NATS: %s", exc)
+            await backoff.sleep(stop)
+    return None
+
+
+def tune_gc() -> None:
+    """Collect less often: the ingest allocates many short-lived objects per event, and a
+    default-threshold collector spent as much CPU as the ingest itself (bench ingest)."""
+    gc.freeze()  # what start-up loaded is never garbage
+    gc.set_threshold(50_000, 50, 100)
+
+
+def serve(settings: Settings) -> None:
+    """Run the control plane until SIGINT or SIGTERM."""
+    tune_gc()
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await ControlPlane(settings).run(stop)
+
+    asyncio.run(main())

@@ -1,0 +1,1 @@
+"""Benchmarks behind ``elasticctl bench``; each returns one JSON-serialisable dict."""

@@ -1,0 +1,158 @@
+"""``elasticctl bench ingest``: publish -> JetStream -> ingest -> PostgreSQL, and the fold.
+
+The control plane runs as its own process (``elasticctl serve``), as deployed; this process
+publishes as fast as it can. ``events_per_s`` is events over the time from the first publish to
+the commit of the last event (sustained: the ingest is subscribed before the first publish).
+``lost`` and ``duplicated`` are counted in PostgreSQL by event_id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import nats
+import psycopg
+
+from controlplane.core.fold import fold
+from controlplane.devstack import NatsServer, PostgresServer
+from controlplane.publish import MSG_ID_HEADER, Outgoing
+from controlplane.settings import DATABASE_URL_ENV, NATS_URL_ENV, Settings, libpq_url
+from controlplane.store import migrate
+from controlplane.store.postgres import PostgresEventStore, make_engine
+from controlplane.synth import SyntheticJob
+
+
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _count(database_url: str, job_id: str) -> tuple[int, int]:
+    with psycopg.connect(libpq_url(database_url)) as conn:
+        row = conn.execute(
+            "SELECT count(*), count(DISTINCT event_id) FROM events WHERE job_id = %s", (job_id,)
+        ).fetchone()
+    assert row is not None
+    return int(row[0]), int(row[1])
+
+
+async def _consumer_ready(url: str, settings: Settings, wait_s: float = 60.0) -> None:
+    nc = await nats.connect(url)
+    try:
+        deadline = time.monotonic() + wait_s
+        js = nc.jetstream()
+        while True:
+            try:
+                await js.consumer_info(settings.stream, settings.ingest_durable)
+                return
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.1)
+    finally:
+        await nc.close()
+
+
+async def _publish(url: str, messages: list[Outgoing], progress: bool) -> float:
+    """Publish as fast as one process can (core NATS publish, JetStream captures the subject);
+    loss anywhere on the way shows up as ``lost``."""
+    nc = await nats.connect(url, max_reconnect_attempts=-1, pending_size=64 * 1024 * 1024)
+    try:
+        started = time.monotonic()
+        last_report = started
+        for i, m in enumerate(messages, start=1):
+            await nc.publish(m.subject, m.data, headers={MSG_ID_HEADER: m.msg_id or ""})
+            if i % 5000 == 0:
+                await nc.flush()
+                if progress and time.monotonic() - last_report > 1.0:
+                    last_report = time.monotonic()
+                    _progress(f"  published {i:,}/{len(messages):,}")
+        await nc.flush()
+        return started
+    finally:
+        await nc.close()
+
+
+def run_ingest_bench(*, events: int, members: int = 64, progress: bool = True) -> dict[str, Any]:
+    """Run the benchmark and return its figures."""
+    nats_url = os.environ.get(NATS_URL_ENV)
+    database_url = os.environ.get(DATABASE_URL_ENV)
+    tmp = tempfile.TemporaryDirectory(prefix="elastic-bench-")
+    servers: list[Any] = []
+    serve: subprocess.Popen[bytes] | None = None
+    try:
+        if nats_url is None:
+            servers.append(NatsServer(Path(tmp.name) / "nats").start())
+            nats_url = servers[-1].url
+        if database_url is None:
+            servers.append(PostgresServer(Path(tmp.name) / "postgres").start())
+            database_url = servers[-1].url
+        engine = make_engine(database_url, pool_size=1)
+        migrate.upgrade(engine)
+        engine.dispose()
+
+        job = SyntheticJob(f"bench-{uuid.uuid4().hex[:8]}", members=members, seed=1)
+        if progress:
+            _progress(f"generating {events:,} events from {members} members")
+        messages = []
+        for envelope in job.member_events(events):
+            subject, data = SyntheticJob.message(envelope)
+            messages.append(Outgoing(subject, data, envelope["event_id"]))
+
+        settings = Settings()
+        env = {
+            **os.environ,
+            NATS_URL_ENV: nats_url,
+            DATABASE_URL_ENV: database_url,
+            "ELASTIC_LOG_LEVEL": "WARNING",
+        }
+        serve = subprocess.Popen([sys.executable, "-m", "controlplane", "serve"], env=env)
+        asyncio.run(_consumer_ready(nats_url, settings))
+        if progress:
+            _progress("publishing")
+        started = asyncio.run(_publish(nats_url, messages, progress))
+        published = time.monotonic()
+        store = PostgresEventStore.from_url(database_url)
+        start_position = store.last_position() if os.environ.get(DATABASE_URL_ENV) else 0
+        deadline = time.monotonic() + max(60.0, events / 1000)
+        # The head position is one row: polling it costs the database nothing.
+        while store.last_position() - start_position < events and time.monotonic() < deadline:
+            time.sleep(0.01)
+        committed = time.monotonic()
+        count, distinct = _count(database_url, job.job_id)
+
+        stored = list(store.iter_events(job_id=job.job_id))
+        store.close()
+        fold_times = []
+        for _ in range(3):
+            fold_started = time.perf_counter()
+            view = fold(None, stored)
+            fold_times.append(time.perf_counter() - fold_started)
+        fold_s = sorted(fold_times)[1]
+        return {
+            "events": events,
+            "members": members,
+            "events_per_s": round(events / (committed - started), 1),
+            "publish_s": round(published - started, 3),
+            "commit_s": round(committed - started, 3),
+            "lost": events - distinct,
+            "duplicated": count - distinct,
+            "fold_events_per_s": round(len(stored) / fold_s, 1),
+            "fold_members": len(view.members),
+            "nats_url": "embedded" if os.environ.get(NATS_URL_ENV) is None else "external",
+            "database": "embedded" if os.environ.get(DATABASE_URL_ENV) is None else "external",
+        }
+    finally:
+        if serve is not None:
+            serve.terminate()
+            serve.wait(30)
+        for server in servers:
+            server.stop()
+        tmp.cleanup()

@@ -1,0 +1,312 @@
+"""The NATS JetStream adapter: the events stream, the ingest's durable pull consumer, commands."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any
+
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js import JetStreamContext
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    ConsumerInfo,
+    DeliverPolicy,
+    StorageType,
+    StreamConfig,
+)
+
+from controlplane.errors import BusUnavailable
+from controlplane.settings import Settings
+from controlplane.subjects import EVENTS_WILDCARD
+
+log = logging.getLogger(__name__)
+
+#: NATS errors after which the subscription is re-created (nats.py #504).
+_TRANSIENT = (
+    nats.errors.ConnectionClosedError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.NoServersError,
+    nats.errors.StaleConnectionError,
+    nats.errors.OutboundBufferLimitError,
+    nats.js.errors.ServiceUnavailableError,
+    nats.js.errors.NoStreamResponseError,
+    nats.js.errors.APIError,
+    ConnectionError,
+    OSError,
+)
+
+
+async def connect(
+    settings: Settings, *, name: str = "elastic-controlplane", **options: Any
+) -> Client:
+    """Connect with reconnection forever; raise ``BusUnavailable`` if the first connect fails."""
+    auth: dict[str, Any] = {}
+    if settings.nats_creds:
+        auth["user_credentials"] = settings.nats_creds
+    elif settings.nats_user:
+        auth["user"] = settings.nats_user
+        auth["password"] = settings.nats_password or ""
+
+    async def _disconnected() -> None:
+        log.warning("NATS disconnected; reconnecting")
+
+    async def _reconnected() -> None:
+        log.info("NATS reconnected")
+
+    async def _error(exc: Exception) -> None:
+        log.debug("NATS: %s", exc)
+
+    try:
+        return await nats.connect(
+            servers=[s.strip() for s in settings.nats_url.split(",")],
+            name=name,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.25,
+            connect_timeout=2,
+            disconnected_cb=_disconnected,
+            reconnected_cb=_reconnected,
+            error_cb=_error,
+            **auth,
+            **options,
+        )
+    except (nats.errors.NoServersError, OSError, TimeoutError) as exc:
+        raise BusUnavailable(f"cannot reach NATS at {settings.nats_url}: {exc}") from exc
+
+
+async def ensure_stream(js: JetStreamContext, settings: Settings) -> None:
+    """Create the events stream, or bring an existing one to this configuration."""
+    config = StreamConfig(
+        name=settings.stream,
+        subjects=[EVENTS_WILDCARD],
+        storage=StorageType.FILE,
+        max_age=settings.stream_max_age_s,
+        duplicate_window=settings.stream_duplicate_window_s,
+    )
+    try:
+        await js.stream_info(settings.stream)
+    except nats.js.errors.NotFoundError:
+        await js.add_stream(config)
+        log.info("created stream %s", settings.stream)
+        return
+    await js.update_stream(config)
+
+
+def consumer_config(settings: Settings, *, start_seq: int = 1) -> ConsumerConfig:
+    """The ingest's durable pull consumer, acked a batch at a time (ack-all)."""
+    return ConsumerConfig(
+        durable_name=settings.ingest_durable,
+        deliver_policy=DeliverPolicy.ALL if start_seq <= 1 else DeliverPolicy.BY_START_SEQUENCE,
+        opt_start_seq=None if start_seq <= 1 else start_seq,
+        ack_policy=AckPolicy.ALL,
+        ack_wait=settings.ingest_ack_wait_s,
+        max_ack_pending=settings.ingest_max_ack_pending,
+        max_waiting=16,
+        filter_subject=EVENTS_WILDCARD,
+    )
+
+
+def delivery(reply: str) -> tuple[int, int]:
+    """(stream sequence, consumer delivery sequence) from a JetStream message's reply subject."""
+    tokens = reply.split(".")
+    if len(tokens) == 9:  # $JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>
+        return int(tokens[5]), int(tokens[6])
+    return int(tokens[Msg.Ack.StreamSeq]), int(tokens[Msg.Ack.ConsumerSeq])
+
+
+#: A partly filled batch is handed over once this long passes without _WAKE_EVERY more.
+_LINGER_S = 0.02
+_WAKE_EVERY = 256
+
+
+class EventConsumer:
+    """Pulls batches from the durable consumer over one inbox subscription; acks a batch at once.
+
+    nats-py's ``fetch`` awaits each message with its own timeout, which costs more than the
+    rest of the ingest together; this keeps one pull request outstanding, lets the server
+    stream into a buffer, and hands over a batch when it is full or the stream pauses.
+
+    Ack-all acknowledges every pending message up to a stream sequence, including messages
+    delivered to someone else. It is safe here because (1) one ingest runs at a time (the
+    caller holds the ingest lock), (2) a consumer found with pending deliveries (of a
+    predecessor that died) is re-created at its ack floor, and (3) the delivery sequence is
+    checked for continuity, so a delivery lost in transit (a server restart, a reconnect)
+    re-creates the consumer at its ack floor instead of being acknowledged unseen. Re-reading
+    is harmless: the store skips event_ids it holds.
+    """
+
+    def __init__(self, nc: Client, settings: Settings) -> None:
+        self._nc = nc
+        self._js = nc.jetstream()
+        self._settings = settings
+        self._sub: Subscription | None = None
+        self._inbox = ""
+        self._buffer: list[Msg] = []
+        self._arrived = asyncio.Event()
+        self._request_until = 0.0  # monotonic deadline of the outstanding pull request
+        self._request_left = 0  # messages the outstanding request may still deliver
+        self._expected = 1  # next consumer delivery sequence
+        self._broken: str | None = None
+        #: Bumped whenever the consumer is re-created; acks of older epochs are dropped.
+        self.epoch = 0
+        self.restarts = 0
+
+    async def _consumer_info(self) -> ConsumerInfo | None:
+        try:
+            info: ConsumerInfo = await self._js.consumer_info(
+                self._settings.stream, self._settings.ingest_durable
+            )
+        except nats.js.errors.NotFoundError:
+            return None
+        return info
+
+    async def _restart_consumer(self, reason: str) -> None:
+        """Re-create the consumer at its ack floor: everything unacknowledged comes again."""
+        info = await self._consumer_info()
+        floor = int(info.ack_floor.stream_seq or 0) if info and info.ack_floor else 0
+        if info is not None:
+            await self._js.delete_consumer(self._settings.stream, self._settings.ingest_durable)
+        await self._js.add_consumer(
+            self._settings.stream, consumer_config(self._settings, start_seq=floor + 1)
+        )
+        self._expected = 1
+        self.epoch += 1
+        self.restarts += 1
+        log.warning("re-reading the stream from sequence %d: %s", floor + 1, reason)
+
+    async def _subscribe(self) -> None:
+        await ensure_stream(self._js, self._settings)
+        info = await self._consumer_info()
+        if info is None:
+            await self._js.add_consumer(self._settings.stream, consumer_config(self._settings))
+            self._expected = 1
+        elif info.config.ack_policy != AckPolicy.ALL:
+            await self._restart_consumer("the consumer had another ack policy")
+        elif info.num_ack_pending:
+            await self._restart_consumer(
+                f"{info.num_ack_pending} messages were delivered to a previous ingest"
+            )
+        else:
+            delivered = info.delivered.consumer_seq if info.delivered else 0
+            self._expected = int(delivered or 0) + 1
+        self._inbox = self._nc.new_inbox()
+        self._sub = await self._nc.subscribe(
+            self._inbox,
+            cb=self._on_message,
+            pending_msgs_limit=-1,
+            pending_bytes_limit=-1,
+        )
+        self._request_until = 0.0
+        self._broken = None
+
+    async def _on_message(self, msg: Msg) -> None:
+        status = msg.headers.get("Status") if msg.headers else None
+        if status is None:
+            self._request_left -= 1
+            buffer = self._buffer
+            buffer.append(msg)
+            if self._request_left <= 0:
+                self._request_until = 0.0  # the request is complete
+            elif len(buffer) % _WAKE_EVERY != 1:
+                return  # wake the fetcher on the first message and every _WAKE_EVERY after
+        elif status in ("404", "408", "409"):
+            # The pull request ended (no messages, expired, or refused).
+            self._request_until = 0.0
+            description = (msg.headers or {}).get("Description", "")
+            if status == "409" and "Consumer Deleted" in description:
+                self._broken = "the consumer was deleted"
+        self._arrived.set()
+
+    async def reset(self) -> None:
+        """Drop the subscription and what it buffered (unacked, so redelivered)."""
+        sub, self._sub = self._sub, None
+        self._buffer = []
+        self._request_until = 0.0
+        if sub is not None:
+            try:
+                await sub.unsubscribe()
+            except Exception as exc:  # best effort: the connection may be gone
+                log.debug("unsubscribe failed: %s", exc)
+
+    async def _request(self, batch: int, wait_s: float) -> None:
+        expires_ns = int(wait_s * 1e9)
+        request = json.dumps({"batch": batch, "expires": expires_ns}).encode()
+        subject = (
+            f"$JS.API.CONSUMER.MSG.NEXT.{self._settings.stream}.{self._settings.ingest_durable}"
+        )
+        await self._nc.publish(subject, request, reply=self._inbox)
+        self._request_left = batch
+        # A request the server forgot (it restarted) is treated as ended after its expiry.
+        self._request_until = time.monotonic() + wait_s + 0.5
+
+    async def fetch(self, batch: int, wait_s: float) -> list[Msg]:
+        """Up to ``batch`` messages; [] when none arrived within ``wait_s`` seconds.
+
+        Raises ``BusUnavailable`` when NATS is unreachable (the caller backs off and retries).
+        """
+        try:
+            if self._broken is not None:
+                reason = self._broken
+                await self.reset()
+                await self._restart_consumer(reason)
+            if self._sub is None:
+                await self._subscribe()
+            deadline = time.monotonic() + wait_s
+            while len(self._buffer) < batch and self._broken is None:
+                now = time.monotonic()
+                if now >= self._request_until:
+                    if self._buffer:
+                        break
+                    await self._request(batch, max(wait_s, 0.05))
+                timeout = _LINGER_S if self._buffer else deadline - now
+                if timeout <= 0:
+                    break
+                self._arrived.clear()
+                try:
+                    await asyncio.wait_for(self._arrived.wait(), timeout)
+                except TimeoutError:
+                    break
+            taken, self._buffer = self._buffer[:batch], self._buffer[batch:]
+            if taken and not self._continuous(taken):
+                return []
+            if time.monotonic() >= self._request_until and len(self._buffer) < batch:
+                # Let the next batch stream in while this one is decoded and committed.
+                await self._request(batch, max(wait_s, 0.05))
+        except _TRANSIENT as exc:
+            await self.reset()
+            raise BusUnavailable(f"{type(exc).__name__}: {exc}") from exc
+        return taken
+
+    def _continuous(self, msgs: list[Msg]) -> bool:
+        """Check that no delivery went missing before or inside ``msgs`` (one inbox, in order)."""
+        first = delivery(msgs[0].reply)[1]
+        last = delivery(msgs[-1].reply)[1]
+        if first == self._expected and last - first + 1 == len(msgs):
+            self._expected = last + 1
+            return True
+        self._broken = (
+            f"deliveries {first}..{last} ({len(msgs)} messages) arrived where {self._expected} "
+            "was due"
+        )
+        self._buffer = []
+        return False
+
+    async def ack_through(self, msg: Msg, epoch: int) -> bool:
+        """Acknowledge ``msg`` and everything delivered before it; False if the epoch passed."""
+        if epoch != self.epoch:
+            return False  # the consumer was re-created: these messages come again
+        await msg.ack()
+        return True
+
+    async def pending(self) -> int:
+        """Messages the server holds for this consumer that are not yet acknowledged."""
+        info = await self._js.consumer_info(self._settings.stream, self._settings.ingest_durable)
+        return int(info.num_pending or 0) + int(info.num_ack_pending or 0)

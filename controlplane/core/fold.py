@@ -1,0 +1,499 @@
+"""Fold the log into job views: ``fold(view, events) -> view``.
+
+Pure: no I/O, no clock (times come from the events' ``recorded_at``), the input view is never
+mutated. For speed the fold works on a private copy that it owns (a transient): the top-level
+containers are copied once per call and each member, backup step or incident is copied the first
+time this call changes it, so folding a batch costs O(batch + touched), not O(batch x view).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import fields, replace
+from typing import Any
+
+from controlplane.core.records import StoredEvent
+from controlplane.core.statemachine import TERMINAL, can_transition
+from controlplane.core.view import (
+    DEFAULT_POLICY,
+    KEEP_COMPLETE_BACKUPS,
+    MAX_ANOMALIES,
+    Decision,
+    FaultReport,
+    Incident,
+    JobView,
+    Member,
+    MemberStatus,
+    ReplicaCopy,
+    ShardBackup,
+    StateChange,
+    StepBackup,
+)
+from schemas.common import JobState
+
+_VIEW_FIELDS = tuple(f.name for f in fields(JobView))
+
+
+def fold(view: JobView | None, events: Iterable[StoredEvent]) -> JobView:
+    """Apply ``events`` (all of one job, in log order) to ``view`` and return the new view."""
+    folder: _Fold | None = None if view is None else _Fold(view)
+    last: StoredEvent | None = None
+    count = 0
+    for stored in events:
+        if folder is None:
+            folder = _Fold(JobView(job_id=stored.event.job_id))
+        folder.apply(stored)
+        last = stored
+        count += 1
+    if folder is None:
+        raise ValueError("fold of no events needs a starting view")
+    result = folder.view
+    if last is not None:
+        result.last_position = last.position
+        result.last_recorded_at = last.recorded_at
+        result.events += count
+    return result
+
+
+def fold_jobs(views: Mapping[str, JobView], events: Iterable[StoredEvent]) -> dict[str, JobView]:
+    """Fold events of any jobs into a copy of ``views`` (job_id -> view)."""
+    by_job: dict[str, list[StoredEvent]] = {}
+    for stored in events:
+        by_job.setdefault(stored.event.job_id, []).append(stored)
+    out = dict(views)
+    for job_id, batch in by_job.items():
+        out[job_id] = fold(out.get(job_id), batch)
+    return out
+
+
+class _Fold:
+    """A transient: owns a copy of the view and mutates it while applying one call's events."""
+
+    __slots__ = ("_own_backups", "_own_incidents", "_own_members", "view")
+
+    def __init__(self, view: JobView) -> None:
+        copy = JobView(**{name: getattr(view, name) for name in _VIEW_FIELDS})
+        copy.members = dict(view.members)
+        copy.backups = dict(view.backups)
+        copy.incidents = dict(view.incidents)
+        copy.history = list(view.history)
+        copy.anomalies = list(view.anomalies)
+        self.view = copy
+        self._own_members: set[str] = set()
+        self._own_backups: set[int] = set()
+        self._own_incidents: set[str] = set()
+
+    # ------------------------------------------------------------------ ownership
+
+    def _member(self, member_id: str) -> Member | None:
+        if member_id in self._own_members:
+            return self.view.members[member_id]
+        member = self.view.members.get(member_id)
+        if member is not None:
+            member = replace(member)
+            self.view.members[member_id] = member
+            self._own_members.add(member_id)
+        return member
+
+    def _backup(self, step: int) -> StepBackup | None:
+        backup = self.view.backups.get(step)
+        if backup is not None and step not in self._own_backups:
+            backup = replace(
+                backup,
+                shards={k: replace(s, replicas=dict(s.replicas)) for k, s in backup.shards.items()},
+            )
+            self.view.backups[step] = backup
+            self._own_backups.add(step)
+        return backup
+
+    def _incident(self, incident_id: str) -> Incident | None:
+        incident = self.view.incidents.get(incident_id)
+        if incident is not None and incident_id not in self._own_incidents:
+            incident = replace(
+                incident,
+                members=list(incident.members),
+                reasons=list(incident.reasons),
+                detections=list(incident.detections),
+                decisions=[
+                    replace(
+                        d, acked=dict(d.acked), restored=dict(d.restored), resumed=dict(d.resumed)
+                    )
+                    for d in incident.decisions
+                ],
+            )
+            self.view.incidents[incident_id] = incident
+            self._own_incidents.add(incident_id)
+        return incident
+
+    def _anomaly(self, stored: StoredEvent, text: str) -> None:
+        anomalies = self.view.anomalies
+        anomalies.append(f"#{stored.position} {stored.event.type}: {text}")
+        if len(anomalies) > MAX_ANOMALIES:
+            del anomalies[0]
+
+    # ------------------------------------------------------------------ dispatch
+
+    def apply(self, stored: StoredEvent) -> None:
+        event = stored.event
+        if event.job_id != self.view.job_id:
+            raise ValueError(f"event of job {event.job_id!r} folded into job {self.view.job_id!r}")
+        _HANDLERS[event.type](self, stored, event.payload)
+
+    # ------------------------------------------------------------------ member events
+
+    def _joined(self, stored: StoredEvent, p: Any) -> None:
+        event = stored.event
+        member_id = event.source.partition("/")[2]
+        previous = self.view.members.get(member_id)
+        self.view.members[member_id] = Member(
+            member_id=member_id,
+            node=p.node,
+            rack=p.rack,
+            host=p.host,
+            pid=p.pid,
+            role=p.role,
+            device=p.device,
+            backup_endpoint=p.backup_endpoint,
+            incarnation=event.incarnation,
+            joined_at=stored.recorded_at,
+            joined_position=stored.position,
+            # A rejoin of the same incarnation (a repeated announcement) keeps the rank.
+            rank=previous.rank
+            if previous is not None and previous.incarnation == event.incarnation
+            else None,
+            last_seen_at=stored.recorded_at,
+        )
+        self._own_members.add(member_id)
+
+    def _known_member(self, stored: StoredEvent) -> Member | None:
+        """The member that sent ``stored`` (owned by this fold), its last_seen_at moved."""
+        member_id = stored.event.source.partition("/")[2]
+        member = self._member(member_id) if member_id else None
+        if member is None:
+            self._anomaly(stored, f"from {stored.event.source}, which never joined")
+            return None
+        member.last_seen_at = stored.recorded_at
+        return member
+
+    def _heartbeat(self, stored: StoredEvent, p: Any) -> None:
+        member = self._known_member(stored)
+        if member is None:
+            return
+        member.last_heartbeat_at = stored.recorded_at
+        member.last_heartbeat_position = stored.position
+        member.phase = p.phase
+        member.step = max(member.step, p.step)
+
+    def _train_step(self, stored: StoredEvent, p: Any) -> None:
+        view = self.view
+        member = self._known_member(stored)
+        if member is not None and p.step > member.step:
+            member.step = p.step
+        if stored.event.generation == view.generation and p.step >= view.last_step:
+            view.last_step = p.step
+            view.last_loss = p.loss
+        if view.open_incident is not None:
+            incident = self._incident(view.open_incident)
+            assert incident is not None
+            if incident.decisions:
+                decision = incident.decisions[-1]
+                if (
+                    decision.first_step_position is None
+                    and stored.event.generation == decision.generation
+                    and p.step > decision.restore_step
+                ):
+                    decision.first_step_position = stored.position
+                    decision.first_step_at = stored.recorded_at
+
+    def _snapshot(self, stored: StoredEvent, p: Any) -> None:
+        owner = self._known_member(stored)
+        shard = self._shard(stored, p.step, p.shard)
+        if shard is None or owner is None:
+            return
+        was = shard.is_satisfied(self._redundancy)
+        shard.owner = owner.member_id
+        shard.nbytes = p.nbytes
+        shard.checksum = p.checksum
+        shard.snapshot_position = stored.position
+        self._satisfied(p.step, shard, was)
+
+    def _replicated(self, stored: StoredEvent, p: Any) -> None:
+        member = self._known_member(stored)
+        shard = self._shard(stored, p.step, p.shard)
+        if shard is None or member is None:
+            return
+        holder = member.member_id
+        if shard.owner is None:
+            shard.owner = p.owner
+        elif shard.owner != p.owner:
+            self._anomaly(stored, f"shard {p.shard} owned by {shard.owner}, replica says {p.owner}")
+            return
+        was = shard.is_satisfied(self._redundancy)
+        shard.replicas[holder] = ReplicaCopy(holder, p.nbytes, p.checksum, stored.position)
+        if shard.checksum is not None and p.checksum != shard.checksum:
+            self._anomaly(stored, f"checksum of shard {p.shard} at {holder} does not match owner")
+        self._satisfied(p.step, shard, was)
+
+    def _shard(self, stored: StoredEvent, step: int, shard_no: int) -> ShardBackup | None:
+        view = self.view
+        generation = stored.event.generation
+        backup = self._backup(step)
+        if backup is None or backup.generation < generation:
+            # A newer generation redoing a step replaces what an older one left behind.
+            num_shards = len(view.world) if generation == view.generation else shard_no + 1
+            backup = StepBackup(step=step, generation=generation, num_shards=max(num_shards, 1))
+            view.backups[step] = backup
+            self._own_backups.add(step)
+        elif backup.generation > generation:
+            self._anomaly(stored, f"backup of generation {generation} after {backup.generation}")
+            return None
+        shard = backup.shards.get(shard_no)
+        if shard is None:
+            shard = backup.shards[shard_no] = ShardBackup(shard=shard_no)
+        return shard
+
+    @property
+    def _redundancy(self) -> int:
+        policy = self.view.policy
+        return policy.redundancy if policy is not None else DEFAULT_POLICY.redundancy
+
+    def _satisfied(self, step: int, shard: ShardBackup, was: bool) -> None:
+        """Count the shard in or out of its step, and evict once the step completes."""
+        backup = self.view.backups[step]
+        now = shard.is_satisfied(self._redundancy)
+        if now == was:
+            return
+        backup.satisfied += 1 if now else -1
+        if now and backup.satisfied >= backup.num_shards:
+            self._evict_backups()
+
+    def _evict_backups(self) -> None:
+        view = self.view
+        complete = sorted(
+            (s for s, b in view.backups.items() if b.satisfied >= b.num_shards),
+            reverse=True,
+        )
+        if len(complete) <= KEEP_COMPLETE_BACKUPS:
+            return
+        oldest_kept = complete[KEEP_COMPLETE_BACKUPS - 1]
+        for old in [s for s in view.backups if s < oldest_kept]:
+            del view.backups[old]
+            self._own_backups.discard(old)
+
+    def _fault(self, stored: StoredEvent, p: Any) -> None:
+        member = self._known_member(stored)
+        if member is None:
+            return
+        member.last_fault = FaultReport(
+            position=stored.position,
+            at=stored.recorded_at,
+            kind=p.kind,
+            detail=p.detail,
+            step=p.step,
+            suspects=tuple(p.suspects),
+        )
+
+    def _exited(self, stored: StoredEvent, p: Any) -> None:
+        member = self._member(p.member)
+        if member is None:
+            self._anomaly(stored, f"exit of {p.member}, which never joined")
+            return
+        member.status = MemberStatus.EXITED
+        member.exit_code = p.exit_code
+        member.exit_signal = p.signal
+        member.exited_at = stored.recorded_at
+
+    def _decision(self, stored: StoredEvent, generation: int) -> Decision | None:
+        """The open incident's decision for ``generation``, owned by this fold."""
+        view = self.view
+        if view.open_incident is None:
+            return None
+        incident = self._incident(view.open_incident)
+        assert incident is not None
+        for decision in reversed(incident.decisions):
+            if decision.generation == generation:
+                return decision
+        return None
+
+    def _acked(self, stored: StoredEvent, p: Any) -> None:
+        command_id = str(p.command_id)
+        view = self.view
+        member = self._known_member(stored)
+        if member is None:
+            return
+        member_id = member.member_id
+        for incident_id in [view.open_incident] if view.open_incident else []:
+            incident = self._incident(incident_id)
+            assert incident is not None
+            for decision in incident.decisions:
+                if decision.command_id == command_id:
+                    decision.acked.setdefault(member_id, stored.position)
+                    return
+        self._anomaly(stored, f"ack of unknown or closed command {command_id}")
+
+    def _restored(self, stored: StoredEvent, p: Any) -> None:
+        member = self._known_member(stored)
+        decision = self._decision(stored, p.generation)
+        if decision is not None and member is not None:
+            decision.restored.setdefault(member.member_id, stored.position)
+
+    def _resumed(self, stored: StoredEvent, p: Any) -> None:
+        member = self._known_member(stored)
+        decision = self._decision(stored, p.generation)
+        if decision is not None and member is not None:
+            decision.resumed.setdefault(member.member_id, stored.position)
+
+    def _train_completed(self, stored: StoredEvent, p: Any) -> None:
+        self._known_member(stored)
+        view = self.view
+        if view.completed_step is None or p.step > view.completed_step:
+            view.completed_step = p.step
+
+    # ------------------------------------------------------------------ decisions
+
+    def _registered(self, stored: StoredEvent, p: Any) -> None:
+        view = self.view
+        if view.registered_at is not None:
+            self._anomaly(stored, "job registered twice; the newer policy applies")
+        view.name = p.name
+        view.policy = p.policy
+        view.registered_at = stored.recorded_at
+
+    def _generation(self, stored: StoredEvent, p: Any) -> None:
+        view = self.view
+        if p.generation < view.generation:
+            self._anomaly(stored, f"generation {p.generation} after {view.generation}")
+            return
+        view.generation = p.generation
+        view.world = tuple(p.world)
+        view.rendezvous = p.rendezvous
+        view.placement = tuple(p.placement)
+        view.placement_note = p.placement_note
+        ranks = {m: r for r, m in enumerate(p.world)}
+        for member_id, member in list(view.members.items()):
+            rank = ranks.get(member_id)
+            if member.rank != rank:
+                owned = self._member(member_id)
+                assert owned is not None
+                owned.rank = rank
+        missing = [m for m in p.world if m not in view.members]
+        if missing:
+            self._anomaly(stored, f"world names members that never joined: {missing[:5]}")
+
+    def _fault_detected(self, stored: StoredEvent, p: Any) -> None:
+        view = self.view
+        incident_id = str(p.incident_id)
+        incident = self._incident(incident_id)
+        if incident is None:
+            if view.open_incident is not None and view.open_incident != incident_id:
+                self._anomaly(stored, f"new incident while {view.open_incident} is open")
+            incident = Incident(
+                incident_id=incident_id,
+                opened_at=stored.recorded_at,
+                opened_position=stored.position,
+                members=[],
+                reasons=[],
+                detections=[],
+            )
+            view.incidents[incident_id] = incident
+            self._own_incidents.add(incident_id)
+            view.open_incident = incident_id
+        for member_id in p.members:
+            if member_id not in incident.members:
+                incident.members.append(member_id)
+            member = self._member(member_id)
+            if member is not None and member.status is MemberStatus.ACTIVE:
+                member.status = MemberStatus.FAILED
+                member.failed_reason = p.reason
+        incident.reasons.append(p.detail)
+        incident.detections.append(stored.position)
+
+    def _state_changed(self, stored: StoredEvent, p: Any) -> None:
+        view = self.view
+        if p.from_ != view.state or not can_transition(view.state, p.to):
+            # The log is the truth: apply it, but leave a trace of the inconsistency.
+            self._anomaly(stored, f"transition {p.from_}->{p.to} while {view.state}")
+        self._set_state(stored, p.to, p.reason)
+
+    def _set_state(self, stored: StoredEvent, to: JobState, reason: str) -> None:
+        view = self.view
+        view.history.append(
+            StateChange(stored.position, stored.recorded_at, view.state, to, reason)
+        )
+        view.state = to
+
+    def _reallocation(self, stored: StoredEvent, p: Any) -> None:
+        incident = self._incident(str(p.incident_id))
+        if incident is None:
+            self._anomaly(stored, f"reallocation for unknown incident {p.incident_id}")
+            return
+        incident.decisions.append(
+            Decision(
+                position=stored.position,
+                at=stored.recorded_at,
+                command_id=str(p.command_id),
+                generation=p.generation,
+                mode=p.mode,
+                world=tuple(p.world),
+                restore_step=p.restore_step,
+                restore_from=p.restore_from,
+            )
+        )
+
+    def _resolved(self, stored: StoredEvent, p: Any) -> None:
+        incident_id = str(p.incident_id)
+        incident = self._incident(incident_id)
+        if incident is None:
+            self._anomaly(stored, f"resolution of unknown incident {incident_id}")
+            return
+        self._close(incident, stored, "recovered")
+        incident.downtime_s = p.downtime_s
+        incident.steps_lost = p.steps_lost
+
+    def _close(self, incident: Incident, stored: StoredEvent, outcome: str) -> None:
+        incident.outcome = outcome
+        incident.resolved_at = stored.recorded_at
+        incident.resolved_position = stored.position
+        if self.view.open_incident == incident.incident_id:
+            self.view.open_incident = None
+
+    def _stopped(self, stored: StoredEvent, p: Any) -> None:
+        view = self.view
+        if view.open_incident is not None:
+            incident = self._incident(view.open_incident)
+            assert incident is not None
+            self._close(incident, stored, "stopped")
+        if view.state not in TERMINAL:
+            self._set_state(stored, JobState.STOPPED, p.reason)
+
+    def _completed(self, stored: StoredEvent, p: Any) -> None:
+        view = self.view
+        if p.step is not None:
+            view.completed_step = p.step
+        if view.state not in TERMINAL:
+            self._set_state(stored, JobState.COMPLETED, "training completed")
+
+
+_HANDLERS: dict[str, Callable[[_Fold, StoredEvent, Any], None]] = {
+    "member.joined": _Fold._joined,
+    "member.heartbeat": _Fold._heartbeat,
+    "train.step": _Fold._train_step,
+    "backup.snapshot": _Fold._snapshot,
+    "backup.replicated": _Fold._replicated,
+    "member.fault": _Fold._fault,
+    "member.exited": _Fold._exited,
+    "command.acked": _Fold._acked,
+    "restore.completed": _Fold._restored,
+    "train.resumed": _Fold._resumed,
+    "train.completed": _Fold._train_completed,
+    "job.registered": _Fold._registered,
+    "generation.started": _Fold._generation,
+    "fault.detected": _Fold._fault_detected,
+    "job.state_changed": _Fold._state_changed,
+    "reallocation.issued": _Fold._reallocation,
+    "incident.resolved": _Fold._resolved,
+    "job.stopped": _Fold._stopped,
+    "job.completed": _Fold._completed,
+}
+
+__all__ = ["fold", "fold_jobs"]

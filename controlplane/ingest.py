@@ -1,0 +1,343 @@
+"""The ingest loop: fetch from JetStream, validate, append to the store, ack only after commit.
+
+Two tasks form a short pipeline: the fetcher pulls and decodes the next batch while the writer
+commits the previous one (in a worker thread, the store is synchronous). The writer commits
+batches strictly in fetch order and acknowledges a batch (its last message, ack-all) only after
+its commit, so whatever the server forgets is durable in PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from nats.aio.msg import Msg
+
+from controlplane.bus import EventConsumer, delivery
+from controlplane.core.records import DeadLetter
+from controlplane.decode import decode
+from controlplane.errors import BusUnavailable, StoreError, StoreUnavailable
+from controlplane.store.port import AppendResult, EventStore
+from schemas.events import EnvelopeBase
+
+log = logging.getLogger(__name__)
+
+#: Messages decoded between two yields to the event loop.
+_SLICE = 256
+#: After this long without messages, ask the server whether the subscription went deaf.
+_WATCHDOG_S = 5.0
+
+
+@dataclass(slots=True)
+class Batch:
+    """One fetched batch, decoded."""
+
+    events: list[EnvelopeBase]
+    #: The events pre-encoded for the store, parallel to ``events`` (None: not needed).
+    encoded: list[bytes] | None
+    dead_letters: list[DeadLetter]
+    last: Msg
+    size: int
+    #: The consumer epoch the messages were delivered in.
+    epoch: int
+
+
+@dataclass(slots=True)
+class IngestStats:
+    """Counters since start."""
+
+    batches: int = 0
+    messages: int = 0
+    stored: int = 0
+    duplicates: int = 0
+    dead_letters: int = 0
+    gaps: int = 0
+    #: Events that arrived after later ones of their source and filled a gap.
+    late: int = 0
+    store_retries: int = 0
+    bus_retries: int = 0
+    last_position: int = 0
+    last_commit_monotonic: float = field(default_factory=time.monotonic)
+
+
+class Backoff:
+    """Exponential back-off that a stop request interrupts."""
+
+    def __init__(self, first_s: float = 0.05, max_s: float = 5.0) -> None:
+        self.first_s = first_s
+        self.max_s = max_s
+        self._next = first_s
+
+    def reset(self) -> None:
+        self._next = self.first_s
+
+    async def sleep(self, stop: asyncio.Event) -> None:
+        delay, self._next = self._next, min(self._next * 2, self.max_s)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), delay)
+
+
+def decode_batch(msgs: Sequence[Msg], epoch: int = 0) -> Batch:
+    """Decode every message of a fetch; bad ones become dead letters keyed by stream sequence."""
+    events: list[EnvelopeBase] = []
+    letters: list[DeadLetter] = []
+    for msg in msgs:
+        decoded = decode(msg.subject, msg.data)
+        if isinstance(decoded, DeadLetter):
+            letters.append(dataclasses.replace(decoded, stream_seq=delivery(msg.reply)[0]))
+        else:
+            events.append(decoded)
+    return Batch(events, None, letters, msgs[-1], len(msgs), epoch)
+
+
+class Appender(Protocol):
+    """Where the ingest commits batches (``AsyncAppender``, or a store wrapped for tests)."""
+
+    async def append(
+        self,
+        events: Sequence[EnvelopeBase],
+        dead_letters: Sequence[DeadLetter] = (),
+        *,
+        expected_position: int | None = None,
+        encoded: Sequence[bytes] | None = None,
+    ) -> AppendResult: ...
+
+    def encode(self, events: Sequence[EnvelopeBase]) -> list[bytes] | None:
+        """Pre-encode events for ``append(encoded=...)``; None when the store needs nothing."""
+        ...
+
+
+class SyncAppender:
+    """Adapts a synchronous store to the ``Appender`` port (unit tests, in-memory store)."""
+
+    def __init__(self, store: EventStore) -> None:
+        self._store = store
+
+    async def append(
+        self,
+        events: Sequence[EnvelopeBase],
+        dead_letters: Sequence[DeadLetter] = (),
+        *,
+        expected_position: int | None = None,
+        encoded: Sequence[bytes] | None = None,
+    ) -> AppendResult:
+        return self._store.append(
+            events, dead_letters, expected_position=expected_position, encoded=encoded
+        )
+
+    def encode(self, events: Sequence[EnvelopeBase]) -> list[bytes] | None:
+        return None
+
+
+async def commit(
+    appender: Appender,
+    events: Sequence[EnvelopeBase],
+    letters: Sequence[DeadLetter],
+    encoded: Sequence[bytes] | None = None,
+) -> AppendResult:
+    """Append a batch; an input the database refuses is isolated by halving and dead-lettered.
+
+    ``StoreUnavailable`` propagates (the caller retries the whole batch later).
+    """
+    try:
+        return await appender.append(events, letters, encoded=encoded)
+    except StoreUnavailable:
+        raise
+    except StoreError as exc:
+        if len(events) + len(letters) <= 1:
+            if not events:
+                raise  # a dead letter the database refuses is not an input problem
+            event = events[0]
+            letter = DeadLetter(
+                reason=f"refused by the store: {exc}"[:4096],
+                raw=event.model_dump_json().encode(),
+                job_id=event.job_id,
+                event_id=event.event_id,
+            )
+            log.warning("event %s refused by the store: %s", event.event_id, exc)
+            return await appender.append((), [letter])
+    result = AppendResult()
+    half_e, half_l = len(events) // 2, len(letters) // 2
+    parts = [
+        (events[:half_e], letters[:half_l], None if encoded is None else encoded[:half_e]),
+        (events[half_e:], letters[half_l:], None if encoded is None else encoded[half_e:]),
+    ]
+    for part_e, part_l, part_raw in parts:
+        if not part_e and not part_l:
+            continue
+        part = await commit(appender, part_e, part_l, part_raw)
+        result.stored.extend(part.stored)
+        result.duplicates += part.duplicates
+        result.rejected.extend(part.rejected)
+        result.dead_letters += part.dead_letters
+        result.gaps.extend(part.gaps)
+        result.late += part.late
+    return result
+
+
+class Ingest:
+    """Moves events from the bus into the store; survives NATS and PostgreSQL restarts."""
+
+    def __init__(
+        self,
+        appender: Appender,
+        consumer: EventConsumer,
+        *,
+        batch: int = 5000,
+        fetch_wait_s: float = 0.5,
+        retry_max_s: float = 5.0,
+        on_commit: Callable[[AppendResult], None] | None = None,
+    ) -> None:
+        self._appender = appender
+        self._consumer = consumer
+        self._batch = batch
+        self._fetch_wait_s = fetch_wait_s
+        self._retry_max_s = retry_max_s
+        self._on_commit = on_commit
+        self.stats = IngestStats()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Run until ``stop`` is set; the batch being committed then is finished and acked."""
+        queue: asyncio.Queue[Batch] = asyncio.Queue(maxsize=2)
+        fetcher = asyncio.create_task(self._fetch_loop(queue, stop), name="ingest-fetch")
+        try:
+            await self._write_loop(queue, stop)
+        finally:
+            fetcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await fetcher
+
+    async def _fetch_loop(self, queue: asyncio.Queue[Batch], stop: asyncio.Event) -> None:
+        backoff = Backoff(max_s=self._retry_max_s)
+        idle_since = time.monotonic()
+        while not stop.is_set():
+            try:
+                msgs = await self._consumer.fetch(self._batch, self._fetch_wait_s)
+            except BusUnavailable as exc:
+                self.stats.bus_retries += 1
+                log.warning("NATS unavailable (%s); retrying", exc)
+                await backoff.sleep(stop)
+                continue
+            backoff.reset()
+            if not msgs:
+                if time.monotonic() - idle_since > _WATCHDOG_S:
+                    idle_since = time.monotonic()
+                    await self._watchdog()
+                continue
+            idle_since = time.monotonic()
+            await queue.put(await self._prepare(msgs))
+
+    async def _prepare(self, msgs: list[Msg]) -> Batch:
+        """Decode and pre-encode a fetch in slices, yielding to the loop in between, so the
+        writer's round trips to PostgreSQL are answered promptly meanwhile."""
+        epoch = self._consumer.epoch
+        parts: list[Batch] = []
+        encoded: list[bytes] | None = []
+        for start in range(0, len(msgs), _SLICE):
+            part = decode_batch(msgs[start : start + _SLICE], epoch)
+            rows = self._appender.encode(part.events)
+            if rows is None or encoded is None:
+                encoded = None
+            else:
+                encoded.extend(rows)
+            parts.append(part)
+            await asyncio.sleep(0)
+        return Batch(
+            events=[e for p in parts for e in p.events],
+            encoded=encoded,
+            dead_letters=[d for p in parts for d in p.dead_letters],
+            last=msgs[-1],
+            size=len(msgs),
+            epoch=epoch,
+        )
+
+    async def _watchdog(self) -> None:
+        # A pull subscription can go deaf after a server restart (nats.py #504).
+        try:
+            pending = await self._consumer.pending()
+        except Exception as exc:
+            log.debug("watchdog could not read consumer info: %s", exc)
+            return
+        if pending:
+            log.warning("%d messages pending but none fetched; re-subscribing", pending)
+            await self._consumer.reset()
+
+    async def _next_batch(self, queue: asyncio.Queue[Batch], stop: asyncio.Event) -> Batch | None:
+        get = asyncio.ensure_future(queue.get())
+        stopped = asyncio.ensure_future(stop.wait())
+        done, _ = await asyncio.wait({get, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if get in done:
+            return get.result()
+        get.cancel()
+        return None
+
+    async def _commit(self, batch: Batch, stop: asyncio.Event) -> AppendResult | None:
+        """Commit ``batch``, retrying while PostgreSQL is down; None if stopped first."""
+        backoff = Backoff(max_s=self._retry_max_s)
+        while True:
+            try:
+                return await commit(self._appender, batch.events, batch.dead_letters, batch.encoded)
+            except StoreUnavailable as exc:
+                self.stats.store_retries += 1
+                if stop.is_set():
+                    # Unacked, so the server redelivers it to whoever ingests next.
+                    log.warning("stopping with an uncommitted batch (%s)", exc)
+                    return None
+                log.warning("PostgreSQL unavailable (%s); retrying the batch", exc)
+                await backoff.sleep(stop)
+
+    async def _write_loop(self, queue: asyncio.Queue[Batch], stop: asyncio.Event) -> None:
+        # Commits run one at a time and in fetch order; the next one starts before this one's
+        # ack and fold, so PostgreSQL works while the loop does the bookkeeping.
+        batch = await self._next_batch(queue, stop)
+        if batch is None:
+            return
+        committing = asyncio.ensure_future(self._commit(batch, stop))
+        while True:
+            result = await committing
+            if result is None:
+                return
+            done = batch
+            upcoming = None if stop.is_set() or queue.empty() else queue.get_nowait()
+            if upcoming is not None:
+                batch = upcoming
+                committing = asyncio.ensure_future(self._commit(batch, stop))
+            try:
+                await self._consumer.ack_through(done.last, done.epoch)
+            except Exception as exc:
+                # Committed but not acked: the messages come again and are skipped as duplicates.
+                log.warning("ack failed (%s); the batch will be redelivered and de-duplicated", exc)
+            self._count(done, result)
+            if self._on_commit is not None:
+                self._on_commit(result)
+            if upcoming is None:
+                next_batch = await self._next_batch(queue, stop)
+                if next_batch is None:
+                    return
+                batch = next_batch
+                committing = asyncio.ensure_future(self._commit(batch, stop))
+
+    def _count(self, batch: Batch, result: AppendResult) -> None:
+        stats = self.stats
+        stats.batches += 1
+        stats.messages += batch.size
+        stats.stored += len(result.stored)
+        stats.duplicates += result.duplicates
+        stats.dead_letters += result.dead_letters
+        stats.gaps += len(result.gaps)
+        stats.late += result.late
+        if result.stored:
+            stats.last_position = result.stored[-1].position
+        stats.last_commit_monotonic = time.monotonic()
+        for gap in result.gaps:
+            log.warning(
+                "sequence gap from %s (incarnation %s): %d events after seq %d not received",
+                gap.source, gap.incarnation, gap.missing, gap.after_seq,
+            )  # fmt: skip

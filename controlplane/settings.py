@@ -1,0 +1,69 @@
+"""Settings, read from ``ELASTIC_*`` environment variables (pydantic-settings)."""
+
+from __future__ import annotations
+
+from pydantic import Field, PositiveFloat, PositiveInt
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+ENV_PREFIX = "ELASTIC_"
+NATS_URL_ENV = "ELASTIC_NATS_URL"
+DATABASE_URL_ENV = "ELASTIC_DATABASE_URL"
+
+
+class Settings(BaseSettings):
+    """Every setting of the control plane; each field is ``ELASTIC_<NAME>`` in the environment."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", frozen=True)
+
+    nats_url: str = Field(
+        "nats://127.0.0.1:4222", description="NATS server URL(s), comma-separated"
+    )
+    nats_user: str | None = Field(None, description="NATS user (with ELASTIC_NATS_PASSWORD)")
+    nats_password: str | None = Field(None, description="NATS password", repr=False)
+    nats_creds: str | None = Field(None, description="Path of a NATS .creds file")
+    database_url: str = Field(
+        "postgresql://postgres@127.0.0.1:5432/postgres",
+        description="PostgreSQL URL (postgresql://...; SQLAlchemy's +psycopg is added)",
+    )
+    stream: str = Field("ELASTIC_EVENTS", description="JetStream stream holding events")
+    stream_max_age_s: PositiveFloat = Field(
+        7 * 24 * 3600.0, description="How long the stream keeps events (Postgres keeps them all)"
+    )
+    stream_duplicate_window_s: PositiveFloat = Field(
+        120.0, description="JetStream de-duplication window by Nats-Msg-Id"
+    )
+    ingest_durable: str = Field("controlplane-ingest", description="Durable pull consumer name")
+    ingest_batch: PositiveInt = Field(
+        10_000, description="Most messages fetched and committed in one batch"
+    )
+    ingest_fetch_timeout_s: PositiveFloat = Field(
+        0.5, description="Longest wait for a batch to fill before committing what arrived"
+    )
+    ingest_ack_wait_s: PositiveFloat = Field(
+        30.0, description="Unacked messages are redelivered after this many seconds"
+    )
+    ingest_max_ack_pending: PositiveInt = Field(
+        50_000, description="Messages in flight to the ingest before the server holds back"
+    )
+    retry_max_s: PositiveFloat = Field(
+        5.0, description="Longest back-off between retries while NATS or Postgres is down"
+    )
+    lock_retry_s: PositiveFloat = Field(
+        1.0, description="How often a standby tries the ingest lock, and the holder checks it"
+    )
+    log_level: str = Field("INFO", description="Python logging level")
+
+
+def sqlalchemy_url(database_url: str) -> str:
+    """Return a SQLAlchemy URL that selects the psycopg 3 driver."""
+    for prefix in ("postgresql+psycopg://", "postgresql://", "postgres://"):
+        if database_url.startswith(prefix):
+            return "postgresql+psycopg://" + database_url[len(prefix) :]
+    return database_url
+
+
+def libpq_url(database_url: str) -> str:
+    """Return a URL psycopg/libpq accept (no SQLAlchemy driver suffix)."""
+    if database_url.startswith("postgresql+psycopg://"):
+        return "postgresql://" + database_url[len("postgresql+psycopg://") :]
+    return database_url

@@ -1,0 +1,127 @@
+"""An in-memory event store with the same contract as the PostgreSQL one, for unit tests."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from datetime import UTC, datetime
+
+from controlplane.core.records import DeadLetter, StoredEvent
+from controlplane.core.sequence import Cursor, CursorKey, SeqGap, sequence
+from controlplane.errors import ConcurrencyError
+from controlplane.store.planning import refused_letters, split_stale, unique
+from controlplane.store.port import AppendResult, StoredDeadLetter
+from schemas.events import EnvelopeBase
+
+
+def _utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class InMemoryEventStore:
+    """A log kept in process memory; a lock makes it the single writer."""
+
+    def __init__(self, clock: Callable[[], datetime] = _utcnow) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._events: list[StoredEvent] = []
+        self._ids: set[str] = set()
+        self._cursors: dict[CursorKey, Cursor] = {}
+        self._gaps: list[SeqGap] = []
+        self._dead: list[StoredDeadLetter] = []
+        self._dead_keys: set[tuple[str, object]] = set()
+
+    def append(
+        self,
+        events: Sequence[EnvelopeBase],
+        dead_letters: Sequence[DeadLetter] = (),
+        *,
+        expected_position: int | None = None,
+        encoded: Sequence[bytes] | None = None,
+    ) -> AppendResult:
+        with self._lock:
+            head = len(self._events)
+            if expected_position is not None and expected_position != head:
+                raise ConcurrencyError(f"log is at {head}, writer expected {expected_position}")
+            batch = unique(events, encoded)
+            sequenced = sequence(batch.events, self._cursors)
+            duplicates, refused = split_stale(sequenced, self._ids)
+            now = self._clock()
+            stored: list[StoredEvent] = []
+            for event in sequenced.accepted:
+                if event.event_id in self._ids:  # an event_id reused under a new seq
+                    duplicates += 1
+                    continue
+                stored.append(StoredEvent(head + len(stored) + 1, now, event))
+                self._ids.add(event.event_id)
+            added = 0
+            for letter in [*dead_letters, *refused_letters(refused)]:
+                keys = [("stream", letter.stream_seq), ("event", letter.event_id)]
+                if any(k[1] is not None and k in self._dead_keys for k in keys):
+                    continue
+                self._dead_keys.update(k for k in keys if k[1] is not None)
+                self._dead.append(StoredDeadLetter(len(self._dead) + 1, letter, now))
+                added += 1
+            self._events.extend(stored)
+            self._cursors.update(sequenced.cursors)
+            self._gaps.extend(sequenced.gaps)
+            return AppendResult(
+                stored=stored,
+                duplicates=batch.repeats + duplicates,
+                rejected=refused,
+                dead_letters=added,
+                gaps=sequenced.gaps,
+                late=sequenced.late,
+            )
+
+    def read(
+        self,
+        *,
+        job_id: str | None = None,
+        after: int = 0,
+        limit: int | None = None,
+        types: Sequence[str] | None = None,
+    ) -> list[StoredEvent]:
+        with self._lock:
+            tail = self._events[max(after, 0) :]
+        wanted = set(types) if types else None
+        out = []
+        for stored in tail:
+            if job_id is not None and stored.event.job_id != job_id:
+                continue
+            if wanted is not None and stored.event.type not in wanted:
+                continue
+            out.append(stored)
+            if limit is not None and len(out) >= limit:
+                break
+        return out
+
+    def iter_events(
+        self, *, job_id: str | None = None, after: int = 0, batch: int = 10_000
+    ) -> Iterator[StoredEvent]:
+        while True:
+            page = self.read(job_id=job_id, after=after, limit=batch)
+            yield from page
+            if len(page) < batch:
+                return
+            after = page[-1].position
+
+    def last_position(self) -> int:
+        with self._lock:
+            return len(self._events)
+
+    def dead_letters(self, *, after_id: int = 0, limit: int = 1000) -> list[StoredDeadLetter]:
+        with self._lock:
+            return self._dead[after_id : after_id + limit]
+
+    def count_dead_letters(self) -> int:
+        with self._lock:
+            return len(self._dead)
+
+    def seq_gaps(self) -> list[SeqGap]:
+        with self._lock:
+            return list(self._gaps)
+
+    def job_ids(self) -> list[str]:
+        with self._lock:
+            return list(dict.fromkeys(e.event.job_id for e in self._events))

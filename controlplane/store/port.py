@@ -1,0 +1,96 @@
+"""The event store port: what the control plane needs from a log, whatever keeps it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from controlplane.core.records import DeadLetter, StoredEvent
+from controlplane.core.sequence import SeqGap
+from schemas.events import EnvelopeBase
+
+
+@dataclass(slots=True)
+class AppendResult:
+    """What one append did with its batch."""
+
+    stored: list[StoredEvent] = field(default_factory=list)
+    #: Events whose event_id was already in the log: skipped, not an error.
+    duplicates: int = 0
+    #: Events refused by the sequence rules (out of order); they went to the dead letters.
+    rejected: list[tuple[EnvelopeBase, str]] = field(default_factory=list)
+    dead_letters: int = 0
+    gaps: list[SeqGap] = field(default_factory=list)
+    #: Events accepted late into a gap their source had left.
+    late: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class StoredDeadLetter:
+    """A dead letter as kept by the store."""
+
+    id: int
+    letter: DeadLetter
+    received_at: object
+
+
+class EventStore(Protocol):
+    """An append-only log of events with gap-free positions in commit order.
+
+    Appends are idempotent by ``event_id``; per-source ``seq`` rules apply (see
+    ``controlplane.core.sequence``). A reader that tails by position never skips an event.
+    """
+
+    def append(
+        self,
+        events: Sequence[EnvelopeBase],
+        dead_letters: Sequence[DeadLetter] = (),
+        *,
+        expected_position: int | None = None,
+        encoded: Sequence[bytes] | None = None,
+    ) -> AppendResult:
+        """Append a batch atomically; dead letters commit in the same transaction.
+
+        With ``expected_position``, raise ``ConcurrencyError`` unless the log's last
+        position equals it (optimistic concurrency for decisions). ``encoded``, parallel to
+        ``events``, is what the store's own ``encode`` made of them ahead of time.
+        """
+        ...
+
+    def read(
+        self,
+        *,
+        job_id: str | None = None,
+        after: int = 0,
+        limit: int | None = None,
+        types: Sequence[str] | None = None,
+    ) -> list[StoredEvent]:
+        """Events with ``position > after`` in position order, optionally filtered."""
+        ...
+
+    def iter_events(
+        self, *, job_id: str | None = None, after: int = 0, batch: int = 10_000
+    ) -> Iterator[StoredEvent]:
+        """Stream every matching event in position order, a batch at a time."""
+        ...
+
+    def last_position(self) -> int:
+        """Position of the newest event (0 for an empty log)."""
+        ...
+
+    def dead_letters(self, *, after_id: int = 0, limit: int = 1000) -> list[StoredDeadLetter]:
+        """Dead letters in arrival order."""
+        ...
+
+    def count_dead_letters(self) -> int:
+        """How many dead letters are kept."""
+        ...
+
+    def seq_gaps(self) -> list[SeqGap]:
+        """Every sequence gap recorded, oldest first."""
+        ...
+
+    def job_ids(self) -> list[str]:
+        """Every job that has an event, in order of first appearance."""
+        ...

@@ -1,0 +1,494 @@
+"""The PostgreSQL event store: batched, idempotent, gap-free appends with COPY.
+
+One append is one transaction: lock the ``log_head`` row (the single-writer rule that keeps
+positions gap-free and in commit order), drop event_ids already stored, apply the sequence
+rules, COPY the new rows, move the cursors and the head, record dead letters, commit.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Generator, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import psycopg
+import sqlalchemy as sa
+from sqlalchemy import Engine, create_engine
+
+from controlplane.core.records import DeadLetter, StoredEvent
+from controlplane.core.sequence import Cursor, CursorKey, SeqGap, sequence
+from controlplane.errors import ConcurrencyError, SchemaNotMigrated, StoreError, StoreUnavailable
+from controlplane.settings import libpq_url, sqlalchemy_url
+from controlplane.store.planning import gap_rows, refused_letters, split_stale, unique
+from controlplane.store.port import AppendResult, StoredDeadLetter
+from controlplane.store.tables import dead_letters as dead_letters_table
+from controlplane.store.tables import events as events_table
+from controlplane.store.tables import seq_gaps as seq_gaps_table
+from schemas.events import EVENT_ADAPTER, EnvelopeBase
+
+_LOCK_HEAD = "SELECT position, clock_timestamp() FROM log_head WHERE id = 1 FOR UPDATE"
+_COPY_EVENTS = (
+    "COPY events (position, recorded_at, event_id, job_id, type, v, source, incarnation, seq,"
+    " generation, emitted_at, payload) FROM STDIN"
+)
+_KNOWN_IDS = "SELECT event_id::text FROM events WHERE event_id = ANY(%s::uuid[])"
+_MOVE_HEAD = "UPDATE log_head SET position = %s WHERE id = 1"
+_SELECT_CURSORS = (
+    "SELECT c.job_id, c.source, c.incarnation, c.last_seq, c.holes FROM source_cursors c"
+    " JOIN unnest(%s::text[], %s::text[], %s::text[]) AS k(job_id, source, incarnation)"
+    " USING (job_id, source, incarnation)"
+)
+_UPSERT_CURSORS = (
+    "INSERT INTO source_cursors (job_id, source, incarnation, last_seq, holes, updated_at)"
+    " SELECT j, s, i, q, h::jsonb, %s"
+    " FROM unnest(%s::text[], %s::text[], %s::text[], %s::int8[], %s::text[]) AS k(j, s, i, q, h)"
+    " ON CONFLICT (job_id, source, incarnation) DO UPDATE SET last_seq = EXCLUDED.last_seq,"
+    " holes = EXCLUDED.holes, updated_at = EXCLUDED.updated_at"
+)
+_INSERT_DEAD = (
+    "INSERT INTO dead_letters (stream_seq, event_id, subject, job_id, raw, reason, received_at)"
+    " VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT DO NOTHING"
+)
+_INSERT_GAP = (
+    "INSERT INTO seq_gaps (job_id, source, incarnation, after_seq, next_seq, recorded_at)"
+    " VALUES (%s, %s, %s, %s, %s, %s)"
+)
+
+
+@contextmanager
+def _translated() -> Iterator[None]:
+    """Turn driver errors into the project's own (the core never sees a driver type)."""
+    try:
+        yield
+    except psycopg.errors.UndefinedTable as exc:
+        raise SchemaNotMigrated(f"{exc}: run `elasticctl migrate` first") from exc
+    except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
+        raise StoreUnavailable(str(exc).strip()) from exc
+    except sa.exc.DBAPIError as exc:
+        if exc.connection_invalidated or isinstance(
+            exc.orig, psycopg.OperationalError | psycopg.InterfaceError
+        ):
+            raise StoreUnavailable(str(exc.orig).strip()) from exc
+        if isinstance(exc.orig, psycopg.errors.UndefinedTable):
+            raise SchemaNotMigrated(f"{exc.orig}: run `elasticctl migrate` first") from exc
+        raise StoreError(str(exc)) from exc
+    except psycopg.Error as exc:
+        raise StoreError(str(exc).strip()) from exc
+
+
+def make_engine(database_url: str, *, pool_size: int = 4) -> Engine:
+    """A SQLAlchemy engine on psycopg 3 that recovers from server restarts."""
+    return create_engine(
+        sqlalchemy_url(database_url),
+        pool_size=pool_size,
+        max_overflow=pool_size,
+        pool_pre_ping=True,
+        pool_recycle=3600,
+    )
+
+
+class PostgresEventStore:
+    """The system of record. Construction does no I/O; the engine connects on first use."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    @classmethod
+    def from_url(cls, database_url: str) -> PostgresEventStore:
+        """A store over a new engine for ``database_url``."""
+        return cls(make_engine(database_url))
+
+    def close(self) -> None:
+        """Close every pooled connection."""
+        self.engine.dispose()
+
+    @contextmanager
+    def _raw(self) -> Iterator[psycopg.Connection[Any]]:
+        with _translated():
+            pooled = self.engine.raw_connection()
+            try:
+                conn = pooled.driver_connection
+                assert isinstance(conn, psycopg.Connection)
+                yield conn
+            except BaseException:
+                try:
+                    pooled.rollback()
+                except Exception:
+                    pooled.invalidate()
+                raise
+            finally:
+                pooled.close()
+
+    # ------------------------------------------------------------------ append
+
+    def append(
+        self,
+        events: Sequence[EnvelopeBase],
+        dead_letters: Sequence[DeadLetter] = (),
+        *,
+        expected_position: int | None = None,
+        encoded: Sequence[bytes] | None = None,
+    ) -> AppendResult:
+        if not events and not dead_letters:
+            return AppendResult()
+        steps = _append_steps(events, dead_letters, expected_position, encoded)
+        with self._raw() as conn:
+            with conn.cursor() as cur:
+                result = _run_sync(cur, steps)
+            conn.commit()
+        return result
+
+    def appender(self) -> AsyncAppender:
+        """An asyncio appender over its own connection to the same database."""
+        return AsyncAppender(self.engine.url.render_as_string(hide_password=False))
+
+    # ------------------------------------------------------------------ reads
+
+    def read(
+        self,
+        *,
+        job_id: str | None = None,
+        after: int = 0,
+        limit: int | None = None,
+        types: Sequence[str] | None = None,
+    ) -> list[StoredEvent]:
+        t = events_table
+        query = sa.select(t).where(t.c.position > after).order_by(t.c.position)
+        if job_id is not None:
+            query = query.where(t.c.job_id == job_id)
+        if types:
+            query = query.where(t.c.type.in_(list(types)))
+        if limit is not None:
+            query = query.limit(limit)
+        with _translated(), self.engine.connect() as conn:
+            rows = conn.execute(query).all()
+        return [_to_stored(row._mapping) for row in rows]
+
+    def iter_events(
+        self, *, job_id: str | None = None, after: int = 0, batch: int = 10_000
+    ) -> Iterator[StoredEvent]:
+        while True:
+            page = self.read(job_id=job_id, after=after, limit=batch)
+            yield from page
+            if len(page) < batch:
+                return
+            after = page[-1].position
+
+    def last_position(self) -> int:
+        with _translated(), self.engine.connect() as conn:
+            value = conn.execute(sa.text("SELECT position FROM log_head WHERE id = 1")).scalar()
+        if value is None:
+            raise SchemaNotMigrated("log_head is empty: run `elasticctl migrate` first")
+        return int(value)
+
+    def dead_letters(self, *, after_id: int = 0, limit: int = 1000) -> list[StoredDeadLetter]:
+        t = dead_letters_table
+        query = sa.select(t).where(t.c.id > after_id).order_by(t.c.id).limit(limit)
+        with _translated(), self.engine.connect() as conn:
+            rows = conn.execute(query).all()
+        return [
+            StoredDeadLetter(
+                id=r.id,
+                letter=DeadLetter(
+                    reason=r.reason,
+                    raw=bytes(r.raw),
+                    subject=r.subject,
+                    stream_seq=r.stream_seq,
+                    job_id=r.job_id,
+                    event_id=r.event_id,
+                ),
+                received_at=r.received_at,
+            )
+            for r in rows
+        ]
+
+    def count_dead_letters(self) -> int:
+        with _translated(), self.engine.connect() as conn:
+            return int(
+                conn.execute(
+                    sa.select(sa.func.count()).select_from(dead_letters_table)
+                ).scalar_one()
+            )
+
+    def seq_gaps(self) -> list[SeqGap]:
+        t = seq_gaps_table
+        with _translated(), self.engine.connect() as conn:
+            rows = conn.execute(sa.select(t).order_by(t.c.id)).all()
+        return [SeqGap(r.job_id, r.source, r.incarnation, r.after_seq, r.next_seq) for r in rows]
+
+    def job_ids(self) -> list[str]:
+        t = events_table
+        first = sa.func.min(t.c.position)
+        query = sa.select(t.c.job_id).group_by(t.c.job_id).order_by(first)
+        with _translated(), self.engine.connect() as conn:
+            return [r[0] for r in conn.execute(query).all()]
+
+
+# ---------------------------------------------------------------------- the append transaction
+#
+# One transaction, written once as a generator of steps and run by a sync or an asyncio driver:
+# lock the head row (the single-writer rule), apply the sequence rules against the cursors,
+# COPY the accepted events with consecutive positions, move cursors and head, record gaps and
+# dead letters. Only events at or below their source's highest seq are looked up by event_id;
+# a reused event_id under a new seq surfaces as a unique violation and is skipped.
+
+
+@dataclass(frozen=True, slots=True)
+class _Query:
+    sql: str
+    params: Any = None
+    fetch: str = "none"  # none | one | all | rowcount
+
+
+@dataclass(frozen=True, slots=True)
+class _Copy:
+    sql: str
+    data: bytes
+    #: A unique violation is sent back as ``_CONFLICT`` instead of raised.
+    may_conflict: bool = False
+
+
+_CONFLICT = object()
+
+
+_Step = _Query | _Copy
+_Steps = Generator[_Step, Any, AppendResult]
+
+
+def encode_row(event: EnvelopeBase) -> bytes:
+    """The COPY text of an event's columns after ``position`` and ``recorded_at``.
+
+    Pure CPU work, done by the ingest while decoding so the writer's transaction stays short.
+    """
+    payload = event.payload.model_dump_json()
+    # COPY text format: backslash is special. JSON escapes tab, newline and CR itself.
+    if "\\" in payload:
+        payload = payload.replace("\\", "\\\\")
+    return (
+        f"{event.event_id}\t{event.job_id}\t{event.type}\t{event.v}\t{event.source}\t"
+        f"{event.incarnation}\t{event.seq}\t{event.generation}\t{event.emitted_at.isoformat()}\t"
+        f"{payload}"
+    ).encode()
+
+
+def _copy_data(head: int, now: datetime, rows: Sequence[bytes]) -> bytes:
+    stamp = now.isoformat().encode()
+    return b"".join(b"%d\t%s\t%s\n" % (p, stamp, r) for p, r in enumerate(rows, start=head + 1))
+
+
+def _append_steps(
+    events: Sequence[EnvelopeBase],
+    dead_letters: Sequence[DeadLetter],
+    expected_position: int | None,
+    encoded: Sequence[bytes] | None,
+) -> _Steps:
+    row = yield _Query(_LOCK_HEAD, fetch="one")
+    if row is None:
+        raise SchemaNotMigrated("log_head is empty: run `elasticctl migrate` first")
+    head, now = row
+    if expected_position is not None and head != expected_position:
+        raise ConcurrencyError(f"log is at {head}, writer expected {expected_position}")
+    batch = unique(events, encoded)
+    cursors: dict[CursorKey, Cursor] = {}
+    keys = list({(e.job_id, e.source, e.incarnation) for e in batch.events})
+    if keys:
+        columns = [list(col) for col in zip(*keys, strict=True)]
+        rows = yield _Query(_SELECT_CURSORS, columns, fetch="all")
+        cursors = {
+            (j, src, i): Cursor(q, tuple((lo, hi) for lo, hi in h)) for j, src, i, q, h in rows
+        }
+    sequenced = sequence(batch.events, cursors)
+    known: set[str] = set()
+    if sequenced.stale:
+        rows = yield _Query(_KNOWN_IDS, ([e.event_id for e, _ in sequenced.stale],), fetch="all")
+        known = {str(r[0]) for r in rows}
+    duplicates, refused = split_stale(sequenced, known)
+
+    accepted = sequenced.accepted
+    if batch.encoded is not None:
+        wire = batch.encoded
+        encoded_rows = [wire[i] for i in sequenced.accepted_at]
+    else:
+        encoded_rows = [encode_row(e) for e in accepted]
+    if accepted:
+        yield _Query("SAVEPOINT append_copy")
+        outcome = yield _Copy(_COPY_EVENTS, _copy_data(head, now, encoded_rows), may_conflict=True)
+        if outcome is _CONFLICT:
+            # An accepted event's id is in the log already (reused under a new seq): skip it.
+            yield _Query("ROLLBACK TO SAVEPOINT append_copy")
+            rows = yield _Query(_KNOWN_IDS, ([e.event_id for e in accepted],), fetch="all")
+            known = {str(r[0]) for r in rows}
+            kept = [i for i, e in enumerate(accepted) if e.event_id not in known]
+            duplicates += len(accepted) - len(kept)
+            accepted = [accepted[i] for i in kept]
+            encoded_rows = [encoded_rows[i] for i in kept]
+            if accepted:
+                yield _Copy(_COPY_EVENTS, _copy_data(head, now, encoded_rows))
+        yield _Query(_MOVE_HEAD, (head + len(accepted),))
+    stored = [StoredEvent(head + i, now, e) for i, e in enumerate(accepted, start=1)]
+    if sequenced.cursors:
+        jobs, sources, incarnations = (list(c) for c in zip(*sequenced.cursors, strict=True))
+        values = sequenced.cursors.values()
+        yield _Query(
+            _UPSERT_CURSORS,
+            (
+                now,
+                jobs,
+                sources,
+                incarnations,
+                [c.last_seq for c in values],
+                [json.dumps(c.holes) for c in values],
+            ),
+        )
+    for gap in gap_rows(sequenced.gaps):
+        yield _Query(_INSERT_GAP, (*gap, now))
+    added = 0
+    for letter in [*dead_letters, *refused_letters(refused)]:
+        added += yield _Query(
+            _INSERT_DEAD,
+            (letter.stream_seq, letter.event_id, letter.subject, letter.job_id, letter.raw,
+             letter.reason, now),
+            fetch="rowcount",
+        )  # fmt: skip
+    return AppendResult(
+        stored=stored,
+        duplicates=batch.repeats + duplicates,
+        rejected=refused,
+        dead_letters=added,
+        gaps=sequenced.gaps,
+        late=sequenced.late,
+    )
+
+
+def _run_sync(cur: psycopg.Cursor[Any], steps: _Steps) -> AppendResult:
+    result: Any = None
+    try:
+        while True:
+            step = steps.send(result)
+            if isinstance(step, _Copy):
+                try:
+                    with cur.copy(step.sql) as copy:
+                        copy.write(step.data)
+                    result = None
+                except psycopg.errors.UniqueViolation:
+                    if not step.may_conflict:
+                        raise
+                    result = _CONFLICT
+                continue
+            cur.execute(step.sql, step.params)
+            result = _fetched(cur, step.fetch)
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+
+
+def _fetched(cur: Any, fetch: str) -> Any:
+    if fetch == "one":
+        return cur.fetchone()
+    if fetch == "all":
+        return cur.fetchall()
+    if fetch == "rowcount":
+        return cur.rowcount
+    return None
+
+
+class AsyncAppender:
+    """Appends from an asyncio loop over one psycopg async connection (the ingest's writer).
+
+    Same transaction and contract as ``PostgresEventStore.append``; no thread, so the event
+    loop keeps fetching and decoding while PostgreSQL works. Connects lazily, reconnects
+    after a failure.
+    """
+
+    def __init__(self, database_url: str) -> None:
+        self._url = libpq_url(database_url)
+        self._conn: psycopg.AsyncConnection[Any] | None = None
+
+    async def close(self) -> None:
+        """Close the connection."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            await conn.close()
+
+    async def append(
+        self,
+        events: Sequence[EnvelopeBase],
+        dead_letters: Sequence[DeadLetter] = (),
+        *,
+        expected_position: int | None = None,
+        encoded: Sequence[bytes] | None = None,
+    ) -> AppendResult:
+        """See ``EventStore.append``."""
+        if not events and not dead_letters:
+            return AppendResult()
+        steps = _append_steps(events, dead_letters, expected_position, encoded)
+        try:
+            with _translated():
+                if self._conn is None or self._conn.closed:
+                    self._conn = await psycopg.AsyncConnection.connect(self._url)
+                conn = self._conn
+                try:
+                    async with conn.cursor() as cur:
+                        result = await _run_async(cur, steps)
+                    await conn.commit()
+                except BaseException:
+                    if not conn.closed:
+                        await conn.rollback()
+                    raise
+        except StoreUnavailable:
+            await self.close()
+            raise
+        return result
+
+    def encode(self, events: Sequence[EnvelopeBase]) -> list[bytes]:
+        """Pre-encode events for ``append(encoded=...)`` (see ``encode_row``)."""
+        return [encode_row(e) for e in events]
+
+
+async def _run_async(cur: psycopg.AsyncCursor[Any], steps: _Steps) -> AppendResult:
+    result: Any = None
+    try:
+        while True:
+            step = steps.send(result)
+            if isinstance(step, _Copy):
+                try:
+                    async with cur.copy(step.sql) as copy:
+                        await copy.write(step.data)
+                    result = None
+                except psycopg.errors.UniqueViolation:
+                    if not step.may_conflict:
+                        raise
+                    result = _CONFLICT
+                continue
+            await cur.execute(step.sql, step.params)
+            if step.fetch == "one":
+                result = await cur.fetchone()
+            elif step.fetch == "all":
+                result = await cur.fetchall()
+            else:
+                result = cur.rowcount if step.fetch == "rowcount" else None
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+
+
+def _to_stored(row: Any) -> StoredEvent:
+    envelope = {
+        "event_id": str(row["event_id"]),
+        "job_id": row["job_id"],
+        "type": row["type"],
+        "v": row["v"],
+        "source": row["source"],
+        "incarnation": row["incarnation"],
+        "seq": row["seq"],
+        "generation": row["generation"],
+        "emitted_at": row["emitted_at"],
+        "payload": row["payload"],
+    }
+    # Stored rows were validated on the way in; lax mode accepts the driver's native types.
+    event = EVENT_ADAPTER.validate_python(envelope, strict=False)
+    return StoredEvent(int(row["position"]), row["recorded_at"], event)
+
+
+__all__ = ["AsyncAppender", "PostgresEventStore", "make_engine"]

@@ -1,0 +1,90 @@
+"""The PostgreSQL schema as SQLAlchemy Core tables; migrations/ creates it."""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    BigInteger,
+    CheckConstraint,
+    Column,
+    DateTime,
+    Index,
+    LargeBinary,
+    MetaData,
+    SmallInteger,
+    Table,
+    Text,
+    Uuid,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+
+metadata = MetaData()
+
+#: The append-only log. ``position`` is gap-free and in commit order (see ``log_head``).
+events = Table(
+    "events",
+    metadata,
+    Column("position", BigInteger, primary_key=True, autoincrement=False),
+    Column("event_id", Uuid, nullable=False, unique=True),
+    Column("job_id", Text, nullable=False),
+    Column("type", Text, nullable=False),
+    Column("v", SmallInteger, nullable=False),
+    Column("source", Text, nullable=False),
+    Column("incarnation", Text, nullable=False),
+    Column("seq", BigInteger, nullable=False),
+    Column("generation", BigInteger, nullable=False),
+    Column("emitted_at", DateTime(timezone=True), nullable=False),
+    Column("recorded_at", DateTime(timezone=True), nullable=False),
+    Column("payload", JSONB, nullable=False),
+    Index("events_job_position", "job_id", "position"),
+    Index("events_job_type_position", "job_id", "type", "position"),
+)
+
+#: One row: the last position handed out. Its row lock makes appends a single writer, so a
+#: reader tailing by position can never pass a lower position that commits later.
+log_head = Table(
+    "log_head",
+    metadata,
+    Column("id", SmallInteger, primary_key=True, autoincrement=False),
+    Column("position", BigInteger, nullable=False),
+    CheckConstraint("id = 1", name="log_head_single_row"),
+)
+
+#: Highest seq accepted per (job, source, incarnation).
+source_cursors = Table(
+    "source_cursors",
+    metadata,
+    Column("job_id", Text, primary_key=True),
+    Column("source", Text, primary_key=True),
+    Column("incarnation", Text, primary_key=True),
+    Column("last_seq", BigInteger, nullable=False),
+    #: Inclusive [lo, hi] ranges below last_seq that have not arrived (late arrivals fill them).
+    Column("holes", JSONB, nullable=False),
+    Column("updated_at", DateTime(timezone=True), nullable=False),
+)
+
+#: Sequence numbers a source skipped: recorded, never fatal.
+seq_gaps = Table(
+    "seq_gaps",
+    metadata,
+    Column("id", BigInteger, primary_key=True, autoincrement=True),
+    Column("job_id", Text, nullable=False),
+    Column("source", Text, nullable=False),
+    Column("incarnation", Text, nullable=False),
+    Column("after_seq", BigInteger, nullable=False),
+    Column("next_seq", BigInteger, nullable=False),
+    Column("recorded_at", DateTime(timezone=True), nullable=False),
+)
+
+#: Input that could not become an event, with the reason. Unique keys make redelivery harmless.
+dead_letters = Table(
+    "dead_letters",
+    metadata,
+    Column("id", BigInteger, primary_key=True, autoincrement=True),
+    Column("stream_seq", BigInteger, nullable=True, unique=True),
+    Column("event_id", Text, nullable=True, unique=True),
+    Column("subject", Text, nullable=False),
+    Column("job_id", Text, nullable=True),
+    Column("raw", LargeBinary, nullable=False),
+    Column("reason", Text, nullable=False),
+    Column("received_at", DateTime(timezone=True), nullable=False),
+)

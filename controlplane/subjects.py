@@ -1,0 +1,48 @@
+"""NATS subject layout (DESIGN.md): events per job/node/member/type, commands per job/member."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+EVENT_PREFIX = "elastic.evt"
+COMMAND_PREFIX = "elastic.cmd"
+#: What the events stream captures.
+EVENTS_WILDCARD = f"{EVENT_PREFIX}.>"
+BROADCAST = "all"
+
+
+class EventSubject(NamedTuple):
+    """The parts of ``elastic.evt.<job>.<node>.<member>.<type>``."""
+
+    job_id: str
+    node: str
+    member: str
+    type: str
+
+    @property
+    def source(self) -> str:
+        """The envelope ``source`` a publisher on this subject must carry."""
+        return f"{self.node}/{self.member}"
+
+
+def event_subject(job_id: str, node: str, member: str, type_: str) -> str:
+    """The subject a member publishes an event of ``type_`` on."""
+    return f"{EVENT_PREFIX}.{job_id}.{node}.{member}.{type_}"
+
+
+def parse_event_subject(subject: str) -> EventSubject | None:
+    """Split an event subject, or None when it is not one."""
+    parts = subject.split(".", 5)
+    if len(parts) != 6 or f"{parts[0]}.{parts[1]}" != EVENT_PREFIX or not all(parts):
+        return None
+    return EventSubject(parts[2], parts[3], parts[4], parts[5])
+
+
+def command_subject(job_id: str, member: str = BROADCAST) -> str:
+    """The subject of a command for one member, or for every member of the job."""
+    return f"{COMMAND_PREFIX}.{job_id}.{member}"
+
+
+def command_wildcard(job_id: str) -> str:
+    """Every command subject of one job."""
+    return f"{COMMAND_PREFIX}.{job_id}.*"

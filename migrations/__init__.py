@@ -1,0 +1,1 @@
+"""Alembic migrations of the control plane's PostgreSQL schema."""

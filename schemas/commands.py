@@ -1,0 +1,58 @@
+"""Commands the control plane publishes on ``elastic.cmd.<job>.<member|all>``."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+from uuid import UUID
+
+from pydantic import AwareDatetime, Field, TypeAdapter
+
+from schemas.common import (
+    Ident,
+    NonNegInt,
+    ReallocationMode,
+    RestoreFrom,
+    ShortText,
+    Step,
+    Strict,
+    Text,
+)
+from schemas.events import Members, RestoreSource, ShardPlacement
+
+
+class CommandBase(Strict):
+    """Fields every command carries."""
+
+    command_id: UUID
+    job_id: Ident
+    #: Position of the decision event in the log that this command publishes.
+    decision_position: NonNegInt
+    issued_at: AwareDatetime
+
+
+class Reallocate(CommandBase):
+    """Re-form the world as ``generation`` and restore ``restore_step``."""
+
+    kind: Literal["reallocate"] = "reallocate"
+    incident_id: UUID
+    generation: NonNegInt
+    mode: ReallocationMode
+    world: Members
+    restore_step: Step
+    restore_from: RestoreFrom
+    plan: Annotated[list[RestoreSource], Field(max_length=65_536)]
+    placement: Annotated[list[ShardPlacement], Field(max_length=65_536)] = Field(
+        default_factory=list
+    )
+    rendezvous: ShortText
+
+
+class Stop(CommandBase):
+    """Stop training; the job cannot go on."""
+
+    kind: Literal["stop"] = "stop"
+    reason: Text
+
+
+Command = Annotated[Union[Reallocate, Stop], Field(discriminator="kind")]  # noqa: UP007
+COMMAND_ADAPTER: TypeAdapter[Reallocate | Stop] = TypeAdapter(Command)

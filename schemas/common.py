@@ -1,0 +1,111 @@
+"""Shared field types and limits for every wire model."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+# An identifier must be a single NATS subject token: no dots, spaces or wildcards.
+IDENT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$"
+SOURCE_PATTERN = r"^(controlplane|[A-Za-z0-9][A-Za-z0-9_-]{0,63}/[A-Za-z0-9][A-Za-z0-9_-]{0,63})$"
+
+CONTROLPLANE_SOURCE = "controlplane"
+
+#: Largest encoded event a member may publish; larger ones are dead-lettered.
+MAX_EVENT_BYTES = 64 * 1024
+#: Largest number of members a single job's world may list.
+MAX_WORLD = 65_536
+MAX_TEXT = 4096
+
+Ident = Annotated[str, StringConstraints(pattern=IDENT_PATTERN)]
+#: A UUID in canonical form (lowercase, hyphenated): the idempotency key of an event.
+EventId = Annotated[
+    str,
+    StringConstraints(pattern=r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$"),
+]
+Source = Annotated[str, StringConstraints(pattern=SOURCE_PATTERN)]
+ShortText = Annotated[str, StringConstraints(max_length=256)]
+Text = Annotated[str, StringConstraints(max_length=MAX_TEXT)]
+Checksum = Annotated[str, StringConstraints(pattern=r"^[a-z0-9]{1,16}:[0-9a-f]{1,128}$")]
+Step = Annotated[int, Field(ge=0)]
+NonNegInt = Annotated[int, Field(ge=0)]
+Seconds = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+PositiveSeconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+
+
+class Strict(BaseModel):
+    """Base of every wire model: immutable, strict, unknown fields rejected."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        frozen=True,
+        strict=True,
+        validate_by_name=True,
+        validate_by_alias=True,
+        serialize_by_alias=True,
+    )
+
+
+class JobState(StrEnum):
+    """States of a job; see the state machine in DESIGN.md."""
+
+    PENDING = "PENDING"
+    RUNNING = "RUNNING"
+    DEGRADED = "DEGRADED"
+    REALLOCATING = "REALLOCATING"
+    RECOVERING = "RECOVERING"
+    COMPLETED = "COMPLETED"
+    STOPPED = "STOPPED"
+
+
+class Role(StrEnum):
+    """What a member process is for."""
+
+    WORKER = "worker"
+    SPARE = "spare"
+
+
+class Phase(StrEnum):
+    """What a member reported doing in its last heartbeat."""
+
+    INIT = "init"
+    TRAIN = "train"
+    BACKUP = "backup"
+    RESTORE = "restore"
+    WAITING = "waiting"
+
+
+class FaultKind(StrEnum):
+    """What a member saw go wrong."""
+
+    COLLECTIVE_ERROR = "collective_error"
+    EXCEPTION = "exception"
+    OOM = "oom"
+    NAN_LOSS = "nan_loss"
+    TIMEOUT = "timeout"
+    OTHER = "other"
+
+
+class FaultReason(StrEnum):
+    """Why the control plane considers a member failed."""
+
+    EXITED = "exited"
+    REPORTED = "reported"
+    HEARTBEAT_TIMEOUT = "heartbeat_timeout"
+
+
+class ReallocationMode(StrEnum):
+    """How a job goes on after a fault."""
+
+    REPLACE = "replace"
+    SHRINK = "shrink"
+    GROW = "grow"
+
+
+class RestoreFrom(StrEnum):
+    """Where the restore step's state comes from."""
+
+    MEMORY = "memory"
+    CHECKPOINT = "checkpoint"

@@ -1,0 +1,453 @@
+"""The envelope and every event of the catalog, as a discriminated union on ``type``."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+from uuid import UUID
+
+from pydantic import AwareDatetime, Field, TypeAdapter, model_validator
+
+from schemas.common import (
+    MAX_WORLD,
+    Checksum,
+    EventId,
+    FaultKind,
+    FaultReason,
+    Ident,
+    JobState,
+    NonNegInt,
+    Phase,
+    PositiveSeconds,
+    ReallocationMode,
+    RestoreFrom,
+    Role,
+    Seconds,
+    ShortText,
+    Source,
+    Step,
+    Strict,
+    Text,
+)
+
+Members = Annotated[list[Ident], Field(max_length=MAX_WORLD)]
+
+
+# --------------------------------------------------------------------------- payloads
+
+
+class JobPolicy(Strict):
+    """How a job is run and recovered; fixed by ``job.registered``."""
+
+    min_world: Annotated[int, Field(ge=1)] = 1
+    max_world: Annotated[int, Field(ge=1, le=MAX_WORLD)] = 1024
+    heartbeat_interval_s: PositiveSeconds = 1.0
+    #: Heartbeat timeout per phase; a phase not listed falls back to ``train``.
+    heartbeat_timeout_s: dict[Phase, PositiveSeconds] = Field(
+        default_factory=lambda: {
+            Phase.INIT: 30.0,
+            Phase.TRAIN: 5.0,
+            Phase.WAITING: 10.0,
+            Phase.BACKUP: 15.0,
+            Phase.RESTORE: 30.0,
+        }
+    )
+    backup_interval: Annotated[int, Field(ge=1)] = 10
+    redundancy: Annotated[int, Field(ge=0, le=8)] = 2
+    recovery_deadline_s: PositiveSeconds = 60.0
+    #: A cold checkpoint every this many backups (0: never).
+    checkpoint_every: NonNegInt = 0
+
+    @model_validator(mode="after")
+    def _world_bounds(self) -> JobPolicy:
+        if self.min_world > self.max_world:
+            raise ValueError("min_world must not exceed max_world")
+        return self
+
+
+class JobRegistered(Strict):
+    name: ShortText = ""
+    policy: JobPolicy = Field(default_factory=JobPolicy)
+
+
+class MemberJoined(Strict):
+    node: Ident
+    rack: Ident
+    host: ShortText
+    pid: Annotated[int, Field(ge=0)]
+    role: Role
+    device: ShortText = "cpu"
+    backup_endpoint: ShortText = ""
+
+
+class MemberHeartbeat(Strict):
+    step: Step
+    phase: Phase
+
+
+class TrainStep(Strict):
+    step: Step
+    loss: Annotated[float, Field(allow_inf_nan=False)]
+    step_seconds: Seconds
+    samples: NonNegInt
+
+
+class BackupSnapshot(Strict):
+    step: Step
+    shard: NonNegInt
+    nbytes: NonNegInt
+    checksum: Checksum
+    seconds: Seconds
+
+
+class BackupReplicated(Strict):
+    step: Step
+    shard: NonNegInt
+    owner: Ident
+    nbytes: NonNegInt
+    checksum: Checksum
+    seconds: Seconds
+
+
+class MemberFault(Strict):
+    kind: FaultKind
+    detail: Text = ""
+    step: Step | None = None
+    #: Peers the reporter blames, e.g. the rank a collective lost its connection to.
+    suspects: Annotated[list[Ident], Field(max_length=64)] = Field(default_factory=list)
+
+
+class MemberExited(Strict):
+    member: Ident
+    exit_code: int | None = None
+    signal: Annotated[int, Field(ge=1, le=64)] | None = None
+
+
+class CommandAcked(Strict):
+    command_id: UUID
+
+
+class RestoreCompleted(Strict):
+    generation: NonNegInt
+    step: Step
+    bytes: NonNegInt
+    seconds: Seconds
+    #: Shard -> member it was restored from (the member itself for local copies).
+    sources: Annotated[dict[str, Ident], Field(max_length=MAX_WORLD)] = Field(default_factory=dict)
+
+
+class TrainResumed(Strict):
+    generation: NonNegInt
+    step: Step
+
+
+class TrainCompleted(Strict):
+    step: Step
+    loss: Annotated[float, Field(allow_inf_nan=False)] | None = None
+
+
+class ShardPlacement(Strict):
+    shard: NonNegInt
+    owner: Ident
+    holders: Annotated[list[Ident], Field(max_length=8)]
+
+
+class GenerationStarted(Strict):
+    generation: NonNegInt
+    #: Rank -> member: ``world[r]`` is the member that runs rank ``r``.
+    world: Members
+    rendezvous: ShortText
+    placement: Annotated[list[ShardPlacement], Field(max_length=MAX_WORLD)] = Field(
+        default_factory=list
+    )
+    #: Why the placement falls short of the rule, when it does.
+    placement_note: Text = ""
+
+
+class Evidence(Strict):
+    member: Ident
+    what: ShortText
+    position: NonNegInt | None = None
+    at: AwareDatetime | None = None
+
+
+class FaultDetected(Strict):
+    incident_id: UUID
+    members: Annotated[list[Ident], Field(min_length=1, max_length=MAX_WORLD)]
+    reason: FaultReason
+    detail: Text
+    evidence: Annotated[list[Evidence], Field(max_length=1024)] = Field(default_factory=list)
+
+
+class JobStateChanged(Strict):
+    from_: JobState = Field(alias="from")
+    to: JobState
+    reason: Text
+
+
+class RestoreSource(Strict):
+    shard: NonNegInt
+    source: Ident
+
+
+class ReallocationIssued(Strict):
+    incident_id: UUID
+    command_id: UUID
+    generation: NonNegInt
+    mode: ReallocationMode
+    world: Members
+    restore_step: Step
+    restore_from: RestoreFrom = RestoreFrom.MEMORY
+    plan: Annotated[list[RestoreSource], Field(max_length=MAX_WORLD)] = Field(default_factory=list)
+    rendezvous: ShortText
+    reason: Text
+
+
+class IncidentResolved(Strict):
+    incident_id: UUID
+    #: Phase name -> seconds, in timeline order.
+    phases: dict[ShortText, Seconds] = Field(default_factory=dict)
+    downtime_s: Seconds
+    steps_lost: NonNegInt
+
+
+class JobStopped(Strict):
+    reason: Text
+
+
+class JobCompleted(Strict):
+    step: Step | None = None
+
+
+# --------------------------------------------------------------------------- envelope
+
+
+class EnvelopeBase(Strict):
+    """Fields every event carries; the store adds ``position`` and ``recorded_at``."""
+
+    event_id: EventId
+    job_id: Ident
+    type: str
+    v: int
+    source: Source
+    #: Identifies one run of the producing process; ``seq`` restarts with it.
+    incarnation: Ident
+    seq: Annotated[int, Field(ge=1)]
+    generation: NonNegInt
+    emitted_at: AwareDatetime
+    payload: Any
+
+    @property
+    def member(self) -> str | None:
+        """Member id of the producer, or None for the control plane."""
+        _, sep, member = self.source.partition("/")
+        return member if sep else None
+
+
+class JobRegisteredEvent(EnvelopeBase):
+    """``job.registered``, version 1."""
+
+    type: Literal["job.registered"]
+    v: Literal[1]
+    payload: JobRegistered
+
+
+class MemberJoinedEvent(EnvelopeBase):
+    """``member.joined``, version 1."""
+
+    type: Literal["member.joined"]
+    v: Literal[1]
+    payload: MemberJoined
+
+
+class MemberHeartbeatEvent(EnvelopeBase):
+    """``member.heartbeat``, version 1."""
+
+    type: Literal["member.heartbeat"]
+    v: Literal[1]
+    payload: MemberHeartbeat
+
+
+class TrainStepEvent(EnvelopeBase):
+    """``train.step``, version 1."""
+
+    type: Literal["train.step"]
+    v: Literal[1]
+    payload: TrainStep
+
+
+class BackupSnapshotEvent(EnvelopeBase):
+    """``backup.snapshot``, version 1."""
+
+    type: Literal["backup.snapshot"]
+    v: Literal[1]
+    payload: BackupSnapshot
+
+
+class BackupReplicatedEvent(EnvelopeBase):
+    """``backup.replicated``, version 1."""
+
+    type: Literal["backup.replicated"]
+    v: Literal[1]
+    payload: BackupReplicated
+
+
+class MemberFaultEvent(EnvelopeBase):
+    """``member.fault``, version 1."""
+
+    type: Literal["member.fault"]
+    v: Literal[1]
+    payload: MemberFault
+
+
+class MemberExitedEvent(EnvelopeBase):
+    """``member.exited``, version 1."""
+
+    type: Literal["member.exited"]
+    v: Literal[1]
+    payload: MemberExited
+
+
+class CommandAckedEvent(EnvelopeBase):
+    """``command.acked``, version 1."""
+
+    type: Literal["command.acked"]
+    v: Literal[1]
+    payload: CommandAcked
+
+
+class RestoreCompletedEvent(EnvelopeBase):
+    """``restore.completed``, version 1."""
+
+    type: Literal["restore.completed"]
+    v: Literal[1]
+    payload: RestoreCompleted
+
+
+class TrainResumedEvent(EnvelopeBase):
+    """``train.resumed``, version 1."""
+
+    type: Literal["train.resumed"]
+    v: Literal[1]
+    payload: TrainResumed
+
+
+class TrainCompletedEvent(EnvelopeBase):
+    """``train.completed``, version 1."""
+
+    type: Literal["train.completed"]
+    v: Literal[1]
+    payload: TrainCompleted
+
+
+class GenerationStartedEvent(EnvelopeBase):
+    """``generation.started``, version 1."""
+
+    type: Literal["generation.started"]
+    v: Literal[1]
+    payload: GenerationStarted
+
+
+class FaultDetectedEvent(EnvelopeBase):
+    """``fault.detected``, version 1."""
+
+    type: Literal["fault.detected"]
+    v: Literal[1]
+    payload: FaultDetected
+
+
+class JobStateChangedEvent(EnvelopeBase):
+    """``job.state_changed``, version 1."""
+
+    type: Literal["job.state_changed"]
+    v: Literal[1]
+    payload: JobStateChanged
+
+
+class ReallocationIssuedEvent(EnvelopeBase):
+    """``reallocation.issued``, version 1."""
+
+    type: Literal["reallocation.issued"]
+    v: Literal[1]
+    payload: ReallocationIssued
+
+
+class IncidentResolvedEvent(EnvelopeBase):
+    """``incident.resolved``, version 1."""
+
+    type: Literal["incident.resolved"]
+    v: Literal[1]
+    payload: IncidentResolved
+
+
+class JobStoppedEvent(EnvelopeBase):
+    """``job.stopped``, version 1."""
+
+    type: Literal["job.stopped"]
+    v: Literal[1]
+    payload: JobStopped
+
+
+class JobCompletedEvent(EnvelopeBase):
+    """``job.completed``, version 1."""
+
+    type: Literal["job.completed"]
+    v: Literal[1]
+    payload: JobCompleted
+
+
+#: Events only members (and their launchers) publish.
+MEMBER_EVENT_TYPES: dict[str, type[Strict]] = {
+    "member.joined": MemberJoined,
+    "member.heartbeat": MemberHeartbeat,
+    "train.step": TrainStep,
+    "backup.snapshot": BackupSnapshot,
+    "backup.replicated": BackupReplicated,
+    "member.fault": MemberFault,
+    "member.exited": MemberExited,
+    "command.acked": CommandAcked,
+    "restore.completed": RestoreCompleted,
+    "train.resumed": TrainResumed,
+    "train.completed": TrainCompleted,
+}
+#: Decisions only the control plane records.
+CONTROLPLANE_EVENT_TYPES: dict[str, type[Strict]] = {
+    "job.registered": JobRegistered,
+    "generation.started": GenerationStarted,
+    "fault.detected": FaultDetected,
+    "job.state_changed": JobStateChanged,
+    "reallocation.issued": ReallocationIssued,
+    "incident.resolved": IncidentResolved,
+    "job.stopped": JobStopped,
+    "job.completed": JobCompleted,
+}
+#: Every event type -> the schema versions this build understands.
+SCHEMA_VERSIONS: dict[str, frozenset[int]] = {
+    t: frozenset({1}) for t in (*MEMBER_EVENT_TYPES, *CONTROLPLANE_EVENT_TYPES)
+}
+
+Event = Annotated[
+    Union[  # noqa: UP007 - a runtime union of generated classes
+        JobRegisteredEvent,
+        MemberJoinedEvent,
+        MemberHeartbeatEvent,
+        TrainStepEvent,
+        BackupSnapshotEvent,
+        BackupReplicatedEvent,
+        MemberFaultEvent,
+        MemberExitedEvent,
+        CommandAckedEvent,
+        RestoreCompletedEvent,
+        TrainResumedEvent,
+        TrainCompletedEvent,
+        GenerationStartedEvent,
+        FaultDetectedEvent,
+        JobStateChangedEvent,
+        ReallocationIssuedEvent,
+        IncidentResolvedEvent,
+        JobStoppedEvent,
+        JobCompletedEvent,
+    ],
+    Field(discriminator="type"),
+]
+
+EVENT_ADAPTER: TypeAdapter[EnvelopeBase] = TypeAdapter(Event)

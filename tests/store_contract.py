@@ -1,0 +1,174 @@
+"""The event store contract: one test class, run against every adapter."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import pytest
+
+from controlplane.core.records import DeadLetter
+from controlplane.errors import ConcurrencyError
+from tests.factories import Events
+
+
+class EventStoreContract:
+    """Subclass per adapter and provide a ``store`` fixture with an empty log."""
+
+    @pytest.fixture
+    def store(self):  # pragma: no cover - replaced by subclasses
+        raise NotImplementedError
+
+    def test_empty_log(self, store):
+        assert store.last_position() == 0
+        assert store.read() == []
+        assert store.job_ids() == []
+        assert store.count_dead_letters() == 0
+
+    def test_positions_are_gap_free_and_in_batch_order(self, store):
+        ev = Events()
+        first = [ev.heartbeat("m0", step=i) for i in range(3)]
+        second = [ev.heartbeat("m0", step=i) for i in range(3, 5)]
+        r1 = store.append(first)
+        r2 = store.append(second)
+        assert [s.position for s in r1.stored] == [1, 2, 3]
+        assert [s.position for s in r2.stored] == [4, 5]
+        got = store.read()
+        assert [s.position for s in got] == [1, 2, 3, 4, 5]
+        assert [s.event for s in got] == first + second
+        assert store.last_position() == 5
+
+    def test_repeated_event_id_is_skipped_not_an_error(self, store):
+        ev = Events()
+        a, b = ev.heartbeat("m0", step=1), ev.heartbeat("m0", step=2)
+        store.append([a])
+        result = store.append([a, b, b])
+        assert result.duplicates == 2
+        assert [s.event for s in result.stored] == [b]
+        assert [s.event.event_id for s in store.read()] == [a.event_id, b.event_id]
+        assert store.count_dead_letters() == 0
+
+    def test_out_of_order_seq_is_dead_lettered_with_reason(self, store):
+        ev = Events()
+        store.append([ev.heartbeat("m0", seq=4), ev.heartbeat("m0", seq=5)])
+        late = ev.heartbeat("m0", seq=4)  # another event reusing a seq already taken
+        result = store.append([late])
+        assert result.stored == []
+        assert result.dead_letters == 1
+        [letter] = store.dead_letters()
+        assert "out-of-order seq: 4 after 5" in letter.letter.reason
+        assert letter.letter.event_id == late.event_id
+        # The same refused event arriving again adds no second dead letter.
+        assert store.append([late]).dead_letters == 0
+        assert store.count_dead_letters() == 1
+
+    def test_gap_is_recorded_and_the_event_kept(self, store):
+        ev = Events()
+        store.append([ev.heartbeat("m0", seq=1)])
+        result = store.append([ev.heartbeat("m0", seq=4)])
+        assert len(result.stored) == 1
+        [gap] = result.gaps
+        assert (gap.after_seq, gap.next_seq, gap.missing) == (1, 4, 2)
+        assert store.seq_gaps() == [gap]
+
+    def test_late_event_fills_its_gap_once(self, store):
+        """A producer retrying a failed publish delivers it after later events: accepted."""
+        ev = Events()
+        first, lost, third = (ev.heartbeat("m0", seq=s) for s in (1, 2, 3))
+        store.append([first, third])
+        result = store.append([lost])
+        assert [s.event for s in result.stored] == [lost]
+        assert result.late == 1 and result.dead_letters == 0
+        impostor = ev.heartbeat("m0", seq=2)  # same seq, another event: out of order now
+        assert store.append([impostor]).dead_letters == 1
+        assert [s.event.seq for s in store.read()] == [1, 3, 2]
+
+    def test_new_incarnation_restarts_the_sequence(self, store):
+        ev = Events()
+        store.append([ev.heartbeat("m0", seq=1), ev.heartbeat("m0", seq=2)])
+        restarted = ev.heartbeat("m0", seq=1, incarnation="inc2")
+        result = store.append([restarted])
+        assert [s.event for s in result.stored] == [restarted]
+        assert result.gaps == [] and result.dead_letters == 0
+
+    def test_dead_letters_commit_with_the_batch_and_are_idempotent_by_stream_seq(self, store):
+        ev = Events()
+        letter = DeadLetter(
+            reason="not JSON", raw=b"{", subject="elastic.evt.j.n.m.x", stream_seq=42
+        )
+        result = store.append([ev.heartbeat("m0")], [letter])
+        assert result.dead_letters == 1 and len(result.stored) == 1
+        assert store.append([], [letter]).dead_letters == 0
+        [kept] = store.dead_letters()
+        assert kept.letter.raw == b"{" and kept.letter.reason == "not JSON"
+        assert kept.letter.stream_seq == 42
+
+    def test_expected_position_guards_concurrent_decisions(self, store):
+        ev = Events()
+        store.append([ev.heartbeat("m0")])
+        store.append([ev.cp("job.stopped", {"reason": "test"})], expected_position=1)
+        with pytest.raises(ConcurrencyError):
+            store.append([ev.cp("job.stopped", {"reason": "late"})], expected_position=1)
+        assert store.last_position() == 2
+
+    def test_read_filters_by_job_type_and_position(self, store):
+        a, b = Events("jobA"), Events("jobB")
+        store.append([a.joined("m0"), b.joined("m0"), a.heartbeat("m0"), b.heartbeat("m0")])
+        assert [s.position for s in store.read(job_id="jobA")] == [1, 3]
+        assert [s.position for s in store.read(types=["member.heartbeat"])] == [3, 4]
+        assert [s.position for s in store.read(after=2, limit=1)] == [3]
+        assert [s.position for s in store.iter_events(job_id="jobB", batch=1)] == [2, 4]
+        assert store.job_ids() == ["jobA", "jobB"]
+
+    def test_stored_events_round_trip_exactly(self, store):
+        ev = Events()
+        originals = [
+            ev.joined("m0"),
+            ev.cp("job.registered", {"name": "x", "policy": {"min_world": 2, "redundancy": 1}}),
+            ev.cp("job.state_changed", {"from": "PENDING", "to": "RUNNING", "reason": "started"}),
+            ev.make("train.step", {"step": 3, "loss": 0.125, "step_seconds": 0.5, "samples": 8}),
+        ]
+        store.append(originals)
+        assert [s.event for s in store.read()] == originals
+
+    def test_concurrent_writers_never_let_a_tailing_reader_skip(self, store):
+        """Writers race; a reader tailing by position sees every event exactly once, in order."""
+        writers, per_writer, batch = 4, 60, 5
+        done = threading.Event()
+        seen: list[int] = []
+        errors: list[BaseException] = []
+
+        def write(w: int) -> None:
+            try:
+                ev = Events(incarnation=f"w{w}")
+                for _ in range(per_writer // batch):
+                    store.append([ev.heartbeat(f"m{w}", node=f"n{w}") for _ in range(batch)])
+            except BaseException as exc:
+                errors.append(exc)
+
+        def tail() -> None:
+            after = 0
+            while True:
+                finished = done.is_set()
+                page = store.read(after=after, limit=7)
+                for stored in page:
+                    seen.append(stored.position)
+                    after = stored.position
+                if finished and not page:
+                    return
+
+        reader = threading.Thread(target=tail)
+        reader.start()
+        threads = [threading.Thread(target=write, args=(w,)) for w in range(writers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        done.set()
+        reader.join(timeout=30)
+        assert not errors
+        total = writers * per_writer
+        assert seen == list(range(1, total + 1))
+        ids = [s.event.event_id for s in store.read()]
+        assert len(ids) == len(set(ids)) == total
+        assert uuid.UUID(ids[0]).version == 4
