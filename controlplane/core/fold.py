@@ -69,7 +69,7 @@ def fold_jobs(views: Mapping[str, JobView], events: Iterable[StoredEvent]) -> di
 class _Fold:
     """A transient: owns a copy of the view and mutates it while applying one call's events."""
 
-    __slots__ = ("_own_backups", "_own_incidents", "_own_members", "view")
+    __slots__ = ("_by_source", "_own_backups", "_own_incidents", "_own_members", "view")
 
     def __init__(self, view: JobView) -> None:
         copy = JobView(**{name: getattr(view, name) for name in _VIEW_FIELDS})
@@ -80,6 +80,8 @@ class _Fold:
         copy.anomalies = list(view.anomalies)
         self.view = copy
         self._own_members: set[str] = set()
+        #: source -> the owned member behind it; saves parsing the source on every event.
+        self._by_source: dict[str, Member] = {}
         self._own_backups: set[int] = set()
         self._own_incidents: set[str] = set()
 
@@ -164,14 +166,20 @@ class _Fold:
             last_seen_at=stored.recorded_at,
         )
         self._own_members.add(member_id)
+        # The member object was replaced (and may have moved node): drop cached lookups.
+        self._by_source = {k: m for k, m in self._by_source.items() if m.member_id != member_id}
 
     def _known_member(self, stored: StoredEvent) -> Member | None:
         """The member that sent ``stored`` (owned by this fold), its last_seen_at moved."""
-        member_id = stored.event.source.partition("/")[2]
-        member = self._member(member_id) if member_id else None
+        source = stored.event.source
+        member = self._by_source.get(source)
         if member is None:
-            self._anomaly(stored, f"from {stored.event.source}, which never joined")
-            return None
+            member_id = source.partition("/")[2]
+            member = self._member(member_id) if member_id else None
+            if member is None:
+                self._anomaly(stored, f"from {source}, which never joined")
+                return None
+            self._by_source[source] = member
         member.last_seen_at = stored.recorded_at
         return member
 

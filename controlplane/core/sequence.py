@@ -101,7 +101,7 @@ def sequence(events: Iterable[EnvelopeBase], cursors: Mapping[CursorKey, Cursor]
                     )
                 )
                 continue
-            holes[key] = filled
+            holes[key] = filled[-MAX_HOLES:]
             out.late += 1
         accepted.append(event)
         accepted_at.append(index)

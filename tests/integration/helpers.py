@@ -77,12 +77,18 @@ async def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -
 
 
 @contextlib.asynccontextmanager
-async def running_controlplane(settings: Settings) -> AsyncIterator[ControlPlane]:
+async def running_controlplane(
+    settings: Settings, *, ingesting: bool = True
+) -> AsyncIterator[ControlPlane]:
+    """A control plane in this process; with ``ingesting``, wait until it holds the lock."""
     stop = asyncio.Event()
     cp = ControlPlane(settings)
     task = asyncio.create_task(cp.run(stop))
     try:
-        await wait_until(lambda: cp.ingest is not None or task.done(), 30, "the ingest to start")
+        if ingesting:
+            await wait_until(
+                lambda: cp.ingest is not None or task.done(), 30, "the ingest to start"
+            )
         if task.done():
             task.result()
         yield cp

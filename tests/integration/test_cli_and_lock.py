@@ -1,0 +1,73 @@
+"""The migrate command, and one active ingest per database."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from controlplane.app import ControlPlane
+from controlplane.store import migrate
+from controlplane.store.postgres import make_engine
+from controlplane.synth import SyntheticJob
+from tests.integration.helpers import publish, valid_messages, wait_until
+
+pytestmark = pytest.mark.services
+
+
+def test_migrate_command_is_idempotent(empty_database_url):
+    env = {**os.environ, "ELASTIC_DATABASE_URL": empty_database_url}
+    cmd = [sys.executable, "-m", "controlplane", "migrate", "--json"]
+    first = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60, check=True)
+    second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60, check=True)
+    head = migrate.head_revision()
+    assert json.loads(first.stdout) == {"from": None, "to": head}
+    assert json.loads(second.stdout) == {"from": head, "to": head}
+    engine = make_engine(empty_database_url, pool_size=1)
+    migrate.check_schema(engine)
+    engine.dispose()
+
+
+def test_migrate_reports_an_unreachable_database():
+    env = {**os.environ, "ELASTIC_DATABASE_URL": "postgresql://nobody@127.0.0.1:1/none"}
+    done = subprocess.run(
+        [sys.executable, "-m", "controlplane", "migrate"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert "migration failed" in done.stderr
+
+
+@pytest.mark.usefixtures("clean_stream")
+async def test_a_second_control_plane_stands_by_and_takes_over(settings, pg_store):
+    messages = valid_messages(SyntheticJob("job-ha", members=4, seed=9), 400)
+    planes = [ControlPlane(settings), ControlPlane(settings)]
+    stops = [asyncio.Event(), asyncio.Event()]
+    tasks: list[asyncio.Task[None]] = []
+    try:
+        tasks.append(asyncio.create_task(planes[0].run(stops[0])))
+        await wait_until(lambda: planes[0].sessions == 1, 30, "the first to take the lock")
+        await publish(settings.nats_url, messages[:200])
+        await wait_until(lambda: pg_store.last_position() >= 200, 30, "the leader to ingest")
+
+        tasks.append(asyncio.create_task(planes[1].run(stops[1])))
+        await asyncio.sleep(2 * settings.lock_retry_s + 0.5)
+        assert planes[1].sessions == 0 and planes[1].ingest is None, "no split brain"
+
+        stops[0].set()
+        await asyncio.wait_for(tasks[0], 30)
+        await wait_until(lambda: planes[1].sessions == 1, 10, "the standby to take over")
+        await publish(settings.nats_url, messages[200:])
+        await wait_until(lambda: pg_store.last_position() >= 400, 30, "the successor to ingest")
+        assert planes[1].views["job-ha"].events == 400
+    finally:
+        for stop in stops:
+            stop.set()
+        await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 30)

@@ -1,0 +1,376 @@
+"""Decoding bus messages into events or dead letters, and the subject layout."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from controlplane.core.records import DeadLetter
+from controlplane.decode import decode
+from controlplane.subjects import (
+    BROADCAST,
+    COMMAND_PREFIX,
+    EVENT_PREFIX,
+    EVENTS_WILDCARD,
+    EventSubject,
+    command_subject,
+    command_wildcard,
+    event_subject,
+    parse_event_subject,
+)
+from schemas.common import MAX_EVENT_BYTES
+from schemas.events import CONTROLPLANE_EVENT_TYPES, EnvelopeBase, MemberHeartbeatEvent
+
+SUBJECT = "elastic.evt.job1.n0.m0.member.heartbeat"
+
+
+def envelope(**over: Any) -> dict[str, Any]:
+    env: dict[str, Any] = {
+        "event_id": str(uuid.uuid4()),
+        "job_id": "job1",
+        "type": "member.heartbeat",
+        "v": 1,
+        "source": "n0/m0",
+        "incarnation": "inc1",
+        "seq": 1,
+        "generation": 0,
+        "emitted_at": "2026-01-01T00:00:00Z",
+        "payload": {"step": 3, "phase": "train"},
+    }
+    env.update(over)
+    return env
+
+
+def raw(**over: Any) -> bytes:
+    return json.dumps(envelope(**over)).encode()
+
+
+def dead(subject: str, data: bytes, stream_seq: int | None = 5) -> DeadLetter:
+    result = decode(subject, data, stream_seq)
+    assert isinstance(result, DeadLetter), result
+    assert result.raw == data[:MAX_EVENT_BYTES]
+    assert result.subject == subject
+    assert result.stream_seq == stream_seq
+    assert result.event_id is None
+    return result
+
+
+# --------------------------------------------------------------------------- decode
+
+
+def test_valid_message_decodes():
+    data = raw(seq=9)
+    event = decode(SUBJECT, data, 3)
+    assert isinstance(event, MemberHeartbeatEvent)
+    assert event.seq == 9
+    assert event.source == "n0/m0"
+    assert event.payload.step == 3
+
+
+def test_valid_message_decodes_without_stream_seq():
+    assert isinstance(decode(SUBJECT, raw()), EnvelopeBase)
+
+
+def test_type_with_dots_and_other_member():
+    subject = event_subject("job-2", "node_7", "m-11", "train.step")
+    data = raw(
+        job_id="job-2",
+        source="node_7/m-11",
+        type="train.step",
+        payload={"step": 1, "loss": 0.5, "step_seconds": 0.1, "samples": 4},
+    )
+    event = decode(subject, data)
+    assert isinstance(event, EnvelopeBase)
+    assert event.type == "train.step"
+    assert event.member == "m-11"
+
+
+@pytest.mark.parametrize("data", [b"", b"{", b"nope", b"\xff\xfe", b'{"a": 1,}', b"[" * 1000])
+def test_not_json(data: bytes):
+    letter = dead(SUBJECT, data)
+    assert letter.reason.startswith("not JSON"), letter.reason
+    assert letter.job_id == "job1"
+
+
+@pytest.mark.parametrize("data", [b"[]", b"1", b"null", b'"x"', b"true", b"[{}]"])
+def test_not_a_json_object(data: bytes):
+    assert dead(SUBJECT, data).reason.startswith("not a JSON object")
+
+
+@pytest.mark.parametrize("type_", ["member.dance", "", "MEMBER.HEARTBEAT", "member"])
+def test_unknown_event_type(type_: str):
+    letter = dead(SUBJECT, raw(type=type_))
+    assert letter.reason.startswith("unknown event type"), letter.reason
+    assert repr(type_) in letter.reason
+
+
+def test_missing_event_type():
+    env = envelope()
+    del env["type"]
+    assert dead(SUBJECT, json.dumps(env).encode()).reason.startswith("missing event type")
+    assert dead(SUBJECT, b"{}").reason.startswith("missing event type")
+
+
+@pytest.mark.parametrize("v", [0, 2, 99, "1"])
+def test_unknown_schema_version(v: Any):
+    letter = dead(SUBJECT, raw(v=v))
+    assert letter.reason.startswith("unknown schema version"), letter.reason
+    assert "member.heartbeat" in letter.reason
+    assert "[1]" in letter.reason
+
+
+@pytest.mark.parametrize(
+    ("over", "where"),
+    [
+        ({"seq": "1"}, "seq"),
+        ({"seq": 0}, "seq"),
+        ({"job_id": "job.1"}, "job_id"),
+        ({"event_id": "NOT-A-UUID"}, "event_id"),
+        ({"emitted_at": "2026-01-01T00:00:00"}, "emitted_at"),
+        ({"payload": {"step": -1, "phase": "train"}}, "payload.step"),
+        ({"payload": {"step": 1, "phase": "train", "x": 1}}, "payload.x"),
+        ({"extra": True}, "extra"),
+    ],
+)
+def test_schema_violation(over: dict[str, Any], where: str):
+    letter = dead(SUBJECT, raw(**over))
+    assert letter.reason.startswith(f"schema violation at {where}"), letter.reason
+
+
+def test_schema_violation_counts_further_errors():
+    letter = dead(SUBJECT, raw(seq="1", generation="0"))
+    assert letter.reason.startswith("schema violation")
+    assert "(+1 more)" in letter.reason
+
+
+def test_oversized_is_truncated():
+    data = raw() + b" " * MAX_EVENT_BYTES
+    letter = dead(SUBJECT, data)
+    assert letter.reason.startswith("oversized"), letter.reason
+    assert str(len(data)) in letter.reason
+    assert len(letter.raw) == MAX_EVENT_BYTES
+    assert letter.raw == data[:MAX_EVENT_BYTES]
+    assert letter.job_id == "job1"
+
+
+def test_oversized_wins_over_a_bad_subject():
+    data = b"x" * (MAX_EVENT_BYTES + 1)
+    letter = dead("not.a.subject", data)
+    assert letter.reason.startswith("oversized")
+    assert letter.job_id is None
+
+
+def test_size_limit_is_inclusive():
+    body = raw()
+    exact = body + b" " * (MAX_EVENT_BYTES - len(body))
+    assert len(exact) == MAX_EVENT_BYTES
+    assert isinstance(decode(SUBJECT, exact), EnvelopeBase)
+    assert dead(SUBJECT, exact + b" ").reason.startswith("oversized")
+
+
+@pytest.mark.parametrize(
+    "subject",
+    [
+        "elastic.cmd.job1.n0.m0.member.heartbeat",
+        "elastic.evt.job1.n0.m0",
+        "elastic.evt.job1..m0.member.heartbeat",
+        "elastic.evt",
+        "",
+        "other.evt.job1.n0.m0.member.heartbeat",
+    ],
+)
+def test_not_an_event_subject(subject: str):
+    letter = dead(subject, raw())
+    assert letter.reason.startswith("not an event subject"), letter.reason
+    assert letter.job_id is None
+
+
+@pytest.mark.parametrize(
+    "subject",
+    [
+        "elastic.evt.job1.n1.m0.member.heartbeat",  # another node
+        "elastic.evt.job1.n0.m1.member.heartbeat",  # another member
+    ],
+)
+def test_forged_source(subject: str):
+    letter = dead(subject, raw())
+    assert letter.reason.startswith("forged source"), letter.reason
+    assert "'n0/m0'" in letter.reason
+
+
+def test_control_plane_source_from_a_member_subject_is_forged():
+    letter = dead(SUBJECT, raw(source="controlplane"))
+    assert letter.reason.startswith("forged source"), letter.reason
+
+
+def test_job_mismatch():
+    letter = dead("elastic.evt.job2.n0.m0.member.heartbeat", raw())
+    assert letter.reason.startswith("job mismatch"), letter.reason
+    assert letter.job_id == "job2"  # the dead letter is filed under the subject's job
+
+
+def test_type_mismatch():
+    letter = dead("elastic.evt.job1.n0.m0.train.step", raw())
+    assert letter.reason.startswith("type mismatch"), letter.reason
+
+
+@pytest.mark.parametrize("source", ["n0/m0", "controlplane"])
+def test_member_cannot_publish_control_plane_events(source: str):
+    subject = event_subject("job1", "n0", "m0", "job.registered")
+    letter = dead(subject, raw(type="job.registered", source=source, payload={}))
+    assert letter.reason == "forged: job.registered is recorded only by the control plane"
+
+
+def test_every_control_plane_type_is_refused_from_the_bus():
+    # a fully valid control-plane event, published on a matching member subject
+    payloads = {
+        "job.registered": {},
+        "job.stopped": {"reason": "x"},
+        "job.completed": {},
+        "job.state_changed": {"from": "RUNNING", "to": "STOPPED", "reason": "x"},
+    }
+    for type_, payload in payloads.items():
+        assert type_ in CONTROLPLANE_EVENT_TYPES
+        letter = dead(event_subject("job1", "n0", "m0", type_), raw(type=type_, payload=payload))
+        assert letter.reason.startswith(f"forged: {type_}"), letter.reason
+
+
+def test_dead_letter_keeps_small_raw_whole():
+    data = b'{"type": "nope"}'
+    assert dead(SUBJECT, data, stream_seq=None).raw == data
+
+
+def test_repeated_subjects_decode_consistently():
+    for _ in range(3):
+        assert isinstance(decode(SUBJECT, raw()), EnvelopeBase)
+        assert isinstance(decode("bad", raw()), DeadLetter)
+
+
+@settings(max_examples=300)
+@given(st.binary(max_size=2000))
+def test_decode_never_raises_on_random_bytes(data: bytes):
+    result = decode(SUBJECT, data, 1)
+    assert isinstance(result, DeadLetter | EnvelopeBase)
+    if isinstance(result, DeadLetter):
+        assert result.reason
+        assert result.raw == data
+
+
+@settings(max_examples=200)
+@given(st.text(max_size=80), st.binary(max_size=200))
+def test_decode_never_raises_on_random_subjects(subject: str, data: bytes):
+    result = decode(subject, data)
+    assert isinstance(result, DeadLetter | EnvelopeBase)
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4)
+    ),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=200)
+@given(
+    st.dictionaries(
+        st.sampled_from(sorted(envelope())),
+        JSON_VALUES,
+        max_size=4,
+    )
+)
+def test_decode_never_raises_on_mangled_envelopes(over: dict[str, Any]):
+    data = json.dumps(envelope(**over)).encode()
+    result = decode(SUBJECT, data)
+    assert isinstance(result, DeadLetter | EnvelopeBase)
+    if isinstance(result, DeadLetter):
+        assert result.reason.split(" ")[0] in {
+            "schema",
+            "unknown",
+            "missing",
+            "forged",
+            "forged:",
+            "job",
+            "type",
+        }, result.reason
+
+
+# --------------------------------------------------------------------------- subjects
+
+
+@pytest.mark.parametrize(
+    "type_", ["member.heartbeat", "train.step", "job.state_changed", "single", "a.b.c.d"]
+)
+def test_event_subject_round_trip(type_: str):
+    subject = event_subject("job1", "n0", "m0", type_)
+    assert subject == f"{EVENT_PREFIX}.job1.n0.m0.{type_}"
+    parsed = parse_event_subject(subject)
+    assert parsed == EventSubject("job1", "n0", "m0", type_)
+    assert parsed.type == type_
+    assert event_subject(*parsed) == subject
+
+
+@pytest.mark.parametrize(
+    "subject",
+    [
+        "elastic.cmd.job1.n0.m0.member.heartbeat",  # wrong prefix
+        "elastic.events.job1.n0.m0.member.heartbeat",
+        "evt.elastic.job1.n0.m0.member.heartbeat",
+        "elastic.evt.job1.n0.m0",  # too few tokens
+        "elastic.evt.job1.n0",
+        "elastic.evt",
+        "elastic",
+        "",
+        "elastic.evt..n0.m0.member.heartbeat",  # empty tokens
+        "elastic.evt.job1..m0.member.heartbeat",
+        "elastic.evt.job1.n0..member.heartbeat",
+        "elastic.evt.job1.n0.m0.",
+        ".evt.job1.n0.m0.x",
+        "elastic..job1.n0.m0.x",
+    ],
+)
+def test_parse_event_subject_rejects(subject: str):
+    assert parse_event_subject(subject) is None
+
+
+def test_parse_keeps_trailing_tokens_in_the_type():
+    # everything after the member is the type, even an empty-looking tail token
+    parsed = parse_event_subject("elastic.evt.job1.n0.m0.member..heartbeat")
+    assert parsed is not None
+    assert parsed.type == "member..heartbeat"
+
+
+def test_event_subject_source():
+    assert EventSubject("job1", "n0", "m0", "member.heartbeat").source == "n0/m0"
+    parsed = parse_event_subject(SUBJECT)
+    assert parsed is not None
+    assert parsed.source == "n0/m0"
+    assert parsed.job_id == "job1"
+    assert parsed.node == "n0"
+    assert parsed.member == "m0"
+
+
+def test_command_subjects():
+    assert command_subject("job1") == f"{COMMAND_PREFIX}.job1.{BROADCAST}"
+    assert command_subject("job1") == "elastic.cmd.job1.all"
+    assert command_subject("job1", "m3") == "elastic.cmd.job1.m3"
+    assert command_wildcard("job1") == "elastic.cmd.job1.*"
+    assert EVENTS_WILDCARD == "elastic.evt.>"
+    assert parse_event_subject(command_subject("job1", "m3")) is None
+
+
+@given(
+    st.from_regex(r"[A-Za-z0-9][A-Za-z0-9_-]{0,10}", fullmatch=True),
+    st.from_regex(r"[A-Za-z0-9][A-Za-z0-9_-]{0,10}", fullmatch=True),
+    st.from_regex(r"[A-Za-z0-9][A-Za-z0-9_-]{0,10}", fullmatch=True),
+    st.from_regex(r"[a-z]+(\.[a-z_]+){0,3}", fullmatch=True),
+)
+def test_event_subject_round_trip_property(job: str, node: str, member: str, type_: str):
+    parsed = parse_event_subject(event_subject(job, node, member, type_))
+    assert parsed == EventSubject(job, node, member, type_)

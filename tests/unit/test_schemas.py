@@ -1,0 +1,605 @@
+"""Wire contracts: every event round-trips, and the envelope and payloads are strict."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+from typer.testing import CliRunner
+
+from controlplane.cli import app
+from schemas.commands import COMMAND_ADAPTER, Reallocate, Stop
+from schemas.common import MAX_TEXT, MAX_WORLD, JobState, Phase
+from schemas.events import (
+    CONTROLPLANE_EVENT_TYPES,
+    EVENT_ADAPTER,
+    MEMBER_EVENT_TYPES,
+    SCHEMA_VERSIONS,
+    EnvelopeBase,
+    JobPolicy,
+    JobStateChanged,
+)
+from schemas.export import export_json_schemas, json_schemas
+from tests.factories import MEMBER_JOINED
+
+ALL_TYPES = {**MEMBER_EVENT_TYPES, **CONTROLPLANE_EVENT_TYPES}
+
+UUID_A = "0b8f3c1e-4a2d-4f6b-9c1d-2e3f4a5b6c7d"
+UUID_B = "1c9e4d2f-5b3e-4a7c-8d2e-3f4a5b6c7d8e"
+
+#: The smallest valid payload of every event type.
+MINIMAL_PAYLOADS: dict[str, dict[str, Any]] = {
+    "member.joined": dict(MEMBER_JOINED),
+    "member.heartbeat": {"step": 0, "phase": "train"},
+    "train.step": {"step": 1, "loss": 0.5, "step_seconds": 0.1, "samples": 32},
+    "backup.snapshot": {
+        "step": 1,
+        "shard": 0,
+        "nbytes": 10,
+        "checksum": "crc32:deadbeef",
+        "seconds": 0.1,
+    },
+    "backup.replicated": {
+        "step": 1,
+        "shard": 0,
+        "owner": "m1",
+        "nbytes": 10,
+        "checksum": "crc32:deadbeef",
+        "seconds": 0.1,
+    },
+    "member.fault": {"kind": "oom"},
+    "member.exited": {"member": "m0"},
+    "command.acked": {"command_id": UUID_A},
+    "restore.completed": {"generation": 1, "step": 1, "bytes": 0, "seconds": 0.0},
+    "train.resumed": {"generation": 1, "step": 1},
+    "train.completed": {"step": 1},
+    "job.registered": {},
+    "generation.started": {"generation": 0, "world": ["m0"], "rendezvous": "h0:29500"},
+    "fault.detected": {
+        "incident_id": UUID_A,
+        "members": ["m0"],
+        "reason": "exited",
+        "detail": "exit code 1",
+    },
+    "job.state_changed": {"from": "RUNNING", "to": "DEGRADED", "reason": "member lost"},
+    "reallocation.issued": {
+        "incident_id": UUID_A,
+        "command_id": UUID_B,
+        "generation": 1,
+        "mode": "replace",
+        "world": ["m0", "m1"],
+        "restore_step": 0,
+        "rendezvous": "h0:29500",
+        "reason": "replace m2",
+    },
+    "incident.resolved": {"incident_id": UUID_A, "downtime_s": 1.5, "steps_lost": 0},
+    "job.stopped": {"reason": "operator"},
+    "job.completed": {},
+}
+
+#: Payloads with every optional field set, to round-trip nested models too.
+FULL_PAYLOADS: dict[str, dict[str, Any]] = {
+    "job.registered": {
+        "name": "llama",
+        "policy": {
+            "min_world": 2,
+            "max_world": 8,
+            "heartbeat_interval_s": 0.5,
+            "heartbeat_timeout_s": {"train": 3.0, "init": 20.0},
+            "backup_interval": 5,
+            "redundancy": 1,
+            "recovery_deadline_s": 30.0,
+            "checkpoint_every": 4,
+        },
+    },
+    "member.fault": {
+        "kind": "collective_error",
+        "detail": "NCCL timeout",
+        "step": 12,
+        "suspects": ["m1", "m2"],
+    },
+    "member.exited": {"member": "m0", "exit_code": -9, "signal": 9},
+    "restore.completed": {
+        "generation": 2,
+        "step": 10,
+        "bytes": 1024,
+        "seconds": 0.25,
+        "sources": {"0": "m0", "1": "m3"},
+    },
+    "train.completed": {"step": 100, "loss": 0.01},
+    "generation.started": {
+        "generation": 3,
+        "world": ["m0", "m1"],
+        "rendezvous": "h0:29500",
+        "placement": [
+            {"shard": 0, "owner": "m0", "holders": ["m1"]},
+            {"shard": 1, "owner": "m1", "holders": ["m0"]},
+        ],
+        "placement_note": "one rack only",
+    },
+    "fault.detected": {
+        "incident_id": UUID_A,
+        "members": ["m0", "m1"],
+        "reason": "heartbeat_timeout",
+        "detail": "no heartbeat for 5s",
+        "evidence": [
+            {"member": "m0", "what": "last heartbeat", "position": 7, "at": "2026-01-01T00:00:05Z"},
+            {"member": "m1", "what": "reported"},
+        ],
+    },
+    "reallocation.issued": {
+        "incident_id": UUID_A,
+        "command_id": UUID_B,
+        "generation": 1,
+        "mode": "shrink",
+        "world": ["m0"],
+        "restore_step": 10,
+        "restore_from": "checkpoint",
+        "plan": [{"shard": 0, "source": "m0"}],
+        "rendezvous": "h0:29500",
+        "reason": "shrink",
+    },
+    "incident.resolved": {
+        "incident_id": UUID_A,
+        "phases": {"detect": 0.5, "restore": 1.0},
+        "downtime_s": 1.5,
+        "steps_lost": 3,
+    },
+    "job.completed": {"step": 100},
+}
+
+
+def envelope(type_: str, payload: dict[str, Any] | None = None, **over: Any) -> dict[str, Any]:
+    """A valid envelope dict (JSON-ready) of ``type_``."""
+    source = "controlplane" if type_ in CONTROLPLANE_EVENT_TYPES else "n0/m0"
+    env = {
+        "event_id": str(uuid.uuid4()),
+        "job_id": "job1",
+        "type": type_,
+        "v": 1,
+        "source": source,
+        "incarnation": "inc1",
+        "seq": 1,
+        "generation": 0,
+        "emitted_at": "2026-01-01T00:00:00Z",
+        "payload": MINIMAL_PAYLOADS[type_] if payload is None else payload,
+    }
+    env.update(over)
+    return env
+
+
+def validate(env: dict[str, Any]) -> EnvelopeBase:
+    return EVENT_ADAPTER.validate_json(json.dumps(env).encode())
+
+
+def rejected(env: dict[str, Any]) -> ValidationError:
+    with pytest.raises(ValidationError) as info:
+        validate(env)
+    return info.value
+
+
+def heartbeat(**over: Any) -> dict[str, Any]:
+    return envelope("member.heartbeat", **over)
+
+
+# --------------------------------------------------------------------------- catalog
+
+
+def test_catalog_is_covered_and_disjoint():
+    assert set(MINIMAL_PAYLOADS) == set(ALL_TYPES)
+    assert not set(MEMBER_EVENT_TYPES) & set(CONTROLPLANE_EVENT_TYPES)
+    assert set(SCHEMA_VERSIONS) == set(ALL_TYPES)
+    assert all(v == frozenset({1}) for v in SCHEMA_VERSIONS.values())
+    assert set(FULL_PAYLOADS) <= set(ALL_TYPES)
+
+
+@pytest.mark.parametrize("type_", sorted(ALL_TYPES))
+def test_every_event_type_round_trips(type_: str):
+    event = validate(envelope(type_))
+    assert isinstance(event, EnvelopeBase)
+    assert event.type == type_
+    assert type(event).__name__.endswith("Event")
+    assert isinstance(event.payload, ALL_TYPES[type_])
+    again = EVENT_ADAPTER.validate_json(event.model_dump_json())
+    assert type(again) is type(event)
+    assert again == event
+    # and through Python objects (strict mode accepts the model's own dump)
+    assert EVENT_ADAPTER.validate_python(event.model_dump()) == event
+
+
+@pytest.mark.parametrize("type_", sorted(FULL_PAYLOADS))
+def test_full_payloads_round_trip(type_: str):
+    event = validate(envelope(type_, FULL_PAYLOADS[type_]))
+    assert isinstance(event.payload, ALL_TYPES[type_])
+    again = EVENT_ADAPTER.validate_json(event.model_dump_json())
+    assert again == event
+    assert json.loads(again.model_dump_json()) == json.loads(event.model_dump_json())
+
+
+def test_envelope_fields_are_parsed():
+    event = validate(heartbeat(seq=7, generation=3, incarnation="run-2"))
+    assert event.seq == 7
+    assert event.generation == 3
+    assert event.incarnation == "run-2"
+    assert event.emitted_at == datetime(2026, 1, 1, tzinfo=UTC)
+    assert event.payload.phase is Phase.TRAIN
+    assert event.member == "m0"
+
+
+def test_member_property_is_none_for_the_control_plane():
+    event = validate(envelope("job.registered"))
+    assert event.source == "controlplane"
+    assert event.member is None
+
+
+def test_job_registered_defaults_a_policy():
+    event = validate(envelope("job.registered"))
+    assert event.payload.name == ""
+    assert event.payload.policy == JobPolicy()
+    assert event.payload.policy.heartbeat_timeout_s[Phase.TRAIN] == 5.0
+
+
+def test_events_are_frozen():
+    event = validate(heartbeat())
+    with pytest.raises(ValidationError):
+        event.seq = 2  # type: ignore[misc]
+    with pytest.raises(ValidationError):
+        event.payload.step = 3  # type: ignore[misc]
+
+
+def test_event_with_offset_timezone_is_accepted():
+    event = validate(heartbeat(emitted_at="2026-01-01T02:00:00+02:00"))
+    assert event.emitted_at == datetime(2026, 1, 1, tzinfo=UTC)
+
+
+# --------------------------------------------------------------------------- strictness
+
+
+def test_unknown_envelope_field_rejected():
+    err = rejected(heartbeat(extra=1))
+    assert any(e["type"] == "extra_forbidden" for e in err.errors())
+
+
+def test_unknown_payload_field_rejected():
+    err = rejected(heartbeat(payload={"step": 0, "phase": "train", "rank": 3}))
+    assert any(e["type"] == "extra_forbidden" for e in err.errors())
+
+
+@pytest.mark.parametrize("field", ["event_id", "job_id", "source", "seq", "payload", "emitted_at"])
+def test_missing_envelope_field_rejected(field: str):
+    env = heartbeat()
+    del env[field]
+    rejected(env)
+
+
+@pytest.mark.parametrize("seq", ["1", 1.0, True, None, 0, -1])
+def test_bad_seq_rejected(seq: Any):
+    rejected(heartbeat(seq=seq))
+
+
+@pytest.mark.parametrize("generation", ["0", -1, 0.5, None])
+def test_bad_generation_rejected(generation: Any):
+    rejected(heartbeat(generation=generation))
+
+
+def test_negative_step_rejected():
+    rejected(heartbeat(payload={"step": -1, "phase": "train"}))
+    rejected(envelope("train.step", {**MINIMAL_PAYLOADS["train.step"], "step": -1}))
+    rejected(envelope("member.fault", {"kind": "oom", "step": -1}))
+
+
+def test_unknown_enum_value_rejected():
+    rejected(heartbeat(payload={"step": 0, "phase": "dancing"}))
+    rejected(envelope("member.fault", {"kind": "cosmic_ray"}))
+
+
+@pytest.mark.parametrize(
+    "job_id", ["a.b", "a b", "", "-job", "job*", "job>", "job1\n", "j" * 65, "jöb"]
+)
+def test_bad_job_id_rejected(job_id: str):
+    rejected(heartbeat(job_id=job_id))
+
+
+def test_longest_identifier_accepted():
+    assert validate(heartbeat(job_id="j" * 64, incarnation="i" * 64)).job_id == "j" * 64
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "n.0/m0",
+        "n 0/m0",
+        "n0/m.0",
+        "n0/m 0",
+        "n0",
+        "n0/",
+        "/m0",
+        "n0/m0/x",
+        "controlplane/",
+        "Controlplane ",
+        "n0/m0\n",
+        "",
+    ],
+)
+def test_bad_source_rejected(source: str):
+    rejected(heartbeat(source=source))
+
+
+@pytest.mark.parametrize("incarnation", ["a.b", "a b", ""])
+def test_bad_incarnation_rejected(incarnation: str):
+    rejected(heartbeat(incarnation=incarnation))
+
+
+@pytest.mark.parametrize(
+    "event_id",
+    [
+        "0B8F3C1E-4A2D-4F6B-9C1D-2E3F4A5B6C7D",  # uppercase
+        "0b8f3c1e4a2d4f6b9c1d2e3f4a5b6c7d",  # no hyphens
+        "{0b8f3c1e-4a2d-4f6b-9c1d-2e3f4a5b6c7d}",
+        "0b8f3c1e-4a2d-4f6b-9c1d-2e3f4a5b6c7",
+        "0b8f3c1e-4a2d-4f6b-9c1d-2e3f4a5b6c7d\n",
+        "not-a-uuid",
+    ],
+)
+def test_event_id_must_be_canonical_uuid(event_id: str):
+    rejected(heartbeat(event_id=event_id))
+
+
+def test_canonical_event_id_accepted():
+    assert validate(heartbeat(event_id=UUID_A)).event_id == UUID_A
+
+
+@pytest.mark.parametrize("at", ["2026-01-01T00:00:00", "2026-01-01", "yesterday", 1767225600])
+def test_naive_or_bad_datetime_rejected(at: Any):
+    rejected(heartbeat(emitted_at=at))
+
+
+def test_naive_datetime_rejected_in_python_mode_too():
+    env = heartbeat(emitted_at=datetime(2026, 1, 1))
+    with pytest.raises(ValidationError):
+        EVENT_ADAPTER.validate_python(env, strict=False)
+
+
+@pytest.mark.parametrize("loss", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_loss_rejected(loss: float):
+    step = envelope("train.step", {**MINIMAL_PAYLOADS["train.step"], "loss": loss})
+    with pytest.raises(ValidationError):
+        EVENT_ADAPTER.validate_python(step, strict=False)
+    done = envelope("train.completed", {"step": 1, "loss": loss})
+    with pytest.raises(ValidationError):
+        EVENT_ADAPTER.validate_python(done, strict=False)
+
+
+@pytest.mark.parametrize("literal", [b"NaN", b"Infinity", b"-Infinity"])
+def test_non_finite_loss_rejected_from_json(literal: bytes):
+    raw = json.dumps(envelope("train.step")).encode().replace(b'"loss": 0.5', b'"loss": ' + literal)
+    assert literal in raw
+    with pytest.raises(ValidationError):
+        EVENT_ADAPTER.validate_json(raw)
+
+
+@pytest.mark.parametrize("bad", [-0.1, float("nan"), float("inf")])
+def test_negative_or_non_finite_seconds_rejected(bad: float):
+    env = envelope("train.step", {**MINIMAL_PAYLOADS["train.step"], "step_seconds": bad})
+    with pytest.raises(ValidationError):
+        EVENT_ADAPTER.validate_python(env, strict=False)
+
+
+def test_member_fault_detail_length_limit():
+    ok = validate(envelope("member.fault", {"kind": "exception", "detail": "x" * MAX_TEXT}))
+    assert len(ok.payload.detail) == MAX_TEXT
+    rejected(envelope("member.fault", {"kind": "exception", "detail": "x" * (MAX_TEXT + 1)}))
+
+
+def test_suspects_are_identifiers_and_bounded():
+    rejected(envelope("member.fault", {"kind": "oom", "suspects": ["m.1"]}))
+    rejected(envelope("member.fault", {"kind": "oom", "suspects": [f"m{i}" for i in range(65)]}))
+
+
+def test_checksum_format():
+    snap = MINIMAL_PAYLOADS["backup.snapshot"]
+    for bad in ["deadbeef", "CRC32:deadbeef", "crc32:DEADBEEF", "crc32:", "crc32:xyz"]:
+        rejected(envelope("backup.snapshot", {**snap, "checksum": bad}))
+
+
+def test_fault_detected_needs_a_member():
+    rejected(envelope("fault.detected", {**MINIMAL_PAYLOADS["fault.detected"], "members": []}))
+
+
+def test_exit_signal_range():
+    assert validate(envelope("member.exited", {"member": "m0", "signal": 64})).payload.signal == 64
+    rejected(envelope("member.exited", {"member": "m0", "signal": 0}))
+    rejected(envelope("member.exited", {"member": "m0", "signal": 65}))
+
+
+def test_command_acked_needs_a_uuid():
+    rejected(envelope("command.acked", {"command_id": "not-a-uuid"}))
+
+
+def test_unknown_type_and_version_rejected():
+    rejected(heartbeat(type="member.dance"))
+    rejected(heartbeat(v=2))
+    rejected(heartbeat(v="1"))
+
+
+def test_payload_of_another_type_rejected():
+    rejected(envelope("member.heartbeat", MINIMAL_PAYLOADS["train.step"]))
+
+
+# --------------------------------------------------------------------------- job.state_changed
+
+
+def test_state_changed_uses_from_alias():
+    event = validate(envelope("job.state_changed"))
+    assert isinstance(event.payload, JobStateChanged)
+    assert event.payload.from_ is JobState.RUNNING
+    assert event.payload.to is JobState.DEGRADED
+    dumped = json.loads(event.model_dump_json())
+    assert dumped["payload"]["from"] == "RUNNING"
+    assert "from_" not in dumped["payload"]
+    assert event.model_dump()["payload"]["from"] == JobState.RUNNING
+
+
+def test_state_changed_rejects_unknown_state():
+    rejected(envelope("job.state_changed", {"from": "NAPPING", "to": "RUNNING", "reason": "x"}))
+
+
+# --------------------------------------------------------------------------- JobPolicy
+
+
+def test_job_policy_rejects_min_above_max():
+    with pytest.raises(ValidationError, match="min_world"):
+        JobPolicy(min_world=5, max_world=4)
+    assert JobPolicy(min_world=4, max_world=4).min_world == 4
+
+
+def test_job_policy_rejected_inside_an_event():
+    payload = {"policy": {"min_world": 3, "max_world": 2}}
+    rejected(envelope("job.registered", payload))
+
+
+@pytest.mark.parametrize(
+    "over",
+    [
+        {"min_world": 0},
+        {"max_world": MAX_WORLD + 1},
+        {"heartbeat_interval_s": 0.0},
+        {"heartbeat_timeout_s": {"train": 0.0}},
+        {"heartbeat_timeout_s": {"sleeping": 1.0}},
+        {"backup_interval": 0},
+        {"redundancy": 9},
+        {"redundancy": -1},
+        {"recovery_deadline_s": -1.0},
+        {"checkpoint_every": -1},
+        {"surprise": 1},
+    ],
+)
+def test_job_policy_bounds(over: dict[str, Any]):
+    with pytest.raises(ValidationError):
+        JobPolicy.model_validate(over, strict=False)
+
+
+def test_job_policy_max_world_limit_accepted():
+    assert JobPolicy(max_world=MAX_WORLD).max_world == MAX_WORLD
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def reallocate() -> Reallocate:
+    return Reallocate.model_validate(
+        {
+            "command_id": UUID_A,
+            "job_id": "job1",
+            "decision_position": 42,
+            "issued_at": "2026-01-01T00:00:00Z",
+            "incident_id": UUID_B,
+            "generation": 2,
+            "mode": "replace",
+            "world": ["m0", "m1"],
+            "restore_step": 10,
+            "restore_from": "memory",
+            "plan": [{"shard": 0, "source": "m1"}],
+            "placement": [{"shard": 0, "owner": "m0", "holders": ["m1"]}],
+            "rendezvous": "h0:29500",
+        },
+        strict=False,
+    )
+
+
+def stop() -> Stop:
+    return Stop.model_validate(
+        {
+            "command_id": UUID_A,
+            "job_id": "job1",
+            "decision_position": 7,
+            "issued_at": "2026-01-01T00:00:00Z",
+            "reason": "no spare left",
+        },
+        strict=False,
+    )
+
+
+@pytest.mark.parametrize("make", [reallocate, stop])
+def test_command_round_trips(make):
+    command = make()
+    raw = command.model_dump_json()
+    assert json.loads(raw)["kind"] == command.kind
+    again = COMMAND_ADAPTER.validate_json(raw)
+    assert type(again) is type(command)
+    assert again == command
+
+
+def test_command_discriminator():
+    assert reallocate().kind == "reallocate"
+    assert stop().kind == "stop"
+    raw = json.loads(stop().model_dump_json())
+    with pytest.raises(ValidationError):
+        COMMAND_ADAPTER.validate_json(json.dumps({**raw, "kind": "explode"}))
+    del raw["kind"]
+    with pytest.raises(ValidationError):
+        COMMAND_ADAPTER.validate_json(json.dumps(raw))
+
+
+def test_command_rejects_unknown_field():
+    raw = json.loads(stop().model_dump_json())
+    with pytest.raises(ValidationError):
+        COMMAND_ADAPTER.validate_json(json.dumps({**raw, "force": True}))
+
+
+def test_stop_command_as_reallocate_rejected():
+    raw = json.loads(stop().model_dump_json())
+    with pytest.raises(ValidationError):
+        COMMAND_ADAPTER.validate_json(json.dumps({**raw, "kind": "reallocate"}))
+
+
+# --------------------------------------------------------------------------- JSON Schema
+
+
+def test_export_json_schemas(tmp_path):
+    target = tmp_path / "nested" / "dir"
+    written = export_json_schemas(target)
+    names = {p.name for p in written}
+    assert names == {"event.schema.json", "command.schema.json"}
+    for path in written:
+        assert path.parent == target
+        assert isinstance(json.loads(path.read_text()), dict)
+    event_text = (target / "event.schema.json").read_text()
+    for type_ in ALL_TYPES:
+        assert f'"{type_}"' in event_text, type_
+    assert '"from"' in event_text  # the alias, not the Python name
+    assert '"from_"' not in event_text
+    command_text = (target / "command.schema.json").read_text()
+    assert '"reallocate"' in command_text
+    assert '"stop"' in command_text
+
+
+def test_export_is_idempotent(tmp_path):
+    export_json_schemas(tmp_path)
+    first = {p.name: p.read_text() for p in tmp_path.iterdir()}
+    export_json_schemas(tmp_path)
+    assert {p.name: p.read_text() for p in tmp_path.iterdir()} == first
+
+
+def test_json_schemas_match_the_files(tmp_path):
+    export_json_schemas(tmp_path)
+    for name, schema in json_schemas().items():
+        assert json.loads((tmp_path / name).read_text()) == schema
+
+
+def test_cli_schemas_export(tmp_path):
+    result = CliRunner().invoke(app, ["schemas", "export", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    for name in ("event.schema.json", "command.schema.json"):
+        assert (tmp_path / name).is_file()
+        assert str(tmp_path / name) in result.output
+        assert isinstance(json.loads((tmp_path / name).read_text()), dict)
+
+
+def test_cli_schemas_export_needs_a_directory():
+    result = CliRunner().invoke(app, ["schemas", "export"])
+    assert result.exit_code != 0
