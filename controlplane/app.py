@@ -7,6 +7,7 @@ import contextlib
 import gc
 import logging
 import signal
+from collections.abc import Callable
 
 from nats.aio.client import Client
 
@@ -152,4 +153,12 @@ def serve(settings: Settings) -> None:
             loop.add_signal_handler(sig, stop.set)
         await ControlPlane(settings).run(stop)
 
-    asyncio.run(main())
+    loop_factory: Callable[[], asyncio.AbstractEventLoop] = asyncio.new_event_loop
+    try:
+        import uvloop
+
+        loop_factory = uvloop.new_event_loop
+    except ImportError:  # the standard loop works, a little slower
+        pass
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        runner.run(main())

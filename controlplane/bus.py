@@ -6,7 +6,8 @@ import asyncio
 import json
 import logging
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import nats
 import nats.errors
@@ -45,9 +46,55 @@ _TRANSIENT = (
 )
 
 
+class Delivery(NamedTuple):
+    """One message delivered to the ingest: what it needs and nothing more."""
+
+    subject: str
+    reply: str
+    data: bytes
+
+
+#: Handles a raw delivery: (subject, reply, payload, header block or None).
+RawHandler = Callable[[bytes, bytes, bytes, bytes | None], None]
+
+
+class FastClient(Client):
+    """A nats-py client that hands the ingest's inbox deliveries over raw.
+
+    For every other subscription it is nats-py unchanged. For a subscription registered with
+    ``deliver_raw``, it skips what nats-py does per message (parse headers into a dict, build a
+    ``Msg``, queue it, switch to the subscription's task, call back), which cost more than
+    validating and storing the event. Relies on ``Client._process_msg``, stable across
+    nats-py 2.x (the dependency is pinned below 3).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._raw_handlers: dict[int, RawHandler] = {}
+
+    def deliver_raw(self, sub: Subscription, handler: RawHandler | None) -> None:
+        """Route ``sub``'s messages to ``handler`` (None: back to nats-py's path)."""
+        sid: int = sub._id
+        if handler is None:
+            self._raw_handlers.pop(sid, None)
+        else:
+            self._raw_handlers[sid] = handler
+
+    async def _process_msg(
+        self, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes | None
+    ) -> None:
+        handler = self._raw_handlers.get(sid)
+        if handler is None:
+            await super()._process_msg(sid, subject, reply, data, headers)  # type: ignore[arg-type]
+            return
+        self.stats["in_msgs"] += 1
+        self.stats["in_bytes"] += len(data)
+        handler(subject, reply, data, headers)
+
+
 async def connect(
     settings: Settings, *, name: str = "elastic-controlplane", **options: Any
-) -> Client:
+) -> FastClient:
     """Connect with reconnection forever; raise ``BusUnavailable`` if the first connect fails."""
     auth: dict[str, Any] = {}
     if settings.nats_creds:
@@ -65,12 +112,13 @@ async def connect(
     async def _error(exc: Exception) -> None:
         log.debug("NATS: %s", exc)
 
+    nc = FastClient()
     try:
-        return await nats.connect(
+        await nc.connect(
             servers=[s.strip() for s in settings.nats_url.split(",")],
             name=name,
             max_reconnect_attempts=-1,
-            reconnect_time_wait=0.25,
+            reconnect_time_wait=0.25,  # type: ignore[arg-type]  # annotated int, used as seconds
             connect_timeout=2,
             disconnected_cb=_disconnected,
             reconnected_cb=_reconnected,
@@ -80,6 +128,7 @@ async def connect(
         )
     except (nats.errors.NoServersError, OSError, TimeoutError) as exc:
         raise BusUnavailable(f"cannot reach NATS at {settings.nats_url}: {exc}") from exc
+    return nc
 
 
 async def ensure_stream(js: JetStreamContext, settings: Settings) -> None:
@@ -132,7 +181,8 @@ class EventConsumer:
 
     nats-py's ``fetch`` awaits each message with its own timeout, which costs more than the
     rest of the ingest together; this keeps one pull request outstanding, lets the server
-    stream into a buffer, and hands over a batch when it is full or the stream pauses.
+    stream into a buffer (raw, through ``FastClient``), and hands over a batch when it is full
+    or the stream pauses.
 
     Ack-all acknowledges every pending message up to a stream sequence, including messages
     delivered to someone else. It is safe here because (1) one ingest runs at a time (the
@@ -149,7 +199,7 @@ class EventConsumer:
         self._settings = settings
         self._sub: Subscription | None = None
         self._inbox = ""
-        self._buffer: list[Msg] = []
+        self._buffer: list[Delivery] = []
         self._arrived = asyncio.Event()
         self._request_until = 0.0  # monotonic deadline of the outstanding pull request
         self._request_left = 0  # messages the outstanding request may still deliver
@@ -204,23 +254,41 @@ class EventConsumer:
             pending_msgs_limit=-1,
             pending_bytes_limit=-1,
         )
+        if isinstance(self._nc, FastClient):
+            self._nc.deliver_raw(self._sub, self._on_raw)
         self._request_until = 0.0
         self._broken = None
 
+    def _on_raw(self, subject: bytes, reply: bytes, data: bytes, headers: bytes | None) -> None:
+        if headers is not None and not data and headers.startswith(b"NATS/1.0 "):
+            # A status: b"NATS/1.0 404 No Messages\r\n...", 408 Request Timeout, 409 ...
+            line = headers.split(b"\r\n", 1)[0].decode(errors="replace")
+            self._on_status(line[9:12], line[13:])
+            return
+        self._on_delivery(Delivery(subject.decode(), reply.decode(), data))
+
     async def _on_message(self, msg: Msg) -> None:
+        # nats-py's path, used when the client is not a FastClient.
         status = msg.headers.get("Status") if msg.headers else None
         if status is None:
-            self._request_left -= 1
-            buffer = self._buffer
-            buffer.append(msg)
-            if self._request_left <= 0:
-                self._request_until = 0.0  # the request is complete
-            elif len(buffer) % _WAKE_EVERY != 1:
-                return  # wake the fetcher on the first message and every _WAKE_EVERY after
-        elif status in ("404", "408", "409"):
+            self._on_delivery(Delivery(msg.subject, msg.reply, msg.data))
+        else:
+            self._on_status(status, (msg.headers or {}).get("Description", ""))
+
+    def _on_delivery(self, delivery: Delivery) -> None:
+        self._request_left -= 1
+        buffer = self._buffer
+        buffer.append(delivery)
+        if self._request_left <= 0:
+            self._request_until = 0.0  # the request is complete
+        elif len(buffer) % _WAKE_EVERY != 1:
+            return  # wake the fetcher on the first message and every _WAKE_EVERY after
+        self._arrived.set()
+
+    def _on_status(self, status: str, description: str) -> None:
+        if status in ("404", "408", "409"):
             # The pull request ended (no messages, expired, or refused).
             self._request_until = 0.0
-            description = (msg.headers or {}).get("Description", "")
             if status == "409" and "Consumer Deleted" in description:
                 self._broken = "the consumer was deleted"
         self._arrived.set()
@@ -230,6 +298,8 @@ class EventConsumer:
         sub, self._sub = self._sub, None
         self._buffer = []
         self._request_until = 0.0
+        if sub is not None and isinstance(self._nc, FastClient):
+            self._nc.deliver_raw(sub, None)
         if sub is not None:
             try:
                 await sub.unsubscribe()
@@ -247,7 +317,7 @@ class EventConsumer:
         # A request the server forgot (it restarted) is treated as ended after its expiry.
         self._request_until = time.monotonic() + wait_s + 0.5
 
-    async def fetch(self, batch: int, wait_s: float) -> list[Msg]:
+    async def fetch(self, batch: int, wait_s: float) -> list[Delivery]:
         """Up to ``batch`` messages; [] when none arrived within ``wait_s`` seconds.
 
         Raises ``BusUnavailable`` when NATS is unreachable (the caller backs off and retries).
@@ -285,7 +355,7 @@ class EventConsumer:
             raise BusUnavailable(f"{type(exc).__name__}: {exc}") from exc
         return taken
 
-    def _continuous(self, msgs: list[Msg]) -> bool:
+    def _continuous(self, msgs: list[Delivery]) -> bool:
         """Check that no delivery went missing before or inside ``msgs`` (one inbox, in order)."""
         first = delivery(msgs[0].reply)[1]
         last = delivery(msgs[-1].reply)[1]
@@ -299,11 +369,11 @@ class EventConsumer:
         self._buffer = []
         return False
 
-    async def ack_through(self, msg: Msg, epoch: int) -> bool:
-        """Acknowledge ``msg`` and everything delivered before it; False if the epoch passed."""
+    async def ack_through(self, delivery: Delivery, epoch: int) -> bool:
+        """Acknowledge ``delivery`` and all delivered before it; False if the epoch passed."""
         if epoch != self.epoch:
             return False  # the consumer was re-created: these messages come again
-        await msg.ack()
+        await self._nc.publish(delivery.reply, b"+ACK")
         return True
 
     async def pending(self) -> int:

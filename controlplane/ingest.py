@@ -17,9 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from nats.aio.msg import Msg
-
-from controlplane.bus import EventConsumer, delivery
+from controlplane.bus import Delivery, EventConsumer, delivery
 from controlplane.core.records import DeadLetter
 from controlplane.decode import decode
 from controlplane.errors import BusUnavailable, StoreError, StoreUnavailable
@@ -42,7 +40,7 @@ class Batch:
     #: The events pre-encoded for the store, parallel to ``events`` (None: not needed).
     encoded: list[bytes] | None
     dead_letters: list[DeadLetter]
-    last: Msg
+    last: Delivery
     size: int
     #: The consumer epoch the messages were delivered in.
     epoch: int
@@ -83,7 +81,7 @@ class Backoff:
             await asyncio.wait_for(stop.wait(), delay)
 
 
-def decode_batch(msgs: Sequence[Msg], epoch: int = 0) -> Batch:
+def decode_batch(msgs: Sequence[Delivery], epoch: int = 0) -> Batch:
     """Decode every message of a fetch; bad ones become dead letters keyed by stream sequence."""
     events: list[EnvelopeBase] = []
     letters: list[DeadLetter] = []
@@ -233,7 +231,7 @@ class Ingest:
             idle_since = time.monotonic()
             await queue.put(await self._prepare(msgs))
 
-    async def _prepare(self, msgs: list[Msg]) -> Batch:
+    async def _prepare(self, msgs: list[Delivery]) -> Batch:
         """Decode and pre-encode a fetch in slices, yielding to the loop in between, so the
         writer's round trips to PostgreSQL are answered promptly meanwhile."""
         epoch = self._consumer.epoch

@@ -1,0 +1,112 @@
+"""A load generator that speaks the NATS protocol directly, as ``nats bench`` does.
+
+Frames are encoded before the clock starts, so publishing costs the machine little and the
+benchmark measures the control plane rather than a Python client. Every message asks for a
+JetStream acknowledgement and at most ``window`` are unacknowledged at once: JetStream drops
+core publishes it cannot keep up with, so flow control is what makes "lost" mean something.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from controlplane.publish import MSG_ID_HEADER, Outgoing
+
+_ACK_PREFIX = b"_INBOX.loadgen"
+
+
+def frames(messages: Sequence[Outgoing]) -> list[bytes]:
+    """The HPUB frame of each message, replying to a per-message ack subject."""
+    out = []
+    for i, m in enumerate(messages):
+        header = b"NATS/1.0\r\n%s: %s\r\n\r\n" % (MSG_ID_HEADER.encode(), (m.msg_id or "").encode())
+        out.append(
+            b"HPUB %s %s.%d %d %d\r\n%s%s\r\n"
+            % (
+                m.subject.encode(),
+                _ACK_PREFIX,
+                i,
+                len(header),
+                len(header) + len(m.data),
+                header,
+                m.data,
+            )
+        )
+    return out
+
+
+@dataclass
+class _Acks:
+    acked: int = 0
+    errors: int = 0
+    progress: asyncio.Event = field(default_factory=asyncio.Event)
+    pong: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+async def _read(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, acks: _Acks) -> None:
+    buf = b""
+    while True:
+        data = await reader.read(1 << 16)
+        if not data:
+            return
+        buf += data
+        while True:
+            nl = buf.find(b"\r\n")
+            if nl < 0:
+                break
+            line = buf[:nl]
+            if line.startswith(b"MSG "):
+                end = nl + 2 + int(line.rsplit(b" ", 1)[1]) + 2
+                if len(buf) < end:
+                    break
+                acks.acked += 1
+                if b'"error"' in buf[nl + 2 : end]:
+                    acks.errors += 1
+                buf = buf[end:]
+                acks.progress.set()
+                continue
+            if line.startswith(b"PING"):
+                writer.write(b"PONG\r\n")
+            elif line.startswith(b"PONG"):
+                acks.pong.set()
+            elif line.startswith(b"-ERR"):
+                raise ConnectionError(line.decode().strip())
+            buf = buf[nl + 2 :]
+
+
+async def send(url: str, encoded: Sequence[bytes], *, window: int = 8192) -> int:
+    """Publish every frame and wait for its acknowledgement; return how many were refused."""
+    parts = urlsplit(url)
+    reader, writer = await asyncio.open_connection(parts.hostname, parts.port or 4222)
+    acks = _Acks()
+    reading = asyncio.ensure_future(_read(reader, writer, acks))
+    try:
+        options = {"verbose": False, "pedantic": False, "headers": True, "lang": "loadgen"}
+        if parts.username:
+            options["user"] = parts.username
+            options["pass"] = parts.password or ""
+        writer.write(
+            b"CONNECT %s\r\nSUB %s.* 1\r\nPING\r\n" % (json.dumps(options).encode(), _ACK_PREFIX)
+        )
+        await asyncio.wait_for(acks.pong.wait(), 10)
+        sent = 0
+        while sent < len(encoded):
+            while sent - acks.acked >= window:
+                acks.progress.clear()
+                await asyncio.wait_for(acks.progress.wait(), 30)
+            upto = min(len(encoded), acks.acked + window)
+            writer.write(b"".join(encoded[sent:upto]))
+            await writer.drain()
+            sent = upto
+        while acks.acked < len(encoded):
+            acks.progress.clear()
+            await asyncio.wait_for(acks.progress.wait(), 30)
+        return acks.errors
+    finally:
+        reading.cancel()
+        writer.close()
+        await writer.wait_closed()
