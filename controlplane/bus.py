@@ -104,7 +104,8 @@ async def connect(
         auth["password"] = settings.nats_password or ""
 
     async def _disconnected() -> None:
-        log.warning("NATS disconnected; reconnecting")
+        if not nc.is_closed:  # closing on purpose disconnects too
+            log.warning("NATS disconnected; reconnecting")
 
     async def _reconnected() -> None:
         log.info("NATS reconnected")

@@ -78,6 +78,13 @@ class NatsServer:
         """The client URL."""
         return f"nats://{self.host}:{self.port}"
 
+    kind = "nats"
+
+    @property
+    def pid(self) -> int | None:
+        """The server's process id while it runs."""
+        return self._proc.pid if self.running and self._proc is not None else None
+
     @property
     def running(self) -> bool:
         """True while the server process is alive."""
@@ -160,6 +167,16 @@ class PostgresServer:
         self.directory = Path(directory)
         self.pgdata = self.directory / "pgdata"
         self._server: Any = None
+
+    kind = "postgres"
+
+    @property
+    def pid(self) -> int | None:
+        """The postmaster's process id (its backends are its children)."""
+        if self._server is None:
+            return None
+        pid: int | None = self._server.get_pid()
+        return pid
 
     @property
     def url(self) -> str:

@@ -63,6 +63,21 @@ async def _consumer_ready(url: str, settings: Settings, wait_s: float = 60.0) ->
         await nc.close()
 
 
+def _cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """CPU seconds used so far by each named process; PostgreSQL's include its backends."""
+    import psutil
+
+    out: dict[str, float] = {}
+    for name, pid in pids.items():
+        try:
+            proc = psutil.Process(pid)
+            procs = [proc, *proc.children(recursive=True)] if name == "postgres" else [proc]
+            out[name] = sum(p.cpu_times().user + p.cpu_times().system for p in procs)
+        except psutil.Error:
+            continue
+    return out
+
+
 def run_ingest_bench(*, events: int, members: int = 64, progress: bool = True) -> dict[str, Any]:
     """Run the benchmark and return its figures."""
     nats_url = os.environ.get(NATS_URL_ENV)
@@ -101,6 +116,11 @@ def run_ingest_bench(*, events: int, members: int = 64, progress: bool = True) -
         encoded = loadgen.frames(messages)
         if progress:
             _progress(f"publishing {events:,} events")
+        groups = {"controlplane": serve.pid, "publisher": os.getpid()}
+        for server in servers:  # embedded ones only: an external server's time is not ours
+            if server.pid:
+                groups[server.kind] = server.pid
+        cpu_before = _cpu_seconds(groups)
         started = time.monotonic()
         refused = asyncio.run(loadgen.send(nats_url, encoded))
         published = time.monotonic()
@@ -113,6 +133,7 @@ def run_ingest_bench(*, events: int, members: int = 64, progress: bool = True) -
         while store.last_position() - start_position < events and time.monotonic() < deadline:
             time.sleep(0.01)
         committed = time.monotonic()
+        cpu_after = _cpu_seconds(groups)
         count, distinct = _count(database_url, job.job_id)
 
         stored = list(store.iter_events(job_id=job.job_id))
@@ -135,6 +156,11 @@ def run_ingest_bench(*, events: int, members: int = 64, progress: bool = True) -
             "duplicated": count - distinct,
             "fold_events_per_s": round(len(stored) / fold_s, 1),
             "fold_members": len(view.members),
+            # Where the machine's time went, per event, from first publish to last commit.
+            "cpu_us_per_event": {
+                name: round((cpu_after[name] - cpu_before.get(name, 0.0)) / events * 1e6, 1)
+                for name in cpu_after
+            },
             "nats_url": "embedded" if os.environ.get(NATS_URL_ENV) is None else "external",
             "database": "embedded" if os.environ.get(DATABASE_URL_ENV) is None else "external",
         }
