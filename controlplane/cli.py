@@ -95,6 +95,13 @@ def schemas_export(
 def bench_ingest(
     events: Annotated[int, typer.Option(min=1, help="Events to publish.")] = 200_000,
     members: Annotated[int, typer.Option(min=1, help="Publishing members (sources).")] = 64,
+    prefill: Annotated[
+        bool,
+        typer.Option(
+            "--prefill",
+            help="Publish everything first, then time the control plane draining the stream.",
+        ),
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print only the JSON result.")] = False,
 ) -> None:
     """Publish events through NATS into PostgreSQL and measure throughput, loss and duplicates.
@@ -105,7 +112,7 @@ def bench_ingest(
     from controlplane.bench.ingest import run_ingest_bench
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    result = run_ingest_bench(events=events, members=members, progress=not as_json)
+    result = run_ingest_bench(events=events, members=members, prefill=prefill, progress=not as_json)
     typer.echo(json.dumps(result))
 
 

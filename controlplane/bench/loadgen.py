@@ -97,14 +97,26 @@ async def send(url: str, encoded: Sequence[bytes], *, window: int = 8192) -> int
         while sent < len(encoded):
             while sent - acks.acked >= window:
                 acks.progress.clear()
-                await asyncio.wait_for(acks.progress.wait(), 30)
+                try:
+                    await asyncio.wait_for(acks.progress.wait(), 30)
+                except TimeoutError:
+                    raise TimeoutError(
+                        f"{sent - acks.acked} publishes unacknowledged after 30s: "
+                        "is there a JetStream stream for these subjects?"
+                    ) from None
             upto = min(len(encoded), acks.acked + window)
             writer.write(b"".join(encoded[sent:upto]))
             await writer.drain()
             sent = upto
         while acks.acked < len(encoded):
             acks.progress.clear()
-            await asyncio.wait_for(acks.progress.wait(), 30)
+            try:
+                await asyncio.wait_for(acks.progress.wait(), 30)
+            except TimeoutError:
+                raise TimeoutError(
+                    f"{len(encoded) - acks.acked} publishes unacknowledged after 30s: "
+                    "is there a JetStream stream for these subjects?"
+                ) from None
         return acks.errors
     finally:
         reading.cancel()
