@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from controlplane.core.placement import Slot, place
 from controlplane.subjects import event_subject
 from schemas.common import CONTROLPLANE_SOURCE
 
@@ -38,6 +39,10 @@ class SyntheticJob:
         self.members = [
             (f"m{i}", nodes[i % len(nodes)][0], nodes[i % len(nodes)][1]) for i in range(members)
         ]
+        self.redundancy = min(2, members - 1)
+        self.placement = place(
+            [Slot(m, node, rack) for m, node, rack in self.members], self.redundancy
+        )
         self.incarnation = f"inc{seed}"
         self._seq: dict[str, int] = {}
         self._tick = 0
@@ -66,23 +71,18 @@ class SyntheticJob:
     def controlplane_events(self) -> list[dict[str, Any]]:
         """What the control plane records first: the registration and generation 0."""
         world = [m for m, _, _ in self.members]
-        n = len(world)
         placement = [
-            {
-                "shard": r,
-                "owner": world[r],
-                "holders": [world[(r + 1) % n], world[(r + 2) % n]][: max(0, n - 1)],
-            }
-            for r in range(n)
+            {"shard": s.shard, "owner": s.owner, "holders": list(s.holders)}
+            for s in self.placement.shards
         ]
         return [
             self.envelope(CONTROLPLANE_SOURCE, "job.registered", {
                 "name": "synthetic",
-                "policy": {"backup_interval": self.backup_interval, "redundancy": min(2, n - 1)},
+                "policy": {"backup_interval": self.backup_interval, "redundancy": self.redundancy},
             }),
             self.envelope(CONTROLPLANE_SOURCE, "generation.started", {
                 "generation": 0, "world": world, "rendezvous": "tcp://127.0.0.1:0/g0",
-                "placement": placement,
+                "placement": placement, "placement_note": self.placement.note,
             }),
         ]  # fmt: skip
 
@@ -97,7 +97,10 @@ class SyntheticJob:
                 "role": "worker", "device": "cpu", "backup_endpoint": f"{node}:7000",
             })  # fmt: skip
             emitted += 1
-        n = len(self.members)
+        holds: dict[str, list[int]] = {m: [] for m, _, _ in self.members}
+        for entry in self.placement.shards:
+            for holder in entry.holders:
+                holds[holder].append(entry.shard)
         step = 0
         while emitted < count:
             step += 1
@@ -116,9 +119,7 @@ class SyntheticJob:
                         "step": step, "shard": r, "nbytes": 4096,
                         "checksum": self._checksum(step, r), "seconds": 0.001,
                     }))  # fmt: skip
-                    # This member holds the shards of the two ranks before it.
-                    for back in (1, 2)[: min(2, n - 1)]:
-                        shard = (r - back) % n
+                    for shard in holds[member]:
                         batch.append(("backup.replicated", {
                             "step": step, "shard": shard, "owner": self.members[shard][0],
                             "nbytes": 4096, "checksum": self._checksum(step, shard),
