@@ -78,6 +78,18 @@ async def _read(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, acks
             buf = buf[nl + 2 :]
 
 
+async def _progress(acks: _Acks, sent: int, wait_s: float = 30.0) -> None:
+    """Wait for more acknowledgements; fail clearly when none come."""
+    acks.progress.clear()
+    try:
+        await asyncio.wait_for(acks.progress.wait(), wait_s)
+    except TimeoutError:
+        raise TimeoutError(
+            f"{sent - acks.acked} publishes unacknowledged after {wait_s:.0f}s: "
+            "is there a JetStream stream for these subjects?"
+        ) from None
+
+
 async def send(url: str, encoded: Sequence[bytes], *, window: int = 8192) -> int:
     """Publish every frame and wait for its acknowledgement; return how many were refused."""
     parts = urlsplit(url)
@@ -96,27 +108,13 @@ async def send(url: str, encoded: Sequence[bytes], *, window: int = 8192) -> int
         sent = 0
         while sent < len(encoded):
             while sent - acks.acked >= window:
-                acks.progress.clear()
-                try:
-                    await asyncio.wait_for(acks.progress.wait(), 30)
-                except TimeoutError:
-                    raise TimeoutError(
-                        f"{sent - acks.acked} publishes unacknowledged after 30s: "
-                        "is there a JetStream stream for these subjects?"
-                    ) from None
+                await _progress(acks, sent)
             upto = min(len(encoded), acks.acked + window)
             writer.write(b"".join(encoded[sent:upto]))
             await writer.drain()
             sent = upto
         while acks.acked < len(encoded):
-            acks.progress.clear()
-            try:
-                await asyncio.wait_for(acks.progress.wait(), 30)
-            except TimeoutError:
-                raise TimeoutError(
-                    f"{len(encoded) - acks.acked} publishes unacknowledged after 30s: "
-                    "is there a JetStream stream for these subjects?"
-                ) from None
+            await _progress(acks, sent)
         return acks.errors
     finally:
         reading.cancel()

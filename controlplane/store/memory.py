@@ -10,7 +10,7 @@ from controlplane.core.records import DeadLetter, StoredEvent
 from controlplane.core.sequence import Cursor, CursorKey, SeqGap, sequence
 from controlplane.errors import ConcurrencyError
 from controlplane.store.planning import refused_letters, split_stale, unique
-from controlplane.store.port import AppendResult, StoredDeadLetter
+from controlplane.store.port import AppendResult, StoredDeadLetter, paged
 from schemas.events import EnvelopeBase
 
 
@@ -99,12 +99,7 @@ class InMemoryEventStore:
     def iter_events(
         self, *, job_id: str | None = None, after: int = 0, batch: int = 10_000
     ) -> Iterator[StoredEvent]:
-        while True:
-            page = self.read(job_id=job_id, after=after, limit=batch)
-            yield from page
-            if len(page) < batch:
-                return
-            after = page[-1].position
+        return paged(self.read, job_id=job_id, after=after, batch=batch)
 
     def last_position(self) -> int:
         with self._lock:

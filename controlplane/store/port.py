@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -94,3 +94,15 @@ class EventStore(Protocol):
     def job_ids(self) -> list[str]:
         """Every job that has an event, in order of first appearance."""
         ...
+
+
+def paged(
+    read: Callable[..., list[StoredEvent]], *, job_id: str | None, after: int, batch: int
+) -> Iterator[StoredEvent]:
+    """Every event after ``after``, read ``batch`` at a time with a store's ``read``."""
+    while True:
+        page = read(job_id=job_id, after=after, limit=batch)
+        yield from page
+        if len(page) < batch:
+            return
+        after = page[-1].position

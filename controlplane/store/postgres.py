@@ -23,7 +23,7 @@ from controlplane.core.sequence import Cursor, CursorKey, SeqGap, sequence
 from controlplane.errors import ConcurrencyError, SchemaNotMigrated, StoreError, StoreUnavailable
 from controlplane.settings import libpq_url, sqlalchemy_url
 from controlplane.store.planning import gap_rows, refused_letters, split_stale, unique
-from controlplane.store.port import AppendResult, StoredDeadLetter
+from controlplane.store.port import AppendResult, StoredDeadLetter, paged
 from controlplane.store.tables import dead_letters as dead_letters_table
 from controlplane.store.tables import events as events_table
 from controlplane.store.tables import seq_gaps as seq_gaps_table
@@ -170,12 +170,7 @@ class PostgresEventStore:
     def iter_events(
         self, *, job_id: str | None = None, after: int = 0, batch: int = 10_000
     ) -> Iterator[StoredEvent]:
-        while True:
-            page = self.read(job_id=job_id, after=after, limit=batch)
-            yield from page
-            if len(page) < batch:
-                return
-            after = page[-1].position
+        return paged(self.read, job_id=job_id, after=after, batch=batch)
 
     def last_position(self) -> int:
         with _translated(), self.engine.connect() as conn:
