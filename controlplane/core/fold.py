@@ -310,6 +310,7 @@ class _Fold:
         member.exit_code = p.exit_code
         member.exit_signal = p.signal
         member.exited_at = stored.recorded_at
+        member.exited_position = stored.position
 
     def _decision(self, stored: StoredEvent, generation: int) -> Decision | None:
         """The open incident's decision for ``generation``, owned by this fold."""
@@ -410,7 +411,10 @@ class _Fold:
             if member_id not in incident.members:
                 incident.members.append(member_id)
             member = self._member(member_id)
-            if member is not None and member.status is MemberStatus.ACTIVE:
+            if member is None:
+                continue
+            member.detected_position = stored.position
+            if member.status is MemberStatus.ACTIVE:
                 member.status = MemberStatus.FAILED
                 member.failed_reason = p.reason
         incident.reasons.append(p.detail)

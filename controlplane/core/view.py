@@ -69,7 +69,10 @@ class Member:
     exit_code: int | None = None
     exit_signal: int | None = None
     exited_at: datetime | None = None
+    exited_position: int | None = None
     failed_reason: str | None = None
+    #: Position of the ``fault.detected`` that named this member (its incarnation), if any.
+    detected_position: int | None = None
 
 
 @dataclass(slots=True)

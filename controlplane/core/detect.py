@@ -1,0 +1,128 @@
+"""Fault detection: which members have failed, by the evidence in a job view at time ``now``.
+
+Pure: the view and the time are arguments. A member has failed when its launcher reported its
+exit, when it reported an error of its own (an exception, running out of memory), when a peer
+reported a collective error that names it, or when its last heartbeat is older than the timeout
+of the phase it last reported (backup and restore get their own, longer timeouts). A member
+already named by a ``fault.detected`` is not found again, so detection is idempotent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from controlplane.core.view import JobView, Member, MemberStatus
+from schemas.common import FaultKind, FaultReason, Phase
+
+#: Faults a member reports about itself: it cannot go on.
+SELF_FAULTS = frozenset({FaultKind.EXCEPTION, FaultKind.OOM, FaultKind.NAN_LOSS, FaultKind.OTHER})
+#: Faults a member reports about peers (named as suspects).
+PEER_FAULTS = frozenset({FaultKind.COLLECTIVE_ERROR, FaultKind.TIMEOUT})
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """One failed member, why, and the events that show it."""
+
+    member: str
+    reason: FaultReason
+    detail: str
+    #: (member the evidence is about or from, what it is, log position or None, when)
+    evidence: tuple[tuple[str, str, int | None, datetime | None], ...]
+
+
+def _watched(member: Member) -> bool:
+    """Members whose failure matters and is not yet detected."""
+    return member.detected_position is None and (
+        member.status is MemberStatus.ACTIVE or member.status is MemberStatus.EXITED
+    )
+
+
+def heartbeat_timeout(view: JobView, phase: Phase) -> float:
+    """Seconds of silence after which a member in ``phase`` has failed."""
+    timeouts = view.effective_policy.heartbeat_timeout_s
+    return timeouts.get(phase, timeouts.get(Phase.TRAIN, 5.0))
+
+
+def detect(view: JobView, now: datetime) -> list[Finding]:
+    """Every member that has failed and was not yet named by a ``fault.detected``."""
+    findings: dict[str, Finding] = {}
+    members = view.members
+
+    for member in members.values():
+        if not _watched(member):
+            continue
+        if member.status is MemberStatus.EXITED:
+            how = (
+                f"killed by signal {member.exit_signal}"
+                if member.exit_signal
+                else f"exited with status {member.exit_code}"
+            )
+            findings[member.member_id] = Finding(
+                member.member_id,
+                FaultReason.EXITED,
+                f"{member.member_id} {how}",
+                ((member.member_id, "member.exited", member.exited_position, member.exited_at),),
+            )
+
+    for reporter in members.values():
+        report = reporter.last_fault
+        if report is None:
+            continue
+        if report.kind in SELF_FAULTS and _watched(reporter):
+            findings.setdefault(
+                reporter.member_id,
+                Finding(
+                    reporter.member_id,
+                    FaultReason.REPORTED,
+                    f"{reporter.member_id} reported {report.kind}: {report.detail}"[:4096],
+                    ((reporter.member_id, "member.fault", report.position, report.at),),
+                ),
+            )
+        elif report.kind in PEER_FAULTS:
+            for suspect_id in report.suspects:
+                suspect = members.get(suspect_id)
+                # A report from before the suspect's current incarnation joined is stale.
+                if (
+                    suspect is None
+                    or not _watched(suspect)
+                    or report.position < suspect.joined_position
+                ):
+                    continue
+                findings.setdefault(
+                    suspect_id,
+                    Finding(
+                        suspect_id,
+                        FaultReason.REPORTED,
+                        f"{reporter.member_id} lost {suspect_id} in a collective: {report.detail}"[
+                            :4096
+                        ],
+                        ((reporter.member_id, "member.fault", report.position, report.at),),
+                    ),
+                )
+
+    for member in members.values():
+        if member.member_id in findings or not _watched(member):
+            continue
+        if member.status is not MemberStatus.ACTIVE:
+            continue
+        last = member.last_heartbeat_at or member.joined_at
+        silent = (now - last).total_seconds()
+        limit = heartbeat_timeout(view, member.phase)
+        if silent > limit:
+            findings[member.member_id] = Finding(
+                member.member_id,
+                FaultReason.HEARTBEAT_TIMEOUT,
+                f"{member.member_id} silent for {silent:.1f}s in phase {member.phase.value}"
+                f" (timeout {limit:g}s)",
+                (
+                    (
+                        member.member_id,
+                        "member.heartbeat" if member.last_heartbeat_at else "member.joined",
+                        member.last_heartbeat_position or member.joined_position,
+                        last,
+                    ),
+                ),
+            )
+    return [findings[m] for m in sorted(findings)]
