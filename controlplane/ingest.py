@@ -187,7 +187,7 @@ class Ingest:
         appender: Appender,
         consumer: EventConsumer,
         *,
-        batch: int = 5000,
+        batch: int = 10_000,
         fetch_wait_s: float = 0.5,
         retry_max_s: float = 5.0,
         on_commit: Callable[[AppendResult], None] | None = None,
