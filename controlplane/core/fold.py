@@ -8,6 +8,7 @@ time this call changes it, so folding a batch costs O(batch + touched), not O(ba
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import fields, replace
 from typing import Any
@@ -36,22 +37,28 @@ _VIEW_FIELDS = tuple(f.name for f in fields(JobView))
 
 def fold(view: JobView | None, events: Iterable[StoredEvent]) -> JobView:
     """Apply ``events`` (all of one job, in log order) to ``view`` and return the new view."""
-    folder: _Fold | None = None if view is None else _Fold(view)
-    last: StoredEvent | None = None
+    iterator = iter(events)
+    first = next(iterator, None)
+    if first is None:
+        if view is None:
+            raise ValueError("fold of no events needs a starting view")
+        return view
+    folder = _Fold(view if view is not None else JobView(job_id=first.event.job_id))
+    job_id = folder.view.job_id
+    handlers = _HANDLERS
+    last = first
     count = 0
-    for stored in events:
-        if folder is None:
-            folder = _Fold(JobView(job_id=stored.event.job_id))
-        folder.apply(stored)
+    for stored in itertools.chain((first,), iterator):
+        event = stored.event
+        if event.job_id != job_id:
+            raise ValueError(f"event of job {event.job_id!r} folded into job {job_id!r}")
+        handlers[event.type](folder, stored, event.payload)
         last = stored
         count += 1
-    if folder is None:
-        raise ValueError("fold of no events needs a starting view")
     result = folder.view
-    if last is not None:
-        result.last_position = last.position
-        result.last_recorded_at = last.recorded_at
-        result.events += count
+    result.last_position = last.position
+    result.last_recorded_at = last.recorded_at
+    result.events += count
     return result
 
 
@@ -132,14 +139,6 @@ class _Fold:
         anomalies.append(f"#{stored.position} {stored.event.type}: {text}")
         if len(anomalies) > MAX_ANOMALIES:
             del anomalies[0]
-
-    # ------------------------------------------------------------------ dispatch
-
-    def apply(self, stored: StoredEvent) -> None:
-        event = stored.event
-        if event.job_id != self.view.job_id:
-            raise ValueError(f"event of job {event.job_id!r} folded into job {self.view.job_id!r}")
-        _HANDLERS[event.type](self, stored, event.payload)
 
     # ------------------------------------------------------------------ member events
 
