@@ -1,0 +1,89 @@
+"""Which step a job restores to after a fault, and where each shard's state comes from.
+
+The restore step is the newest backup step for which every shard has a checksum-verified copy
+on a surviving member (the owner's own snapshot counts while the owner survives). Each shard
+then comes from the member that will run it if that member holds a copy (local memory), else
+from a surviving holder on the same node, then the same rack, then anywhere, the least used
+source first, so one holder does not serve every shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Set
+from dataclasses import dataclass
+
+from controlplane.core.placement import Slot
+from controlplane.core.view import JobView, ShardBackup, StepBackup
+
+
+@dataclass(frozen=True, slots=True)
+class RestorePlan:
+    """The step to roll back to and, per shard, the member to take it from."""
+
+    step: int
+    generation: int
+    sources: tuple[tuple[int, str], ...]
+
+
+def surviving_copies(shard: ShardBackup, survivors: Set[str]) -> list[str]:
+    """Surviving members with a verified copy of ``shard`` (the owner first)."""
+    if shard.checksum is None:
+        return []
+    owner = [shard.owner] if shard.owner is not None and shard.owner in survivors else []
+    return owner + [h for h in shard.verified_holders() if h in survivors and h != shard.owner]
+
+
+def restorable(backup: StepBackup, survivors: Set[str]) -> bool:
+    """Every shard of ``backup`` has a verified copy on a survivor."""
+    if len(backup.shards) < backup.num_shards:
+        return False
+    return all(surviving_copies(s, survivors) for s in backup.shards.values())
+
+
+def plan_restore(
+    view: JobView,
+    survivors: Set[str],
+    receivers: Mapping[int, str],
+    slots: Mapping[str, Slot],
+) -> RestorePlan | None:
+    """The newest restorable step and a source per shard; None when no hot copy is whole.
+
+    ``receivers`` maps each shard to the member that will need it (its new owner);
+    ``slots`` locates members on nodes and racks.
+    """
+    for step in sorted(view.backups, reverse=True):
+        backup = view.backups[step]
+        if not restorable(backup, survivors):
+            continue
+        served: dict[str, int] = {}
+        sources = []
+        for shard_no in sorted(backup.shards):
+            copies = surviving_copies(backup.shards[shard_no], survivors)
+            receiver = receivers.get(shard_no)
+            source = _closest(copies, receiver, slots, served)
+            served[source] = served.get(source, 0) + 1
+            sources.append((shard_no, source))
+        return RestorePlan(step=step, generation=backup.generation, sources=tuple(sources))
+    return None
+
+
+def _closest(
+    copies: list[str], receiver: str | None, slots: Mapping[str, Slot], served: Mapping[str, int]
+) -> str:
+    if receiver is not None and receiver in copies:
+        return receiver  # already in its own memory
+    here = slots.get(receiver) if receiver is not None else None
+
+    def distance(member: str) -> tuple[int, int, int]:
+        slot = slots.get(member)
+        if here is None or slot is None:
+            near = 2
+        elif slot.node == here.node:
+            near = 0
+        elif slot.rack == here.rack:
+            near = 1
+        else:
+            near = 2
+        return (near, served.get(member, 0), copies.index(member))
+
+    return min(copies, key=distance)

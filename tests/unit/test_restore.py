@@ -1,0 +1,135 @@
+"""Choosing the restore step and the source of each shard."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from controlplane.core.fold import fold
+from controlplane.core.placement import Slot
+from controlplane.core.restore import plan_restore, surviving_copies
+from tests.factories import Events, recorded
+
+SLOTS = {
+    "m0": Slot("m0", "n0", "r0"),
+    "m1": Slot("m1", "n1", "r0"),
+    "m2": Slot("m2", "n2", "r1"),
+    "m3": Slot("m3", "n3", "r1"),
+    "spare": Slot("spare", "n1", "r0"),
+}
+WORLD = ["m0", "m1", "m2", "m3"]
+
+
+def backups(
+    ev: Events, step: int, holders: dict[int, list[str]], skip_owner: set[int] = frozenset()
+):
+    out = []
+    for r, owner in enumerate(WORLD):
+        checksum = f"crc32:{step:04x}{r:04x}"
+        if r not in skip_owner:
+            out.append(
+                ev.make(
+                    "backup.snapshot",
+                    {"step": step, "shard": r, "nbytes": 8, "checksum": checksum, "seconds": 0.0},
+                    source=f"{SLOTS[owner].node}/{owner}",
+                )
+            )
+        for holder in holders.get(r, []):
+            out.append(
+                ev.make(
+                    "backup.replicated",
+                    {
+                        "step": step,
+                        "shard": r,
+                        "owner": owner,
+                        "nbytes": 8,
+                        "checksum": checksum,
+                        "seconds": 0.0,
+                    },
+                    source=f"{SLOTS[holder].node}/{holder}",
+                )
+            )
+    return out
+
+
+def view_with(*steps):
+    ev = Events()
+    events = [ev.cp("job.registered", {"policy": {"redundancy": 1}})]
+    events += [ev.joined(m, node=s.node, rack=s.rack) for m, s in SLOTS.items()]
+    events.append(ev.cp("generation.started", {"generation": 0, "world": WORLD, "rendezvous": "x"}))
+    for step, holders in steps:
+        events += backups(ev, step, holders)
+    return fold(None, recorded(events))
+
+
+RING = {0: ["m2"], 1: ["m3"], 2: ["m0"], 3: ["m1"]}
+
+
+def test_survivors_restore_from_their_own_memory_and_the_spare_from_a_holder():
+    view = view_with((10, RING), (20, RING))
+    survivors = {"m0", "m1", "m2", "spare"}  # m3 died; the spare takes rank 3
+    receivers = {0: "m0", 1: "m1", 2: "m2", 3: "spare"}
+    plan = plan_restore(view, survivors, receivers, SLOTS)
+    assert plan is not None and plan.step == 20
+    assert dict(plan.sources) == {0: "m0", 1: "m1", 2: "m2", 3: "m1"}  # m1 holds shard 3
+
+
+def test_the_newest_step_whose_every_shard_survives():
+    # At step 20 shards 1 and 3 have one replica each (on m3, m1); at step 10 also on m2.
+    view = view_with((10, {**RING, 1: ["m3", "m2"], 3: ["m1", "m2"]}), (20, RING))
+    survivors = {"m0", "m2", "spare"}  # m1 and m3 died together
+    plan = plan_restore(view, survivors, {0: "m0", 1: "spare", 2: "m2", 3: "spare"}, SLOTS)
+    assert plan is not None and plan.step == 10
+    assert dict(plan.sources) == {0: "m0", 1: "m2", 2: "m2", 3: "m2"}
+
+
+def test_no_whole_copy_anywhere():
+    view = view_with((10, RING))
+    # Shard 1 lived on m1 and m3 only; both are gone.
+    assert plan_restore(view, {"m0", "m2", "spare"}, {}, SLOTS) is None
+
+
+def test_sources_spread_over_holders_and_prefer_nearby():
+    holders = {0: ["m1", "m2"], 1: ["m0", "m2"], 2: ["m3", "m0"], 3: ["m2", "m0"]}
+    view = view_with((10, holders))
+    survivors = {"m2", "m3", "spare"}  # rack r0's workers died
+    plan = plan_restore(view, survivors, {0: "spare", 1: "m3", 2: "m2", 3: "m3"}, SLOTS)
+    assert plan is not None
+    sources = dict(plan.sources)
+    assert sources[2] == "m2" and sources[3] == "m3"  # own memory
+    assert {sources[0], sources[1]} <= {"m2"}  # the only survivors holding them
+
+
+MEMBERS = list(SLOTS)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.fixed_dictionaries(
+            {r: st.lists(st.sampled_from(MEMBERS), max_size=3, unique=True) for r in range(4)}
+        ),
+        min_size=1,
+        max_size=3,
+    ),
+    st.sets(st.sampled_from(MEMBERS)),
+)
+def test_the_chosen_step_is_always_fully_covered_by_survivors(steps, survivors):
+    holders = [{r: [h for h in hs if h != WORLD[r]] for r, hs in step.items()} for step in steps]
+    view = view_with(*((10 * (i + 1), h) for i, h in enumerate(holders)))
+    receivers = dict(enumerate(WORLD))
+    plan = plan_restore(view, survivors, receivers, SLOTS)
+    covered = [
+        s
+        for s, b in view.backups.items()
+        if all(surviving_copies(x, survivors) for x in b.shards.values())
+    ]
+    if plan is None:
+        assert covered == []
+        return
+    assert plan.step == max(covered)
+    backup = view.backups[plan.step]
+    for shard, source in plan.sources:
+        assert source in survivors
+        assert source in surviving_copies(backup.shards[shard], survivors)
+    assert plan_restore(view, survivors, receivers, SLOTS) == plan  # deterministic
