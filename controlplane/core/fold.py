@@ -23,6 +23,7 @@ from controlplane.core.view import (
     FaultReport,
     Incident,
     JobView,
+    Mark,
     Member,
     MemberStatus,
     ReplicaCopy,
@@ -335,7 +336,7 @@ class _Fold:
             assert incident is not None
             for decision in incident.decisions:
                 if decision.command_id == command_id:
-                    decision.acked.setdefault(member_id, stored.position)
+                    decision.acked.setdefault(member_id, Mark(stored.position, stored.recorded_at))
                     return
         self._anomaly(stored, f"ack of unknown or closed command {command_id}")
 
@@ -343,13 +344,15 @@ class _Fold:
         member = self._known_member(stored)
         decision = self._decision(stored, p.generation)
         if decision is not None and member is not None:
-            decision.restored.setdefault(member.member_id, stored.position)
+            decision.restored.setdefault(
+                member.member_id, Mark(stored.position, stored.recorded_at)
+            )
 
     def _resumed(self, stored: StoredEvent, p: Any) -> None:
         member = self._known_member(stored)
         decision = self._decision(stored, p.generation)
         if decision is not None and member is not None:
-            decision.resumed.setdefault(member.member_id, stored.position)
+            decision.resumed.setdefault(member.member_id, Mark(stored.position, stored.recorded_at))
 
     def _train_completed(self, stored: StoredEvent, p: Any) -> None:
         self._known_member(stored)
@@ -402,6 +405,7 @@ class _Fold:
                 members=[],
                 reasons=[],
                 detections=[],
+                step_at_fault=view.last_step,
             )
             view.incidents[incident_id] = incident
             self._own_incidents.add(incident_id)
@@ -418,6 +422,14 @@ class _Fold:
                 member.failed_reason = p.reason
         incident.reasons.append(p.detail)
         incident.detections.append(stored.position)
+        for evidence in p.evidence:
+            if evidence.at is None:
+                continue
+            mark = Mark(
+                evidence.position if evidence.position is not None else stored.position, evidence.at
+            )
+            if incident.evidence is None or mark.at < incident.evidence.at:
+                incident.evidence = mark
 
     def _state_changed(self, stored: StoredEvent, p: Any) -> None:
         view = self.view

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
+from typing import NamedTuple
 
 from schemas.common import JobState, Phase, ReallocationMode, RestoreFrom, Role
 from schemas.events import JobPolicy, ShardPlacement
@@ -20,6 +21,13 @@ MAX_ANOMALIES = 100
 KEEP_COMPLETE_BACKUPS = 2
 #: The policy a job has before its registration is folded.
 DEFAULT_POLICY = JobPolicy()
+
+
+class Mark(NamedTuple):
+    """Where and when in the log something happened."""
+
+    position: int
+    at: datetime
 
 
 class MemberStatus(StrEnum):
@@ -137,9 +145,10 @@ class Decision:
     world: tuple[str, ...]
     restore_step: int
     restore_from: RestoreFrom
-    acked: dict[str, int] = field(default_factory=dict)
-    restored: dict[str, int] = field(default_factory=dict)
-    resumed: dict[str, int] = field(default_factory=dict)
+    #: member -> the first event that shows it (position and time).
+    acked: dict[str, Mark] = field(default_factory=dict)
+    restored: dict[str, Mark] = field(default_factory=dict)
+    resumed: dict[str, Mark] = field(default_factory=dict)
     first_step_position: int | None = None
     first_step_at: datetime | None = None
 
@@ -154,6 +163,10 @@ class Incident:
     members: list[str]
     reasons: list[str]
     detections: list[int]
+    #: The earliest evidence any detection cited (the fault itself), if it cited a time.
+    evidence: Mark | None = None
+    #: The job's newest step when the incident opened (steps after the restore step are lost).
+    step_at_fault: int = 0
     decisions: list[Decision] = field(default_factory=list)
     resolved_at: datetime | None = None
     resolved_position: int | None = None

@@ -344,3 +344,53 @@ def test_recorded_time_not_the_producer_clock_drives_liveness():
     late_clock = ev.heartbeat("m0", at=T0.replace(year=2030))
     view = fold(None, recorded([ev.joined("m0"), late_clock]))
     assert view.members["m0"].last_heartbeat_at.year == 2026
+
+
+def test_the_timeline_of_an_incident():
+    from controlplane.core.timeline import timeline
+
+    ev = Events()
+    events = incident_log(ev)
+    # The detection cites the exit event as its evidence, with the time it happened.
+    exited_index = next(i for i, e in enumerate(events) if e.type == "member.exited")
+    log = recorded(events)
+    exited = log[exited_index]
+    detected_index = exited_index + 1
+    payload = events[detected_index].payload.model_dump(by_alias=True)
+    payload["evidence"] = [
+        {
+            "member": "m3",
+            "what": "member.exited",
+            "position": exited.position,
+            "at": exited.recorded_at,
+        }
+    ]
+    events[detected_index] = ev.cp("fault.detected", payload, seq=events[detected_index].seq)
+    view = fold(None, recorded(events))
+    t = timeline(view.incidents[INCIDENT])
+
+    positions = {name: (mark.position if mark else None) for name, mark in t.points.items()}
+    assert positions["fault"] == exited.position
+    assert positions["detected"] == exited.position + 1
+    assert [
+        positions[p] for p in ("fault", "detected", "decided", "acked", "restored", "first_step")
+    ] == sorted(positions.values())
+    # recorded() spaces events one second apart, so each phase is the gap in positions.
+    assert t.phases["detect"] == 1.0
+    assert t.downtime_s == positions["first_step"] - positions["fault"]
+    assert sum(t.phases.values()) == t.downtime_s
+    assert t.steps_lost == 1  # at step 3 when it failed, restored to step 2
+    assert t.outcome == "recovered"
+
+
+def test_an_unfinished_timeline_has_open_points():
+    from controlplane.core.timeline import timeline
+
+    ev = Events()
+    events = incident_log(ev)
+    cut = next(i for i, e in enumerate(events) if e.type == "command.acked")
+    view = fold(None, recorded(events[:cut]))
+    t = timeline(view.incidents[INCIDENT])
+    assert t.points["decided"] is not None and t.points["acked"] is None
+    assert t.phases["ack"] is None and t.downtime_s is None
+    assert t.outcome is None
