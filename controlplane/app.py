@@ -25,9 +25,9 @@ from controlplane.store.postgres import PostgresEventStore
 log = logging.getLogger(__name__)
 
 
-def load_views(store: EventStore, *, after: int = 0) -> dict[str, JobView]:
+def load_views(store: EventStore) -> dict[str, JobView]:
     """Fold the whole stored log into job views."""
-    return fold_jobs({}, store.iter_events(after=after))
+    return fold_jobs({}, store.iter_events())
 
 
 class ControlPlane:

@@ -208,7 +208,6 @@ class EventConsumer:
         self._broken: str | None = None
         #: Bumped whenever the consumer is re-created; acks of older epochs are dropped.
         self.epoch = 0
-        self.restarts = 0
 
     async def _consumer_info(self) -> ConsumerInfo | None:
         try:
@@ -230,7 +229,6 @@ class EventConsumer:
         )
         self._expected = 1
         self.epoch += 1
-        self.restarts += 1
         log.warning("re-reading the stream from sequence %d: %s", floor + 1, reason)
 
     async def _subscribe(self) -> None:
@@ -379,5 +377,7 @@ class EventConsumer:
 
     async def pending(self) -> int:
         """Messages the server holds for this consumer that are not yet acknowledged."""
-        info = await self._js.consumer_info(self._settings.stream, self._settings.ingest_durable)
+        info = await self._consumer_info()
+        if info is None:
+            return 0
         return int(info.num_pending or 0) + int(info.num_ack_pending or 0)

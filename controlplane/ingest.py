@@ -81,17 +81,16 @@ class Backoff:
             await asyncio.wait_for(stop.wait(), delay)
 
 
-def decode_batch(msgs: Sequence[Delivery], epoch: int = 0) -> Batch:
-    """Decode every message of a fetch; bad ones become dead letters keyed by stream sequence."""
-    events: list[EnvelopeBase] = []
-    letters: list[DeadLetter] = []
+def decode_into(
+    msgs: Sequence[Delivery], events: list[EnvelopeBase], letters: list[DeadLetter]
+) -> None:
+    """Decode messages onto ``events``; bad ones become dead letters keyed by stream sequence."""
     for msg in msgs:
         decoded = decode(msg.subject, msg.data)
         if isinstance(decoded, DeadLetter):
             letters.append(dataclasses.replace(decoded, stream_seq=delivery(msg.reply)[0]))
         else:
             events.append(decoded)
-    return Batch(events, None, letters, msgs[-1], len(msgs), epoch)
 
 
 class Appender(Protocol):
@@ -235,25 +234,19 @@ class Ingest:
         """Decode and pre-encode a fetch in slices, yielding to the loop in between, so the
         writer's round trips to PostgreSQL are answered promptly meanwhile."""
         epoch = self._consumer.epoch
-        parts: list[Batch] = []
+        events: list[EnvelopeBase] = []
+        letters: list[DeadLetter] = []
         encoded: list[bytes] | None = []
         for start in range(0, len(msgs), _SLICE):
-            part = decode_batch(msgs[start : start + _SLICE], epoch)
-            rows = self._appender.encode(part.events)
+            first = len(events)
+            decode_into(msgs[start : start + _SLICE], events, letters)
+            rows = self._appender.encode(events[first:])
             if rows is None or encoded is None:
                 encoded = None
             else:
                 encoded.extend(rows)
-            parts.append(part)
             await asyncio.sleep(0)
-        return Batch(
-            events=[e for p in parts for e in p.events],
-            encoded=encoded,
-            dead_letters=[d for p in parts for d in p.dead_letters],
-            last=msgs[-1],
-            size=len(msgs),
-            epoch=epoch,
-        )
+        return Batch(events, encoded, letters, last=msgs[-1], size=len(msgs), epoch=epoch)
 
     async def _watchdog(self) -> None:
         # A pull subscription can go deaf after a server restart (nats.py #504).
