@@ -94,6 +94,8 @@ class FaultReason(StrEnum):
     EXITED = "exited"
     REPORTED = "reported"
     HEARTBEAT_TIMEOUT = "heartbeat_timeout"
+    #: It did not finish its part of a recovery before the policy's deadline.
+    RECOVERY_DEADLINE = "recovery_deadline"
 
 
 class ReallocationMode(StrEnum):
@@ -109,3 +111,5 @@ class RestoreFrom(StrEnum):
 
     MEMORY = "memory"
     CHECKPOINT = "checkpoint"
+    #: Nothing was ever backed up: every rank rebuilds the initial state from the seed.
+    INITIAL = "initial"

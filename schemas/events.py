@@ -56,12 +56,28 @@ class JobPolicy(Strict):
     recovery_deadline_s: PositiveSeconds = 60.0
     #: A cold checkpoint every this many backups (0: never).
     checkpoint_every: NonNegInt = 0
+    #: Workers the first generation waits for (None: ``min_world``).
+    world_size: Annotated[int, Field(ge=1, le=MAX_WORLD)] | None = None
+    #: After this long in PENDING the job starts with the workers it has (at least
+    #: ``min_world``), or stops.
+    start_timeout_s: PositiveSeconds = 300.0
+    #: Decisions one incident may take (cascades, missed deadlines) before the job stops.
+    max_decisions_per_incident: Annotated[int, Field(ge=1, le=1000)] = 8
 
     @model_validator(mode="after")
     def _world_bounds(self) -> JobPolicy:
         if self.min_world > self.max_world:
             raise ValueError("min_world must not exceed max_world")
+        if self.world_size is not None and not (
+            self.min_world <= self.world_size <= self.max_world
+        ):
+            raise ValueError("world_size must lie between min_world and max_world")
         return self
+
+    @property
+    def start_world(self) -> int:
+        """How many workers the first generation waits for."""
+        return self.world_size if self.world_size is not None else self.min_world
 
 
 class JobRegistered(Strict):
@@ -77,6 +93,8 @@ class MemberJoined(Strict):
     role: Role
     device: ShortText = "cpu"
     backup_endpoint: ShortText = ""
+    #: The policy the member's launcher asks for; the first one to join registers the job.
+    policy: JobPolicy | None = None
 
 
 class MemberHeartbeat(Strict):
@@ -103,6 +121,19 @@ class BackupReplicated(Strict):
     step: Step
     shard: NonNegInt
     owner: Ident
+    nbytes: NonNegInt
+    checksum: Checksum
+    seconds: Seconds
+
+
+class CheckpointSaved(Strict):
+    """One shard of a cold checkpoint is durable (renamed into place)."""
+
+    step: Step
+    shard: NonNegInt
+    #: Shards of the checkpoint at this step (the world size that wrote it).
+    shards: Annotated[int, Field(ge=1, le=MAX_WORLD)]
+    path: Text
     nbytes: NonNegInt
     checksum: Checksum
     seconds: Seconds
@@ -291,6 +322,14 @@ class BackupReplicatedEvent(EnvelopeBase):
     payload: BackupReplicated
 
 
+class CheckpointSavedEvent(EnvelopeBase):
+    """``checkpoint.saved``, version 1."""
+
+    type: Literal["checkpoint.saved"]
+    v: Literal[1]
+    payload: CheckpointSaved
+
+
 class MemberFaultEvent(EnvelopeBase):
     """``member.fault``, version 1."""
 
@@ -402,6 +441,7 @@ MEMBER_EVENT_TYPES: dict[str, type[Strict]] = {
     "train.step": TrainStep,
     "backup.snapshot": BackupSnapshot,
     "backup.replicated": BackupReplicated,
+    "checkpoint.saved": CheckpointSaved,
     "member.fault": MemberFault,
     "member.exited": MemberExited,
     "command.acked": CommandAcked,
@@ -433,6 +473,7 @@ Event = Annotated[
         TrainStepEvent,
         BackupSnapshotEvent,
         BackupReplicatedEvent,
+        CheckpointSavedEvent,
         MemberFaultEvent,
         MemberExitedEvent,
         CommandAckedEvent,
@@ -451,3 +492,9 @@ Event = Annotated[
 ]
 
 EVENT_ADAPTER: TypeAdapter[EnvelopeBase] = TypeAdapter(Event)
+
+#: Every event type -> its envelope class.
+EVENT_CLASSES: dict[str, type[EnvelopeBase]] = {
+    cls.model_fields["type"].annotation.__args__[0]: cls  # type: ignore[union-attr]
+    for cls in EnvelopeBase.__subclasses__()
+}

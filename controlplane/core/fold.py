@@ -19,6 +19,7 @@ from controlplane.core.view import (
     DEFAULT_POLICY,
     KEEP_COMPLETE_BACKUPS,
     MAX_ANOMALIES,
+    CheckpointStep,
     Decision,
     FaultReport,
     Incident,
@@ -31,7 +32,7 @@ from controlplane.core.view import (
     StateChange,
     StepBackup,
 )
-from schemas.common import JobState
+from schemas.common import JobState, ReallocationMode
 
 _VIEW_FIELDS = tuple(f.name for f in fields(JobView))
 
@@ -83,6 +84,7 @@ class _Fold:
         copy = JobView(**{name: getattr(view, name) for name in _VIEW_FIELDS})
         copy.members = dict(view.members)
         copy.backups = dict(view.backups)
+        copy.checkpoints = dict(view.checkpoints)
         copy.incidents = dict(view.incidents)
         copy.history = list(view.history)
         copy.anomalies = list(view.anomalies)
@@ -164,7 +166,10 @@ class _Fold:
             if previous is not None and previous.incarnation == event.incarnation
             else None,
             last_seen_at=stored.recorded_at,
+            joined_step=self.view.last_step,
         )
+        if p.policy is not None and self.view.requested_policy is None:
+            self.view.requested_policy = p.policy
         self._own_members.add(member_id)
         # The member object was replaced (and may have moved node): drop cached lookups.
         self._by_source = {k: m for k, m in self._by_source.items() if m.member_id != member_id}
@@ -273,6 +278,9 @@ class _Fold:
             return
         backup.satisfied += 1 if now else -1
         if now and backup.satisfied >= backup.num_shards:
+            view = self.view
+            if view.last_complete_backup is None or step > view.last_complete_backup:
+                view.last_complete_backup = step
             self._evict_backups()
 
     def _evict_backups(self) -> None:
@@ -287,6 +295,22 @@ class _Fold:
         for old in [s for s in view.backups if s < oldest_kept]:
             del view.backups[old]
             self._own_backups.discard(old)
+
+    def _checkpoint(self, stored: StoredEvent, p: Any) -> None:
+        if self._known_member(stored) is None:
+            return
+        view = self.view
+        old = view.checkpoints.get(p.step)
+        if old is None or old.shards != p.shards:
+            entry = CheckpointStep(step=p.step, shards=p.shards)
+        else:
+            entry = CheckpointStep(step=p.step, shards=p.shards, saved=dict(old.saved))
+        entry.saved[p.shard] = p.path
+        view.checkpoints[p.step] = entry
+        if entry.is_complete:
+            # Older checkpoints are superseded (the members delete them too).
+            for step in [s for s in view.checkpoints if s < p.step]:
+                del view.checkpoints[step]
 
     def _fault(self, stored: StoredEvent, p: Any) -> None:
         member = self._known_member(stored)
@@ -380,6 +404,8 @@ class _Fold:
         view.rendezvous = p.rendezvous
         view.placement = tuple(p.placement)
         view.placement_note = p.placement_note
+        if view.started_position is None:
+            view.started_position = stored.position
         ranks = {m: r for r, m in enumerate(p.world)}
         for member_id, member in list(view.members.items()):
             rank = ranks.get(member_id)
@@ -446,7 +472,24 @@ class _Fold:
         view.state = to
 
     def _reallocation(self, stored: StoredEvent, p: Any) -> None:
-        incident = self._incident(str(p.incident_id))
+        view = self.view
+        incident_id = str(p.incident_id)
+        incident = self._incident(incident_id)
+        if incident is None and p.mode is ReallocationMode.GROW:
+            # A planned growth has no fault behind it: the decision opens its own record.
+            incident = Incident(
+                incident_id=incident_id,
+                opened_at=stored.recorded_at,
+                opened_position=stored.position,
+                members=[m for m in p.world if m not in view.world],
+                reasons=[p.reason],
+                detections=[],
+                step_at_fault=view.last_step,
+                kind="growth",
+            )
+            view.incidents[incident_id] = incident
+            self._own_incidents.add(incident_id)
+            view.open_incident = incident_id
         if incident is None:
             self._anomaly(stored, f"reallocation for unknown incident {p.incident_id}")
             return
@@ -460,6 +503,9 @@ class _Fold:
                 world=tuple(p.world),
                 restore_step=p.restore_step,
                 restore_from=p.restore_from,
+                plan=tuple((s.shard, s.source) for s in p.plan),
+                rendezvous=p.rendezvous,
+                reason=p.reason,
             )
         )
 
@@ -503,6 +549,7 @@ _HANDLERS: dict[str, Callable[[_Fold, StoredEvent, Any], None]] = {
     "train.step": _Fold._train_step,
     "backup.snapshot": _Fold._snapshot,
     "backup.replicated": _Fold._replicated,
+    "checkpoint.saved": _Fold._checkpoint,
     "member.fault": _Fold._fault,
     "member.exited": _Fold._exited,
     "command.acked": _Fold._acked,

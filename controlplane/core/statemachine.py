@@ -8,7 +8,8 @@ _S = JobState
 
 TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     _S.PENDING: frozenset({_S.RUNNING, _S.STOPPED}),
-    _S.RUNNING: frozenset({_S.DEGRADED, _S.COMPLETED}),
+    # RUNNING -> REALLOCATING: a planned growth at a backup boundary (no fault).
+    _S.RUNNING: frozenset({_S.DEGRADED, _S.REALLOCATING, _S.COMPLETED}),
     _S.DEGRADED: frozenset({_S.RUNNING, _S.REALLOCATING, _S.STOPPED}),
     _S.REALLOCATING: frozenset({_S.RECOVERING, _S.STOPPED}),
     # A fault while recovering re-opens the decision inside the same incident (a cascade).

@@ -81,6 +81,8 @@ class Member:
     failed_reason: str | None = None
     #: Position of the ``fault.detected`` that named this member (its incarnation), if any.
     detected_position: int | None = None
+    #: The job's newest step when this member joined (growth waits for a newer backup).
+    joined_step: int = 0
 
 
 @dataclass(slots=True)
@@ -134,6 +136,20 @@ class StepBackup:
 
 
 @dataclass(slots=True)
+class CheckpointStep:
+    """The shards of one cold checkpoint step that members reported durable."""
+
+    step: int
+    shards: int
+    #: shard -> path it was written to.
+    saved: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def is_complete(self) -> bool:
+        return len(self.saved) >= self.shards
+
+
+@dataclass(slots=True)
 class Decision:
     """A reallocation recorded for an incident."""
 
@@ -145,6 +161,10 @@ class Decision:
     world: tuple[str, ...]
     restore_step: int
     restore_from: RestoreFrom
+    #: (shard, source member) for every shard restored from memory.
+    plan: tuple[tuple[int, str], ...] = ()
+    rendezvous: str = ""
+    reason: str = ""
     #: member -> the first event that shows it (position and time).
     acked: dict[str, Mark] = field(default_factory=dict)
     restored: dict[str, Mark] = field(default_factory=dict)
@@ -155,7 +175,7 @@ class Decision:
 
 @dataclass(slots=True)
 class Incident:
-    """One fault and everything decided until the job runs again (or stops)."""
+    """One fault (or a planned growth) and everything decided until the job runs again."""
 
     incident_id: str
     opened_at: datetime
@@ -173,6 +193,8 @@ class Incident:
     downtime_s: float | None = None
     steps_lost: int | None = None
     outcome: str | None = None
+    #: "fault", or "growth" for a world grown at a backup boundary (no fault behind it).
+    kind: str = "fault"
 
     @property
     def is_open(self) -> bool:
@@ -210,6 +232,14 @@ class JobView:
     last_loss: float | None = None
     completed_step: int | None = None
     backups: dict[int, StepBackup] = field(default_factory=dict)
+    #: The newest step whose hot backup was ever complete (None: never).
+    last_complete_backup: int | None = None
+    #: Cold checkpoint steps: the newest complete one and any newer partial ones.
+    checkpoints: dict[int, CheckpointStep] = field(default_factory=dict)
+    #: The policy the first joining member asked for (registered by the decider).
+    requested_policy: JobPolicy | None = None
+    #: Position of the first ``generation.started`` (when the job left PENDING).
+    started_position: int | None = None
     incidents: dict[str, Incident] = field(default_factory=dict)
     open_incident: str | None = None
     history: list[StateChange] = field(default_factory=list)
@@ -229,4 +259,11 @@ class JobView:
         for step in sorted(self.backups, reverse=True):
             if self.backups[step].is_complete(redundancy):
                 return self.backups[step]
+        return None
+
+    def newest_complete_checkpoint(self) -> CheckpointStep | None:
+        """The newest cold checkpoint with every shard durable."""
+        for step in sorted(self.checkpoints, reverse=True):
+            if self.checkpoints[step].is_complete:
+                return self.checkpoints[step]
         return None

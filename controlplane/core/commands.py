@@ -1,0 +1,62 @@
+"""Commands owed to the members of a job, derived from its view (pure).
+
+A decision is recorded first and published second; what is owed is therefore a function of the
+log: the latest reallocation of an open incident until every member of its world acked it,
+and a stop while members of a stopped job are still alive. Publishing the same command again
+is harmless (members and JetStream de-duplicate by ``command_id``), so a service calls this after
+each decision and again after a restart.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from controlplane.core.decide import decision_id
+from controlplane.core.view import JobView, MemberStatus
+from schemas.commands import Reallocate, Stop
+from schemas.common import JobState
+from schemas.events import RestoreSource
+
+
+def owed(view: JobView) -> list[Reallocate | Stop]:
+    """Commands of ``view`` that some member may not have seen yet."""
+    if view.state is JobState.STOPPED:
+        alive = any(m.status is MemberStatus.ACTIVE for m in view.members.values())
+        change = view.history[-1] if view.history else None
+        if not alive or change is None:
+            return []
+        return [
+            Stop(
+                command_id=uuid.UUID(decision_id(view.job_id, "stop-command")),
+                job_id=view.job_id,
+                decision_position=change.position,
+                issued_at=change.at,
+                reason=change.reason,
+            )
+        ]
+    if view.open_incident is None:
+        return []
+    incident = view.incidents[view.open_incident]
+    if not incident.decisions:
+        return []
+    decision = incident.decisions[-1]
+    if all(m in decision.acked for m in decision.world):
+        return []
+    placement = list(view.placement) if view.generation == decision.generation else []
+    return [
+        Reallocate.model_construct(
+            command_id=uuid.UUID(decision.command_id),
+            job_id=view.job_id,
+            decision_position=decision.position,
+            issued_at=decision.at,
+            incident_id=uuid.UUID(incident.incident_id),
+            generation=decision.generation,
+            mode=decision.mode,
+            world=list(decision.world),
+            restore_step=decision.restore_step,
+            restore_from=decision.restore_from,
+            plan=[RestoreSource.model_construct(shard=s, source=m) for s, m in decision.plan],
+            placement=placement,
+            rendezvous=decision.rendezvous,
+        )
+    ]

@@ -1,0 +1,600 @@
+"""Decide how a job goes on: ``decide(view, now, context) -> [Decided]``.
+
+Pure: the view, the time and the context are arguments; nothing is read from a clock, a disk or
+a network. One call returns every decision due at ``now``, in log order: it decides a round,
+folds that round onto a private copy of the view and decides again, so an exit becomes
+``fault.detected``, the state changes, ``reallocation.issued`` and ``generation.started`` in
+one batch (one append, one command).
+
+Event ids are derived from the job and from counters in the view (the n-th incident, the n-th
+state change, generation g), never from the time or a random source: re-deciding the same view
+gives the same events, so a decision repeated after a crash is a duplicate the store skips,
+and a replay of the log reproduces the recorded decisions.
+
+The states (DESIGN.md): PENDING -> RUNNING when the workers the policy waits for have joined;
+RUNNING -> DEGRADED when a member of the world fails; DEGRADED -> REALLOCATING -> RECOVERING
+with a new generation (a spare replaces the failed member, same rack first, else the world
+shrinks if ``min_world`` members remain, else STOPPED); RECOVERING -> RUNNING at the first
+step of the new generation (the incident is resolved with its timeline); a fault while
+RECOVERING re-decides inside the same incident (a cascade); a recovery that misses its
+deadline drops the members that did not resume and re-decides, and an incident that needs more
+than ``max_decisions_per_incident`` decisions stops the job. RUNNING below ``max_world`` grows
+at a backup boundary when members joined after the start.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from controlplane.core.detect import Finding, detect, heartbeat_timeout
+from controlplane.core.fold import fold
+from controlplane.core.placement import Slot, place
+from controlplane.core.records import StoredEvent
+from controlplane.core.restore import plan_restore
+from controlplane.core.statemachine import TERMINAL
+from controlplane.core.timeline import timeline
+from controlplane.core.view import Decision, Incident, JobView, Member, MemberStatus
+from schemas.common import (
+    CONTROLPLANE_SOURCE,
+    FaultReason,
+    JobState,
+    ReallocationMode,
+    RestoreFrom,
+    Role,
+    Strict,
+)
+from schemas.events import (
+    EVENT_CLASSES,
+    EnvelopeBase,
+    Evidence,
+    FaultDetected,
+    GenerationStarted,
+    IncidentResolved,
+    JobCompleted,
+    JobPolicy,
+    JobRegistered,
+    JobStateChanged,
+    JobStopped,
+    ReallocationIssued,
+    RestoreSource,
+    ShardPlacement,
+)
+
+#: Namespace of the ids the decider derives (uuid5 of the job, then of the decision's key).
+DECISION_NAMESPACE = uuid.UUID("6f1c2a8e-52a4-4c55-9c38-0e1d3e5b7a91")
+#: Rounds one call may take before it stops (a round changes the state; six suffice).
+MAX_ROUNDS = 8
+_MAX_TEXT = 4096
+_MAX_EVIDENCE = 1024
+#: Order in which findings of several reasons are recorded.
+_REASON_ORDER = (
+    FaultReason.EXITED,
+    FaultReason.REPORTED,
+    FaultReason.HEARTBEAT_TIMEOUT,
+    FaultReason.RECOVERY_DEADLINE,
+)
+
+_S = JobState
+
+
+@dataclass(frozen=True, slots=True)
+class Context:
+    """What the decider needs besides the view: where ranks rendezvous."""
+
+    #: Base endpoint of the rendezvous store, e.g. ``tcp://10.0.0.5:29400``; each generation
+    #: gets ``<base>/<job>/<generation>``.
+    rendezvous: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Decided:
+    """One decision event: its id, type, the generation it belongs to, and its payload."""
+
+    event_id: str
+    type: str
+    generation: int
+    payload: Strict
+
+
+def decide(view: JobView, now: datetime, context: Context = Context()) -> list[Decided]:
+    """Every decision due for ``view`` at ``now``, in the order they are to be recorded."""
+    out: list[Decided] = []
+    current = view
+    for _ in range(MAX_ROUNDS):
+        round_ = _Round(current, now, context).run()
+        if not round_:
+            break
+        out.extend(round_)
+        current = fold(
+            current,
+            [
+                StoredEvent(current.last_position + i, now, envelope(current.job_id, d, now, i))
+                for i, d in enumerate(round_, start=1)
+            ],
+        )
+    return out
+
+
+def envelope(
+    job_id: str, decided: Decided, now: datetime, seq: int, incarnation: str = "decide"
+) -> EnvelopeBase:
+    """The control-plane event that records ``decided``."""
+    return EVENT_CLASSES[decided.type](
+        event_id=decided.event_id,
+        job_id=job_id,
+        type=decided.type,
+        v=1,
+        source=CONTROLPLANE_SOURCE,
+        incarnation=incarnation,
+        seq=seq,
+        generation=decided.generation,
+        emitted_at=now,
+        payload=decided.payload,
+    )
+
+
+def decision_id(job_id: str, key: str) -> str:
+    """The id of the decision ``key`` of ``job_id`` (stable across runs and replays)."""
+    return str(uuid.uuid5(uuid.uuid5(DECISION_NAMESPACE, job_id), key))
+
+
+def next_deadline(view: JobView) -> datetime | None:
+    """The earliest time at which ``decide`` could act without a new event (None: never).
+
+    A service sleeps until then (or until new events arrive); it is a lower bound, and
+    waking early only costs a call that decides nothing.
+    """
+    if view.state in TERMINAL or view.policy is None:
+        return None
+    policy = view.policy
+    deadlines: list[datetime] = []
+    if view.state is _S.PENDING:
+        if view.registered_at is not None:
+            deadlines.append(view.registered_at + timedelta(seconds=policy.start_timeout_s))
+        return min(deadlines, default=None)
+    for member_id in view.world:
+        member = view.members.get(member_id)
+        if member is None or member.status is not MemberStatus.ACTIVE:
+            continue
+        if member.detected_position is not None:
+            continue
+        last = member.last_heartbeat_at or member.joined_at
+        deadlines.append(last + timedelta(seconds=heartbeat_timeout(view, member.phase)))
+    if view.state is _S.RECOVERING and view.open_incident is not None:
+        incident = view.incidents[view.open_incident]
+        if incident.decisions:
+            at = incident.decisions[-1].at
+            deadlines.append(at + timedelta(seconds=policy.recovery_deadline_s))
+    return min(deadlines, default=None)
+
+
+def natural_key(text: str) -> tuple[str | int, ...]:
+    """Sort ``m2`` before ``m10``: digit runs compare as numbers."""
+    parts = re.split(r"(\d+)", text)
+    return tuple(int(p) if i % 2 else p for i, p in enumerate(parts))
+
+
+def _topology_key(member: Member) -> tuple[object, ...]:
+    return (member.rack, member.node, natural_key(member.member_id))
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    mode: ReallocationMode
+    world: tuple[str, ...]
+    restore_step: int
+    restore_from: RestoreFrom
+    sources: tuple[tuple[int, str], ...]
+    reason: str
+
+
+class _Round:
+    """One round of decisions on one view."""
+
+    def __init__(self, view: JobView, now: datetime, context: Context) -> None:
+        self.view = view
+        self.now = now
+        self.context = context
+        self.policy = view.effective_policy
+        self.out: list[Decided] = []
+
+    # ------------------------------------------------------------------ helpers
+
+    def _emit(self, key: str, type_: str, payload: Strict, generation: int | None = None) -> None:
+        self.out.append(
+            Decided(
+                event_id=decision_id(self.view.job_id, key),
+                type=type_,
+                generation=self.view.generation if generation is None else generation,
+                payload=payload,
+            )
+        )
+
+    def _state(self, to: JobState, reason: str) -> None:
+        view = self.view
+        # The n-th state change of the job: unique, and the same on every replay.
+        n = len(view.history) + sum(1 for d in self.out if d.type == "job.state_changed") + 1
+        self._emit(
+            f"state/{n}",
+            "job.state_changed",
+            JobStateChanged(from_=self._current_state(), to=to, reason=reason[:_MAX_TEXT]),
+        )
+
+    def _current_state(self) -> JobState:
+        for decided in reversed(self.out):
+            if decided.type == "job.state_changed":
+                assert isinstance(decided.payload, JobStateChanged)
+                return decided.payload.to
+        return self.view.state
+
+    def _stop(self, reason: str) -> None:
+        self._emit("stopped", "job.stopped", JobStopped(reason=reason[:_MAX_TEXT]))
+
+    def _fresh(self, member: Member) -> bool:
+        """Alive by its heartbeats at ``now`` (the test detect applies to the world)."""
+        last = member.last_heartbeat_at or member.joined_at
+        silent = (self.now - last).total_seconds()
+        return silent <= heartbeat_timeout(self.view, member.phase)
+
+    def _usable(self, member: Member) -> bool:
+        """A member outside the world that could join it: alive, never failed, fresh."""
+        return (
+            member.rank is None
+            and member.status is MemberStatus.ACTIVE
+            and member.detected_position is None
+            and self._fresh(member)
+        )
+
+    def _slots(self, members: Iterable[str]) -> list[Slot]:
+        ms = self.view.members
+        return [Slot(m, ms[m].node, ms[m].rack) for m in members]
+
+    def _rendezvous(self, generation: int) -> str:
+        base = self.context.rendezvous.rstrip("/")
+        return f"{base}/{self.view.job_id}/{generation}" if base else ""
+
+    # ------------------------------------------------------------------ the round
+
+    def run(self) -> list[Decided]:
+        view = self.view
+        if view.state in TERMINAL:
+            return []
+        if view.policy is None:
+            if view.members:
+                policy = view.requested_policy or JobPolicy()
+                self._emit("registered", "job.registered", JobRegistered(policy=policy))
+            return self.out
+        if view.state is _S.PENDING:
+            self._pending()
+        elif view.state is _S.RUNNING:
+            self._running()
+        elif view.state in (_S.DEGRADED, _S.REALLOCATING):
+            self._reallocate()
+        elif view.state is _S.RECOVERING:
+            self._recovering()
+        return self.out
+
+    def _pending(self) -> None:
+        view, policy = self.view, self.policy
+        workers = sorted(
+            (
+                m
+                for m in view.members.values()
+                if m.role is Role.WORKER and m.status is MemberStatus.ACTIVE and self._fresh(m)
+            ),
+            key=_topology_key,
+        )[: policy.max_world]
+        wanted = policy.start_world
+        if len(workers) >= wanted:
+            self._start(workers, f"{len(workers)} workers joined (the job waits for {wanted})")
+            return
+        assert view.registered_at is not None
+        waited = (self.now - view.registered_at).total_seconds()
+        if waited <= policy.start_timeout_s:
+            return
+        if len(workers) >= policy.min_world:
+            self._start(
+                workers,
+                f"start timeout ({policy.start_timeout_s:g}s): starting with {len(workers)}"
+                f" of the {wanted} workers the job waits for",
+            )
+        else:
+            self._stop(
+                f"only {len(workers)} of the {wanted} workers the job waits for joined within"
+                f" {policy.start_timeout_s:g}s, fewer than min_world {policy.min_world}"
+            )
+
+    def _start(self, workers: list[Member], reason: str) -> None:
+        generation = self.view.generation + 1
+        world = tuple(m.member_id for m in workers)
+        self._generation(generation, world)
+        self._state(_S.RUNNING, reason)
+
+    def _generation(self, generation: int, world: tuple[str, ...]) -> None:
+        placement = place(self._slots(world), self.policy.redundancy)
+        self._emit(
+            f"generation/{generation}",
+            "generation.started",
+            GenerationStarted.model_construct(
+                generation=generation,
+                world=list(world),
+                rendezvous=self._rendezvous(generation),
+                placement=[
+                    ShardPlacement.model_construct(
+                        shard=s.shard, owner=s.owner, holders=list(s.holders)
+                    )
+                    for s in placement.shards
+                ],
+                placement_note=placement.note[:_MAX_TEXT],
+            ),
+            generation,
+        )
+
+    def _findings(self) -> list[Finding]:
+        """Failures of members of the current world (a spare's failure opens no incident:
+        it simply is no candidate any more)."""
+        members = self.view.members
+        return [f for f in detect(self.view, self.now) if members[f.member].rank is not None]
+
+    def _running(self) -> None:
+        view = self.view
+        if view.completed_step is not None:
+            self._emit("completed", "job.completed", JobCompleted(step=view.completed_step))
+            return
+        findings = self._findings()
+        if findings:
+            n = len(view.incidents) + 1
+            incident_id = decision_id(view.job_id, f"incident/{n}")
+            self._detected(incident_id, findings)
+            self._state(_S.DEGRADED, _summary(findings))
+            return
+        self._grow()
+
+    def _detected(self, incident_id: str, findings: list[Finding]) -> None:
+        view = self.view
+        count = sum(len(i.detections) for i in view.incidents.values())
+        for reason in _REASON_ORDER:
+            group = [f for f in findings if f.reason is reason]
+            if not group:
+                continue
+            count += 1
+            evidence = [
+                Evidence(member=member, what=what, position=position, at=at)
+                for f in group
+                for member, what, position, at in f.evidence
+            ][:_MAX_EVIDENCE]
+            self._emit(
+                f"detected/{count}",
+                "fault.detected",
+                FaultDetected(
+                    incident_id=uuid.UUID(incident_id),
+                    members=[f.member for f in group],
+                    reason=reason,
+                    detail="; ".join(f.detail for f in group)[:_MAX_TEXT],
+                    evidence=evidence,
+                ),
+            )
+
+    def _reallocate(self) -> None:
+        view, policy = self.view, self.policy
+        incident = view.incidents.get(view.open_incident) if view.open_incident else None
+        if incident is None:
+            self._stop(f"{view.state.value} without an open incident: nothing to recover")
+            return
+        if len(incident.decisions) >= policy.max_decisions_per_incident:
+            self._stop(
+                f"incident {incident.incident_id}: {len(incident.decisions)} decisions did not"
+                f" bring the job back (max_decisions_per_incident"
+                f" {policy.max_decisions_per_incident})"
+            )
+            return
+        plan = self._plan()
+        if isinstance(plan, str):
+            self._stop(plan)
+            return
+        if view.state is _S.DEGRADED:
+            self._state(_S.REALLOCATING, plan.reason)
+        self._issue(incident.incident_id, plan)
+
+    def _issue(self, incident_id: str, plan: _Plan) -> None:
+        generation = self.view.generation + 1
+        self._emit(
+            f"reallocation/{generation}",
+            "reallocation.issued",
+            ReallocationIssued.model_construct(
+                incident_id=uuid.UUID(incident_id),
+                command_id=uuid.UUID(decision_id(self.view.job_id, f"command/{generation}")),
+                generation=generation,
+                mode=plan.mode,
+                world=list(plan.world),
+                restore_step=plan.restore_step,
+                restore_from=plan.restore_from,
+                plan=[RestoreSource.model_construct(shard=s, source=m) for s, m in plan.sources],
+                rendezvous=self._rendezvous(generation),
+                reason=plan.reason[:_MAX_TEXT],
+            ),
+            generation,
+        )
+        self._generation(generation, plan.world)
+        self._state(
+            _S.RECOVERING,
+            f"generation {generation}: {len(plan.world)} members restore step"
+            f" {plan.restore_step} from {plan.restore_from.value}",
+        )
+
+    def _plan(self) -> _Plan | str:
+        """The new world and where its state comes from, or why the job cannot go on."""
+        view, policy = self.view, self.policy
+        members = view.members
+        failed = [m for m in view.world if members[m].status is not MemberStatus.ACTIVE]
+        candidates = sorted(
+            (m for m in members.values() if self._usable(m)),
+            key=lambda m: (m.role is not Role.SPARE, _topology_key(m)),
+        )
+        replacements: dict[str, str] = {}
+        for member_id in failed:
+            if not candidates:
+                break
+            gone = members[member_id]
+            best = min(
+                candidates,
+                key=lambda m: (
+                    m.rack != gone.rack,
+                    m.node == gone.node,
+                    m.role is not Role.SPARE,
+                    _topology_key(m),
+                ),
+            )
+            candidates.remove(best)
+            replacements[member_id] = best.member_id
+        world = tuple(
+            replacements.get(m, m)
+            for m in view.world
+            if members[m].status is MemberStatus.ACTIVE or m in replacements
+        )
+        dropped = [m for m in failed if m not in replacements]
+        survivors = len(view.world) - len(failed)
+        if len(world) < policy.min_world:
+            return (
+                f"too few members to go on: {survivors} survive and {len(replacements)} spares"
+                f" can replace {len(failed)} failed ({', '.join(failed[:8])}), fewer than"
+                f" min_world {policy.min_world}"
+            )
+        mode = ReallocationMode.SHRINK if dropped else ReallocationMode.REPLACE
+        restore = self._restore_point(world)
+        if isinstance(restore, str):
+            return restore
+        step, source, sources = restore
+        parts = [f"replace {f} with {r}" for f, r in replacements.items()]
+        if dropped:
+            parts.append(f"shrink to {len(world)} without {', '.join(dropped[:8])} (no spare)")
+        reason = "; ".join(parts) or "re-form the world"
+        return _Plan(mode, world, step, source, sources, f"{reason}; restore step {step}")
+
+    def _restore_point(
+        self, world: tuple[str, ...]
+    ) -> tuple[int, RestoreFrom, tuple[tuple[int, str], ...]] | str:
+        """Newest step whose every shard survives (hot first, then cold), or why none does."""
+        view = self.view
+        members = view.members
+        alive = {m for m, member in members.items() if member.status is MemberStatus.ACTIVE}
+        receivers = dict(enumerate(world))
+        slots = {s.member: s for s in self._slots(m for m in members)}
+        hot = plan_restore(view, alive, receivers, slots)
+        cold = view.newest_complete_checkpoint()
+        if hot is not None and (cold is None or hot.step >= cold.step):
+            return hot.step, RestoreFrom.MEMORY, hot.sources
+        if cold is not None:
+            return cold.step, RestoreFrom.CHECKPOINT, ()
+        if view.last_complete_backup is None:
+            return 0, RestoreFrom.INITIAL, ()
+        return (
+            f"no complete copy of the state survives: every copy of a shard of each backup"
+            f" (newest complete: step {view.last_complete_backup}) was on failed members, and"
+            f" there is no cold checkpoint"
+        )
+
+    def _recovering(self) -> None:
+        view, policy = self.view, self.policy
+        incident: Incident | None = (
+            view.incidents.get(view.open_incident) if view.open_incident else None
+        )
+        if incident is None or not incident.decisions:
+            self._stop("RECOVERING without a recorded decision: nothing to wait for")
+            return
+        findings = self._findings()
+        if findings:
+            self._detected(incident.incident_id, findings)
+            self._state(_S.REALLOCATING, f"while recovering: {_summary(findings)}")
+            return
+        decision = incident.decisions[-1]
+        if decision.first_step_position is not None:
+            line = timeline(incident)
+            self._emit(
+                f"resolved/{incident.incident_id}",
+                "incident.resolved",
+                IncidentResolved(
+                    incident_id=uuid.UUID(incident.incident_id),
+                    phases={k: max(0.0, v) for k, v in line.phases.items() if v is not None},
+                    downtime_s=max(0.0, line.downtime_s or 0.0),
+                    steps_lost=line.steps_lost or 0,
+                ),
+            )
+            self._state(_S.RUNNING, f"generation {decision.generation} took its first step")
+            return
+        late = (self.now - decision.at).total_seconds()
+        if late <= policy.recovery_deadline_s:
+            return
+        laggards = [
+            m
+            for m in decision.world
+            if m not in decision.resumed and view.members[m].status is MemberStatus.ACTIVE
+        ]
+        if not laggards:
+            self._stop(
+                f"generation {decision.generation} took no step within"
+                f" {policy.recovery_deadline_s:g}s although every member resumed"
+            )
+            return
+        findings = [
+            Finding(
+                m,
+                FaultReason.RECOVERY_DEADLINE,
+                f"{m} did not resume generation {decision.generation} within"
+                f" {policy.recovery_deadline_s:g}s ({_progress(m, decision)})",
+                ((m, "reallocation.issued", decision.position, decision.at),),
+            )
+            for m in laggards
+        ]
+        self._detected(incident.incident_id, findings)
+        self._state(_S.REALLOCATING, f"recovery deadline missed: {_summary(findings)}")
+
+    def _grow(self) -> None:
+        view, policy = self.view, self.policy
+        room = policy.max_world - len(view.world)
+        backup = view.last_complete_backup
+        if room <= 0 or view.started_position is None or backup is None:
+            return
+        started = view.started_position
+        due = sorted(
+            (
+                m
+                for m in view.members.values()
+                if m.joined_position > started and backup >= m.joined_step and self._usable(m)
+            ),
+            key=_topology_key,
+        )[:room]
+        if not due:
+            return
+        world = (*view.world, *(m.member_id for m in due))
+        restore = self._restore_point(world)
+        if isinstance(restore, str) or restore[1] is not RestoreFrom.MEMORY:
+            return  # grow only from a whole hot backup; try again at the next one
+        step, source, sources = restore
+        names = ", ".join(m.member_id for m in due[:8])
+        reason = f"grow to {len(world)} with {names} at the backup of step {step}"
+        self._state(_S.REALLOCATING, reason)
+        n = len(view.incidents) + 1
+        self._issue(
+            decision_id(view.job_id, f"incident/{n}"),
+            _Plan(ReallocationMode.GROW, world, step, source, sources, reason),
+        )
+
+
+def _progress(member: str, decision: Decision) -> str:
+    if member in decision.restored:
+        return "restored, not resumed"
+    if member in decision.acked:
+        return "acked, not restored"
+    return "never acked"
+
+
+def _summary(findings: list[Finding]) -> str:
+    text = "; ".join(f.detail for f in findings[:8])
+    if len(findings) > 8:
+        text += f"; and {len(findings) - 8} more"
+    return text
