@@ -8,15 +8,20 @@ import gc
 import logging
 import signal
 from collections.abc import Callable
+from typing import Any
 
 from nats.aio.client import Client
+from nats.js import JetStreamContext
 
 from controlplane import bus
-from controlplane.core.fold import fold_jobs
+from controlplane.core.decide import Context
+from controlplane.core.fold import fold, fold_jobs
 from controlplane.core.view import JobView
+from controlplane.decider import CommandPublisher, Decider
 from controlplane.errors import BusUnavailable, StoreUnavailable
-from controlplane.ingest import Backoff, Ingest
+from controlplane.ingest import Backoff, Ingest, QuietTurn
 from controlplane.lock import AdvisoryLock
+from controlplane.rendezvous import RendezvousHost
 from controlplane.settings import Settings
 from controlplane.store.migrate import check_schema
 from controlplane.store.port import AppendResult, EventStore
@@ -31,19 +36,44 @@ def load_views(store: EventStore) -> dict[str, JobView]:
 
 
 class ControlPlane:
-    """The control-plane service: ingest, and the live views folded from what it commits."""
+    """The control-plane service: ingest, the live views folded from what it commits, and
+    the decider that records decisions and publishes commands. One process holds the lock
+    and does all of it; others stand by."""
 
     def __init__(self, settings: Settings, store: PostgresEventStore | None = None) -> None:
         self.settings = settings
         self._store = store
         self.views: dict[str, JobView] = {}
         self.ingest: Ingest | None = None
+        self.decider: Decider | None = None
         #: How many times this process took the ingest lock and started ingesting.
         self.sessions = 0
+        self.rendezvous = (
+            RendezvousHost(settings.rendezvous_host, settings.rendezvous_port)
+            if settings.rendezvous
+            else None
+        )
 
     def _apply(self, result: AppendResult) -> None:
         if result.stored:
             self.views = fold_jobs(self.views, result.stored)
+
+    def _committed(self, result: AppendResult) -> None:
+        self._apply(result)
+        if self.decider is not None:
+            self.decider.on_commit(result)
+
+    async def _refresh(self, store: PostgresEventStore, job_id: str) -> None:
+        """Fold what the log holds for ``job_id`` beyond the view (another writer's events)."""
+        view = self.views.get(job_id)
+        after = view.last_position if view is not None else 0
+        try:
+            events = await asyncio.to_thread(store.read, job_id=job_id, after=after)
+        except StoreUnavailable as exc:
+            log.warning("could not refresh %s: %s", job_id, exc)
+            return
+        if events:
+            self.views = {**self.views, job_id: fold(view, events)}
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until ``stop`` is set. Raises ``SchemaNotMigrated`` on an unmigrated database."""
@@ -77,6 +107,8 @@ class ControlPlane:
                 await lock.release()
         finally:
             await lock.release()
+            if self.rendezvous is not None:
+                self.rendezvous.close()
             if self._store is None:
                 store.close()
 
@@ -103,25 +135,57 @@ class ControlPlane:
         watcher = asyncio.ensure_future(watch())
         nc = await _connect(settings, either)
         appender = store.appender()
+        publisher: CommandPublisher | None = None
+        ticker: asyncio.Future[None] | None = None
         try:
             if nc is None:
                 return
+            js = nc.jetstream()
+            publisher = CommandPublisher(js, settings.command_retry_s)
+            base = await asyncio.to_thread(self.rendezvous.start) if self.rendezvous else ""
+            decider = self.decider = Decider(
+                views=lambda: self.views,
+                apply=self._apply,
+                refresh=lambda job_id: self._refresh(store, job_id),
+                appender=appender,
+                publisher=publisher,
+                context=Context(rendezvous=base),
+            )
+            await _ensure_commands(js, settings, either)
             self.ingest = Ingest(
                 appender,
                 bus.EventConsumer(nc, settings),
                 batch=settings.ingest_batch,
                 fetch_wait_s=settings.ingest_fetch_timeout_s,
                 retry_max_s=settings.retry_max_s,
-                on_commit=self._apply,
+                on_commit=self._committed,
+                quiet=QuietTurn(decider.wanted, decider.turn),
             )
-            log.info("ingesting from %s into PostgreSQL", settings.nats_url)
+            ticker = asyncio.ensure_future(decider.tick(either, settings.decide_interval_s))
+            log.info("ingesting from %s into PostgreSQL; deciding", settings.nats_url)
             await self.ingest.run(either)
         finally:
-            for pending in (*relay, watcher):
+            tasks: list[asyncio.Future[Any]] = [*relay, watcher]
+            if ticker is not None:
+                tasks.append(ticker)
+            for pending in tasks:
                 pending.cancel()
+            if publisher is not None:
+                await publisher.close()
             await appender.close()
             if nc is not None:
                 await nc.close()
+
+
+async def _ensure_commands(js: JetStreamContext, settings: Settings, stop: asyncio.Event) -> None:
+    backoff = Backoff(max_s=settings.retry_max_s)
+    while not stop.is_set():
+        try:
+            await bus.ensure_command_stream(js, settings)
+            return
+        except Exception as exc:
+            log.warning("could not set up the command stream (%s); retrying", exc)
+            await backoff.sleep(stop)
 
 
 async def _connect(settings: Settings, stop: asyncio.Event) -> Client | None:

@@ -27,7 +27,7 @@ from nats.js.api import (
 
 from controlplane.errors import BusUnavailable
 from controlplane.settings import Settings
-from controlplane.subjects import EVENTS_WILDCARD
+from controlplane.subjects import COMMAND_PREFIX, EVENTS_WILDCARD
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +146,26 @@ async def ensure_stream(js: JetStreamContext, settings: Settings) -> None:
     except nats.js.errors.NotFoundError:
         await js.add_stream(config)
         log.info("created stream %s", settings.stream)
+        return
+    await js.update_stream(config)
+
+
+async def ensure_command_stream(js: JetStreamContext, settings: Settings) -> None:
+    """Create the commands stream (the last few commands per subject are kept, so a member
+    that subscribes late still gets the command in force)."""
+    config = StreamConfig(
+        name=settings.command_stream,
+        subjects=[f"{COMMAND_PREFIX}.>"],
+        storage=StorageType.FILE,
+        max_msgs_per_subject=settings.command_history,
+        max_age=settings.stream_max_age_s,
+        duplicate_window=settings.stream_duplicate_window_s,
+    )
+    try:
+        await js.stream_info(settings.command_stream)
+    except nats.js.errors.NotFoundError:
+        await js.add_stream(config)
+        log.info("created stream %s", settings.command_stream)
         return
     await js.update_stream(config)
 

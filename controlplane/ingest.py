@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -21,7 +21,7 @@ from controlplane.bus import Delivery, EventConsumer, delivery
 from controlplane.core.records import DeadLetter
 from controlplane.decode import decode
 from controlplane.errors import BusUnavailable, StoreError, StoreUnavailable
-from controlplane.store.port import AppendResult, EventStore
+from controlplane.store.port import AppendResult, EventStore, JobHead
 from schemas.events import EnvelopeBase
 
 log = logging.getLogger(__name__)
@@ -101,7 +101,7 @@ class Appender(Protocol):
         events: Sequence[EnvelopeBase],
         dead_letters: Sequence[DeadLetter] = (),
         *,
-        expected_position: int | None = None,
+        expected: JobHead | None = None,
         encoded: Sequence[bytes] | None = None,
     ) -> AppendResult: ...
 
@@ -121,12 +121,10 @@ class SyncAppender:
         events: Sequence[EnvelopeBase],
         dead_letters: Sequence[DeadLetter] = (),
         *,
-        expected_position: int | None = None,
+        expected: JobHead | None = None,
         encoded: Sequence[bytes] | None = None,
     ) -> AppendResult:
-        return self._store.append(
-            events, dead_letters, expected_position=expected_position, encoded=encoded
-        )
+        return self._store.append(events, dead_letters, expected=expected, encoded=encoded)
 
     def encode(self, events: Sequence[EnvelopeBase]) -> list[bytes] | None:
         return None
@@ -178,6 +176,17 @@ async def commit(
     return result
 
 
+@dataclass(slots=True)
+class QuietTurn:
+    """A turn the writer gives between two commits, when no commit is in flight and every
+    committed batch is folded: the decider appends there, so the view it decided on is the
+    log's (its optimistic check fails only if another process wrote)."""
+
+    #: Set by whoever wants a turn; the writer clears it before calling ``run``.
+    wanted: asyncio.Event
+    run: Callable[[], Awaitable[None]]
+
+
 class Ingest:
     """Moves events from the bus into the store; survives NATS and PostgreSQL restarts."""
 
@@ -190,8 +199,10 @@ class Ingest:
         fetch_wait_s: float = 0.5,
         retry_max_s: float = 5.0,
         on_commit: Callable[[AppendResult], None] | None = None,
+        quiet: QuietTurn | None = None,
     ) -> None:
         self._appender = appender
+        self._quiet = quiet
         self._consumer = consumer
         self._batch = batch
         self._fetch_wait_s = fetch_wait_s
@@ -260,14 +271,29 @@ class Ingest:
             await self._consumer.reset()
 
     async def _next_batch(self, queue: asyncio.Queue[Batch], stop: asyncio.Event) -> Batch | None:
-        get = asyncio.ensure_future(queue.get())
-        stopped = asyncio.ensure_future(stop.wait())
-        done, _ = await asyncio.wait({get, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        stopped.cancel()
-        if get in done:
-            return get.result()
-        get.cancel()
-        return None
+        """The next fetched batch (None once stopped); quiet turns are given while waiting."""
+        while True:
+            await self._give_turn()
+            get = asyncio.ensure_future(queue.get())
+            waits = {get, asyncio.ensure_future(stop.wait())}
+            if self._quiet is not None:
+                waits.add(asyncio.ensure_future(self._quiet.wanted.wait()))
+            done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            for waiter in pending:
+                waiter.cancel()
+            if get in done:
+                return get.result()
+            if stop.is_set():
+                return None
+
+    async def _give_turn(self) -> None:
+        quiet = self._quiet
+        if quiet is not None and quiet.wanted.is_set():
+            quiet.wanted.clear()
+            try:
+                await quiet.run()
+            except Exception:
+                log.exception("the quiet turn failed; ingest goes on")
 
     async def _commit(self, batch: Batch, stop: asyncio.Event) -> AppendResult | None:
         """Commit ``batch``, retrying while PostgreSQL is down; None if stopped first."""
@@ -296,7 +322,9 @@ class Ingest:
             if result is None:
                 return
             done = batch
-            upcoming = None if stop.is_set() or queue.empty() else queue.get_nowait()
+            # Pipeline the next commit, unless someone waits for a quiet turn.
+            turn = self._quiet is not None and self._quiet.wanted.is_set()
+            upcoming = None if stop.is_set() or queue.empty() or turn else queue.get_nowait()
             if upcoming is not None:
                 batch = upcoming
                 committing = asyncio.ensure_future(self._commit(batch, stop))

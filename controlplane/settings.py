@@ -51,6 +51,25 @@ class Settings(BaseSettings):
     lock_retry_s: PositiveFloat = Field(
         1.0, description="How often a standby tries the ingest lock, and the holder checks it"
     )
+    command_stream: str = Field("ELASTIC_COMMANDS", description="JetStream stream of commands")
+    command_history: PositiveInt = Field(
+        16, description="Commands kept per subject in the command stream"
+    )
+    command_retry_s: PositiveFloat = Field(
+        2.0, description="A command still owed (not acked by every member) is re-sent this often"
+    )
+    decide_interval_s: PositiveFloat = Field(
+        0.5, description="Longest time between two decider turns (deadlines wake it sooner)"
+    )
+    rendezvous: bool = Field(
+        True, description="Host the ranks' rendezvous store (a TCPStore) in the control plane"
+    )
+    rendezvous_host: str = Field(
+        "127.0.0.1", description="Address ranks use to reach the rendezvous store"
+    )
+    rendezvous_port: int = Field(
+        29400, ge=0, le=65535, description="Port of the rendezvous store (0: any free port)"
+    )
     log_level: str = Field("INFO", description="Python logging level")
 
 

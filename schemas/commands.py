@@ -47,6 +47,18 @@ class Reallocate(CommandBase):
     rendezvous: ShortText
 
 
+class Start(CommandBase):
+    """Form the first generation: ``world[r]`` runs rank ``r``."""
+
+    kind: Literal["start"] = "start"
+    generation: NonNegInt
+    world: Members
+    placement: Annotated[list[ShardPlacement], Field(max_length=65_536)] = Field(
+        default_factory=list
+    )
+    rendezvous: ShortText
+
+
 class Stop(CommandBase):
     """Stop training; the job cannot go on."""
 
@@ -54,5 +66,5 @@ class Stop(CommandBase):
     reason: Text
 
 
-Command = Annotated[Union[Reallocate, Stop], Field(discriminator="kind")]  # noqa: UP007
-COMMAND_ADAPTER: TypeAdapter[Reallocate | Stop] = TypeAdapter(Command)
+Command = Annotated[Union[Start, Reallocate, Stop], Field(discriminator="kind")]  # noqa: UP007
+COMMAND_ADAPTER: TypeAdapter[Start | Reallocate | Stop] = TypeAdapter(Command)

@@ -7,6 +7,7 @@ instead (then tests that restart a server are skipped: they cannot restart what 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -98,6 +99,8 @@ def settings(services: Services, database_url: str) -> Settings:
         ingest_ack_wait_s=2.0,
         ingest_fetch_timeout_s=0.2,
         retry_max_s=0.5,
+        rendezvous_port=0,
+        command_retry_s=0.5,
     )
 
 
@@ -108,9 +111,9 @@ async def clean_stream(services: Services) -> AsyncIterator[None]:
     async def drop() -> None:
         nc = await nats.connect(services.nats_url)
         try:
-            await nc.jetstream().delete_stream(Settings().stream)
-        except nats.js.errors.NotFoundError:
-            pass
+            for stream in (Settings().stream, Settings().command_stream):
+                with contextlib.suppress(nats.js.errors.NotFoundError):
+                    await nc.jetstream().delete_stream(stream)
         finally:
             await nc.close()
 

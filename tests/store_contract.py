@@ -9,6 +9,7 @@ import pytest
 
 from controlplane.core.records import DeadLetter
 from controlplane.errors import ConcurrencyError
+from controlplane.store.port import JobHead
 from tests.factories import Events
 
 
@@ -103,13 +104,17 @@ class EventStoreContract:
         assert kept.letter.raw == b"{" and kept.letter.reason == "not JSON"
         assert kept.letter.stream_seq == 42
 
-    def test_expected_position_guards_concurrent_decisions(self, store):
-        ev = Events()
+    def test_expected_job_head_guards_concurrent_decisions(self, store):
+        ev, other = Events(), Events("job2")
         store.append([ev.heartbeat("m0")])
-        store.append([ev.cp("job.stopped", {"reason": "test"})], expected_position=1)
-        with pytest.raises(ConcurrencyError):
-            store.append([ev.cp("job.stopped", {"reason": "late"})], expected_position=1)
-        assert store.last_position() == 2
+        store.append([other.heartbeat("m0")])  # another job's events do not conflict
+        store.append([ev.cp("job.stopped", {"reason": "test"})], expected=JobHead("job1", 1))
+        with pytest.raises(ConcurrencyError, match="job job1 is at 3, writer expected 1"):
+            store.append([ev.cp("job.stopped", {"reason": "late"})], expected=JobHead("job1", 1))
+        assert store.last_position() == 3
+        store.append([other.cp("job.stopped", {"reason": "x"})], expected=JobHead("job2", 2))
+        fresh = Events("job3")
+        store.append([fresh.cp("job.stopped", {"reason": "x"})], expected=JobHead("job3", 0))
 
     def test_read_filters_by_job_type_and_position(self, store):
         a, b = Events("jobA"), Events("jobB")

@@ -1,8 +1,9 @@
 """Commands owed to the members of a job, derived from its view (pure).
 
 A decision is recorded first and published second; what is owed is therefore a function of the
-log: the latest reallocation of an open incident until every member of its world acked it,
-and a stop while members of a stopped job are still alive. Publishing the same command again
+log: the start of the first generation until every member of its world sent an event of that
+generation, the latest reallocation of an open incident until every member of its world acked
+it, and a stop while members of a stopped job are still alive. Publishing the same command again
 is harmless (members and JetStream de-duplicate by ``command_id``), so a service calls this after
 each decision and again after a restart.
 """
@@ -13,12 +14,12 @@ import uuid
 
 from controlplane.core.decide import decision_id
 from controlplane.core.view import JobView, MemberStatus
-from schemas.commands import Reallocate, Stop
+from schemas.commands import Reallocate, Start, Stop
 from schemas.common import JobState
 from schemas.events import RestoreSource
 
 
-def owed(view: JobView) -> list[Reallocate | Stop]:
+def owed(view: JobView) -> list[Start | Reallocate | Stop]:
     """Commands of ``view`` that some member may not have seen yet."""
     if view.state is JobState.STOPPED:
         alive = any(m.status is MemberStatus.ACTIVE for m in view.members.values())
@@ -35,7 +36,7 @@ def owed(view: JobView) -> list[Reallocate | Stop]:
             )
         ]
     if view.open_incident is None:
-        return []
+        return _start(view)
     incident = view.incidents[view.open_incident]
     if not incident.decisions:
         return []
@@ -58,5 +59,27 @@ def owed(view: JobView) -> list[Reallocate | Stop]:
             plan=[RestoreSource.model_construct(shard=s, source=m) for s, m in decision.plan],
             placement=placement,
             rendezvous=decision.rendezvous,
+        )
+    ]
+
+
+def _start(view: JobView) -> list[Start | Reallocate | Stop]:
+    """The current generation, while a member of its world has not shown it knows it."""
+    mark = view.generation_mark
+    if view.state is not JobState.RUNNING or mark is None:
+        return []
+    members = view.members
+    if all(m in members and members[m].generation >= view.generation for m in view.world):
+        return []
+    return [
+        Start.model_construct(
+            command_id=uuid.UUID(decision_id(view.job_id, f"command/{view.generation}")),
+            job_id=view.job_id,
+            decision_position=mark.position,
+            issued_at=mark.at,
+            generation=view.generation,
+            world=list(view.world),
+            placement=list(view.placement),
+            rendezvous=view.rendezvous,
         )
     ]

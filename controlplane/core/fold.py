@@ -186,6 +186,7 @@ class _Fold:
                 return None
             self._by_source[source] = member
         member.last_seen_at = stored.recorded_at
+        member.generation = max(member.generation, stored.event.generation)
         return member
 
     def _heartbeat(self, stored: StoredEvent, p: Any) -> None:
@@ -404,6 +405,7 @@ class _Fold:
         view.rendezvous = p.rendezvous
         view.placement = tuple(p.placement)
         view.placement_note = p.placement_note
+        view.generation_mark = Mark(stored.position, stored.recorded_at)
         if view.started_position is None:
             view.started_position = stored.position
         ranks = {m: r for r, m in enumerate(p.world)}

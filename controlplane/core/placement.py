@@ -145,7 +145,7 @@ def place(world: Sequence[Slot], redundancy: int) -> Placement:
     if len(set(members)) != len(members):
         raise ValueError("a member appears twice in the world")
     loads = _Loads(world)
-    multi_rack = len(loads.racks) > 1
+    multi_rack = False
     shortfalls: list[str] = []
     shards = []
     for r, owner in enumerate(world):

@@ -51,6 +51,7 @@ def plan_restore(
     ``receivers`` maps each shard to the member that will need it (its new owner);
     ``slots`` locates members on nodes and racks.
     """
+    staying = set(receivers.values())
     for step in sorted(view.backups, reverse=True):
         backup = view.backups[step]
         if not restorable(backup, survivors):
@@ -58,8 +59,11 @@ def plan_restore(
         served: dict[str, int] = {}
         sources = []
         for shard_no in sorted(backup.shards):
-            copies = surviving_copies(backup.shards[shard_no], survivors)
-            receiver = receivers.get(shard_no)
+            shard = backup.shards[shard_no]
+            copies = surviving_copies(shard, survivors)
+            # An owner that stays in the world keeps its shard (its own memory), even where
+            # ranks moved (a shrink, or a backup of an older generation).
+            receiver = shard.owner if shard.owner in staying else receivers.get(shard_no)
             source = _closest(copies, receiver, slots, served)
             served[source] = served.get(source, 0) + 1
             sources.append((shard_no, source))

@@ -83,6 +83,8 @@ class Member:
     detected_position: int | None = None
     #: The job's newest step when this member joined (growth waits for a newer backup).
     joined_step: int = 0
+    #: The newest generation this member's events carried (it knows of that generation).
+    generation: int = 0
 
 
 @dataclass(slots=True)
@@ -225,6 +227,8 @@ class JobView:
     generation: int = 0
     world: tuple[str, ...] = ()
     rendezvous: str = ""
+    #: Where and when the current generation was started.
+    generation_mark: Mark | None = None
     placement: tuple[ShardPlacement, ...] = ()
     placement_note: str = ""
     members: dict[str, Member] = field(default_factory=dict)

@@ -10,7 +10,7 @@ from controlplane.core.records import DeadLetter, StoredEvent
 from controlplane.core.sequence import Cursor, CursorKey, SeqGap, sequence
 from controlplane.errors import ConcurrencyError
 from controlplane.store.planning import refused_letters, split_stale, unique
-from controlplane.store.port import AppendResult, StoredDeadLetter, paged
+from controlplane.store.port import AppendResult, JobHead, StoredDeadLetter, paged
 from schemas.events import EnvelopeBase
 
 
@@ -25,6 +25,7 @@ class InMemoryEventStore:
         self._clock = clock
         self._lock = threading.Lock()
         self._events: list[StoredEvent] = []
+        self._job_heads: dict[str, int] = {}
         self._ids: set[str] = set()
         self._cursors: dict[CursorKey, Cursor] = {}
         self._gaps: list[SeqGap] = []
@@ -36,13 +37,17 @@ class InMemoryEventStore:
         events: Sequence[EnvelopeBase],
         dead_letters: Sequence[DeadLetter] = (),
         *,
-        expected_position: int | None = None,
+        expected: JobHead | None = None,
         encoded: Sequence[bytes] | None = None,
     ) -> AppendResult:
         with self._lock:
             head = len(self._events)
-            if expected_position is not None and expected_position != head:
-                raise ConcurrencyError(f"log is at {head}, writer expected {expected_position}")
+            if expected is not None:
+                last = self._job_heads.get(expected.job_id, 0)
+                if last != expected.position:
+                    raise ConcurrencyError(
+                        f"job {expected.job_id} is at {last}, writer expected {expected.position}"
+                    )
             batch = unique(events, encoded)
             sequenced = sequence(batch.events, self._cursors)
             duplicates, refused = split_stale(sequenced, self._ids)
@@ -63,6 +68,8 @@ class InMemoryEventStore:
                 self._dead.append(StoredDeadLetter(len(self._dead) + 1, letter, now))
                 added += 1
             self._events.extend(stored)
+            for s in stored:
+                self._job_heads[s.event.job_id] = s.position
             self._cursors.update(sequenced.cursors)
             self._gaps.extend(sequenced.gaps)
             return AppendResult(

@@ -4,11 +4,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from controlplane.core.records import DeadLetter, StoredEvent
 from controlplane.core.sequence import SeqGap
 from schemas.events import EnvelopeBase
+
+
+class JobHead(NamedTuple):
+    """What a decider expects: the position of the newest event of ``job_id`` in the log."""
+
+    job_id: str
+    position: int
 
 
 @dataclass(slots=True)
@@ -47,14 +54,15 @@ class EventStore(Protocol):
         events: Sequence[EnvelopeBase],
         dead_letters: Sequence[DeadLetter] = (),
         *,
-        expected_position: int | None = None,
+        expected: JobHead | None = None,
         encoded: Sequence[bytes] | None = None,
     ) -> AppendResult:
         """Append a batch atomically; dead letters commit in the same transaction.
 
-        With ``expected_position``, raise ``ConcurrencyError`` unless the log's last
-        position equals it (optimistic concurrency for decisions). ``encoded``, parallel to
-        ``events``, is what the store's own ``encode`` made of them ahead of time.
+        With ``expected``, raise ``ConcurrencyError`` unless the newest event of that job is
+        at that position (optimistic concurrency for decisions: whatever the decider did not
+        see makes the append fail). ``encoded``, parallel to ``events``, is what the store's
+        own ``encode`` made of them ahead of time.
         """
         ...
 

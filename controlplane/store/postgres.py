@@ -23,13 +23,14 @@ from controlplane.core.sequence import Cursor, CursorKey, SeqGap, sequence
 from controlplane.errors import ConcurrencyError, SchemaNotMigrated, StoreError, StoreUnavailable
 from controlplane.settings import libpq_url, sqlalchemy_url
 from controlplane.store.planning import gap_rows, refused_letters, split_stale, unique
-from controlplane.store.port import AppendResult, StoredDeadLetter, paged
+from controlplane.store.port import AppendResult, JobHead, StoredDeadLetter, paged
 from controlplane.store.tables import dead_letters as dead_letters_table
 from controlplane.store.tables import events as events_table
 from controlplane.store.tables import seq_gaps as seq_gaps_table
 from schemas.events import EVENT_ADAPTER, EnvelopeBase
 
 _LOCK_HEAD = "SELECT position, clock_timestamp() FROM log_head WHERE id = 1 FOR UPDATE"
+_JOB_HEAD = "SELECT coalesce(max(position), 0) FROM events WHERE job_id = %s"
 _COPY_EVENTS = (
     "COPY events (position, recorded_at, event_id, job_id, type, v, source, incarnation, seq,"
     " generation, emitted_at, payload) FROM STDIN"
@@ -129,12 +130,12 @@ class PostgresEventStore:
         events: Sequence[EnvelopeBase],
         dead_letters: Sequence[DeadLetter] = (),
         *,
-        expected_position: int | None = None,
+        expected: JobHead | None = None,
         encoded: Sequence[bytes] | None = None,
     ) -> AppendResult:
         if not events and not dead_letters:
             return AppendResult()
-        steps = _append_steps(events, dead_letters, expected_position, encoded)
+        steps = _append_steps(events, dead_letters, expected, encoded)
         with self._raw() as conn:
             with conn.cursor() as cur:
                 result = _run_sync(cur, steps)
@@ -277,15 +278,20 @@ def _copy_data(head: int, now: datetime, rows: Sequence[bytes]) -> bytes:
 def _append_steps(
     events: Sequence[EnvelopeBase],
     dead_letters: Sequence[DeadLetter],
-    expected_position: int | None,
+    expected: JobHead | None,
     encoded: Sequence[bytes] | None,
 ) -> _Steps:
     row = yield _Query(_LOCK_HEAD, fetch="one")
     if row is None:
         raise SchemaNotMigrated("log_head is empty: run `elasticctl migrate` first")
     head, now = row
-    if expected_position is not None and head != expected_position:
-        raise ConcurrencyError(f"log is at {head}, writer expected {expected_position}")
+    if expected is not None:
+        row = yield _Query(_JOB_HEAD, (expected.job_id,), fetch="one")
+        last = row[0] if row is not None else 0
+        if last != expected.position:
+            raise ConcurrencyError(
+                f"job {expected.job_id} is at {last}, writer expected {expected.position}"
+            )
     batch = unique(events, encoded)
     cursors: dict[CursorKey, Cursor] = {}
     keys = list({(e.job_id, e.source, e.incarnation) for e in batch.events})
@@ -412,13 +418,13 @@ class AsyncAppender:
         events: Sequence[EnvelopeBase],
         dead_letters: Sequence[DeadLetter] = (),
         *,
-        expected_position: int | None = None,
+        expected: JobHead | None = None,
         encoded: Sequence[bytes] | None = None,
     ) -> AppendResult:
         """See ``EventStore.append``."""
         if not events and not dead_letters:
             return AppendResult()
-        steps = _append_steps(events, dead_letters, expected_position, encoded)
+        steps = _append_steps(events, dead_letters, expected, encoded)
         try:
             with _translated():
                 if self._conn is None or self._conn.closed:

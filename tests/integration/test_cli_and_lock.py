@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from controlplane.app import ControlPlane
+from controlplane.core.fold import fold
 from controlplane.store import migrate
 from controlplane.store.postgres import make_engine
 from controlplane.synth import SyntheticJob
@@ -66,7 +67,15 @@ async def test_a_second_control_plane_stands_by_and_takes_over(settings, pg_stor
         await wait_until(lambda: planes[1].sessions == 1, 10, "the standby to take over")
         await publish(settings.nats_url, messages[200:])
         await wait_until(lambda: pg_store.last_position() >= 400, 30, "the successor to ingest")
-        assert planes[1].views["job-ha"].events == 400
+        await wait_until(
+            lambda: planes[1].views["job-ha"].last_position == pg_store.last_position(),
+            10,
+            "the successor to fold what it wrote",
+        )
+        stored = pg_store.read(job_id="job-ha")
+        assert sum(1 for s in stored if s.event.source != "controlplane") == 400
+        # The live view is the fold of the log (the decider's events included).
+        assert planes[1].views["job-ha"] == fold(None, stored)
     finally:
         for stop in stops:
             stop.set()

@@ -11,6 +11,7 @@ import sys
 from collections import Counter
 
 import pytest
+import sqlalchemy as sa
 
 from controlplane.app import load_views
 from controlplane.core.fold import fold, fold_jobs
@@ -54,18 +55,20 @@ async def test_valid_repeated_and_invalid_input(settings, pg_store: PostgresEven
     async with running_controlplane(settings) as cp:
         await publish(settings.nats_url, stream)
         await wait_until(
-            lambda: pg_store.last_position() >= 8800 and pg_store.count_dead_letters() >= 200,
+            lambda: _member_events(pg_store) >= 8800 and pg_store.count_dead_letters() >= 200,
             60,
             "8,800 events and 200 dead letters",
         )
         await asyncio.sleep(0.5)  # anything extra would show up now
         live_views = cp.views
 
-    stored = pg_store.read()
+    everything = pg_store.read()
+    assert [s.position for s in everything] == list(range(1, len(everything) + 1))
+    stored = [s for s in everything if s.event.source != "controlplane"]
     expected = [EVENT_ADAPTER.validate_json(m.data) for m in valid]
-    # Sources publish in order and nothing failed, so the log is exactly the valid input.
+    # Sources publish in order and nothing failed, so the member events are exactly the
+    # valid input (the decider adds its own: registration, the first generation).
     assert [s.event for s in stored] == expected
-    assert [s.position for s in stored] == list(range(1, 8801))
 
     letters = pg_store.dead_letters(limit=10_000)
     assert len(letters) == 200
@@ -80,7 +83,14 @@ async def test_valid_repeated_and_invalid_input(settings, pg_store: PostgresEven
     assert fold(None, stored) == fold(None, by_position)
     # Invariant 2: the live view equals a fold of the stored log from position 0.
     assert live_views == load_views(pg_store)
-    assert live_views["job-spine"].events == 8800
+    assert live_views["job-spine"].events == len(everything)
+
+
+def _member_events(store: PostgresEventStore) -> int:
+    """Events in the log that members published (not the decider's)."""
+    with store.engine.connect() as conn:
+        query = sa.text("SELECT count(*) FROM events WHERE source <> 'controlplane'")
+        return int(conn.execute(query).scalar_one())
 
 
 async def _publish_in_background(url: str, messages: list[Outgoing]) -> asyncio.Task[None]:
@@ -88,11 +98,13 @@ async def _publish_in_background(url: str, messages: list[Outgoing]) -> asyncio.
 
 
 def _assert_exactly(store: PostgresEventStore, messages: list[Outgoing]) -> None:
-    stored = store.read()
+    """The published member events are stored once each (the decider adds its own)."""
+    everything = store.read()
+    assert [s.position for s in everything] == list(range(1, len(everything) + 1))
+    stored = [s for s in everything if s.event.source != "controlplane"]
     ids = [s.event.event_id for s in stored]
     assert len(ids) == len(set(ids)), "an event was stored twice"
     assert set(ids) == {m.msg_id for m in messages}, "an event was lost"
-    assert [s.position for s in stored] == list(range(1, len(stored) + 1))
     assert store.count_dead_letters() == 0
 
 
@@ -118,7 +130,7 @@ async def test_kill_9_of_the_ingest_process_loses_and_duplicates_nothing(setting
         assert killed_at < len(messages), "killed too late to mean anything"
         proc = subprocess.Popen(cmd, env=env)
         await asyncio.wait_for(publisher, 120)
-        await wait_until(lambda: pg_store.last_position() >= len(messages), 120, "every event")
+        await wait_until(lambda: _member_events(pg_store) >= len(messages), 120, "every event")
         await asyncio.sleep(2.5)  # past ack_wait: redeliveries would land now
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -139,7 +151,7 @@ async def test_nats_server_restart(services, settings, pg_store):
         await asyncio.sleep(1.0)
         services.nats.start()
         await asyncio.wait_for(publisher, 120)
-        await wait_until(lambda: pg_store.last_position() >= len(messages), 120, "every event")
+        await wait_until(lambda: _member_events(pg_store) >= len(messages), 120, "every event")
         await asyncio.sleep(2.5)
         assert cp.ingest is not None
     assert down_at < len(messages), "restarted too late to mean anything"
@@ -157,7 +169,7 @@ async def test_postgres_restart(services, settings, pg_store):
         await asyncio.sleep(1.5)
         services.postgres.start()
         await asyncio.wait_for(publisher, 120)
-        await wait_until(lambda: pg_store.last_position() >= len(messages), 120, "every event")
+        await wait_until(lambda: _member_events(pg_store) >= len(messages), 120, "every event")
         await asyncio.sleep(2.5)
         # The outage was seen: batches retried, or the lock's connection died and ingest restarted.
         assert cp.ingest is not None

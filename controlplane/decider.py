@@ -1,0 +1,236 @@
+"""The decider service: runs the pure ``decide`` over the live views, records, then publishes.
+
+Each turn (given by the ingest between two commits, see ``QuietTurn``) it reads the clock once,
+asks the core what is due for every job, appends each job's decisions as one batch with the
+job's last position as the expected head (a writer it did not see makes the append fail: the
+view is refreshed from the log and the next turn decides again), folds what was stored into the
+views, and only then hands the commands owed by the new views to the publisher. A turn is
+wanted after every commit that stored more than heartbeats, and at the earliest deadline any
+job has (a heartbeat timeout, a recovery deadline), so a timeout is acted on when it expires,
+not at the next poll.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from nats.js import JetStreamContext
+
+from controlplane.core.commands import owed
+from controlplane.core.decide import Context, Decided, decide, envelope, next_deadline
+from controlplane.core.records import StoredEvent
+from controlplane.core.statemachine import TERMINAL
+from controlplane.core.view import JobView
+from controlplane.errors import ConcurrencyError, StoreUnavailable
+from controlplane.ingest import Appender
+from controlplane.publish import MSG_ID_HEADER
+from controlplane.store.port import AppendResult, JobHead
+from controlplane.subjects import command_subject
+from schemas.commands import Reallocate, Start, Stop
+
+log = logging.getLogger(__name__)
+
+#: Event types after which deciding cannot be useful (heartbeats only move deadlines later).
+QUIET_TYPES = frozenset({"member.heartbeat"})
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+@dataclass(slots=True)
+class DeciderStats:
+    """What the decider did since start."""
+
+    turns: int = 0
+    #: Decision batches appended, and events in them.
+    batches: int = 0
+    decisions: int = 0
+    conflicts: int = 0
+    #: Seconds each turn that appended something took, from its clock reading to the fold.
+    append_s: list[float] = field(default_factory=list)
+    commands_published: int = 0
+
+
+class CommandPublisher:
+    """Publishes owed commands to JetStream and re-publishes what stays owed.
+
+    A command is (re)sent when it was never sent, or when it is still owed ``retry_s`` after
+    its last send (a member that missed it, a stream that lost it). ``Nats-Msg-Id`` is the
+    command id: JetStream drops a copy inside its duplicate window, members drop the rest.
+    """
+
+    def __init__(self, js: JetStreamContext, retry_s: float) -> None:
+        self._js = js
+        self._retry_s = retry_s
+        self._sent: dict[str, float] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.published = 0
+
+    def offer(self, job_id: str, commands: list[Start | Reallocate | Stop]) -> None:
+        now = time.monotonic()
+        for command in commands:
+            key = str(command.command_id)
+            last = self._sent.get(key)
+            if last is not None and now - last < self._retry_s:
+                continue
+            self._sent[key] = now
+            task = asyncio.ensure_future(self._send(job_id, key, command.model_dump_json()))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _send(self, job_id: str, key: str, data: str) -> None:
+        try:
+            await self._js.publish(
+                command_subject(job_id), data.encode(), headers={MSG_ID_HEADER: key}
+            )
+            self.published += 1
+        except Exception as exc:
+            log.warning("publishing command %s failed (%s); it will be sent again", key, exc)
+            self._sent.pop(key, None)
+
+    def forget(self, keep: set[str]) -> None:
+        """Drop the send times of commands no longer owed."""
+        for key in [k for k in self._sent if k not in keep]:
+            del self._sent[key]
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+
+class Decider:
+    """Decides for every job in ``views`` (a mapping the owner keeps current)."""
+
+    def __init__(
+        self,
+        *,
+        views: Callable[[], Mapping[str, JobView]],
+        apply: Callable[[AppendResult], None],
+        refresh: Callable[[str], Awaitable[None]] | None,
+        appender: Appender,
+        publisher: CommandPublisher | None,
+        context: Context,
+        clock: Callable[[], datetime] = utcnow,
+    ) -> None:
+        self._views = views
+        self._apply = apply
+        self._refresh = refresh
+        self._appender = appender
+        self._publisher = publisher
+        self.context = context
+        self._clock = clock
+        #: One run of this decider: the ``incarnation`` of its events.
+        self.incarnation = uuid.uuid4().hex[:16]
+        self._seq: dict[str, int] = {}
+        self.wanted = asyncio.Event()
+        self.wanted.set()  # the first turn republishes what the log says is owed
+        self.next_wake: datetime | None = None
+        self.rescheduled = asyncio.Event()
+        self.stats = DeciderStats()
+
+    def on_commit(self, result: AppendResult) -> None:
+        """Ask for a turn when a commit stored something a decision may depend on."""
+        if any(s.event.type not in QUIET_TYPES for s in result.stored):
+            self.wanted.set()
+
+    async def turn(self) -> None:
+        """Decide for every job, record, fold, publish (run inside a quiet turn)."""
+        self.stats.turns += 1
+        now = self._clock()
+        started = time.perf_counter()
+        for job_id, view in list(self._views().items()):
+            if view.state in TERMINAL and self._publisher is None:
+                continue
+            decided = decide(view, now, self.context) if view.state not in TERMINAL else []
+            if decided:
+                if not await self._record(job_id, view, decided, now):
+                    continue
+                self.stats.append_s.append(time.perf_counter() - started)
+        self._publish()
+        self._reschedule()
+
+    async def _record(
+        self, job_id: str, view: JobView, decided: list[Decided], now: datetime
+    ) -> bool:
+        seq = self._seq.get(job_id, 0)
+        events = [
+            envelope(job_id, d, now, seq + i, self.incarnation)
+            for i, d in enumerate(decided, start=1)
+        ]
+        try:
+            result = await self._appender.append(
+                events, expected=JobHead(job_id, view.last_position)
+            )
+        except ConcurrencyError as exc:
+            self.stats.conflicts += 1
+            log.warning("decision for %s not recorded: %s; refreshing the view", job_id, exc)
+            if self._refresh is not None:
+                await self._refresh(job_id)
+            self.wanted.set()
+            return False
+        except StoreUnavailable as exc:
+            log.warning("decision for %s not recorded (%s); deciding again later", job_id, exc)
+            return False
+        self._seq[job_id] = seq + len(events)
+        self.stats.batches += 1
+        self.stats.decisions += len(result.stored)
+        self._apply(result)
+        for stored in result.stored:
+            _log_decision(stored)
+        return True
+
+    def _publish(self) -> None:
+        publisher = self._publisher
+        if publisher is None:
+            return
+        keep: set[str] = set()
+        for job_id, view in self._views().items():
+            commands = owed(view)
+            if commands:
+                keep.update(str(c.command_id) for c in commands)
+                publisher.offer(job_id, commands)
+        publisher.forget(keep)
+
+    def _reschedule(self) -> None:
+        deadlines = [d for v in self._views().values() if (d := next_deadline(v)) is not None]
+        self.next_wake = min(deadlines, default=None)
+        self.rescheduled.set()
+
+    async def tick(self, stop: asyncio.Event, interval_s: float) -> None:
+        """Want a turn at the earliest deadline, and at least every ``interval_s``."""
+        while not stop.is_set():
+            self.rescheduled.clear()
+            delay = interval_s
+            if self.next_wake is not None:
+                until = (self.next_wake - self._clock()).total_seconds()
+                # Just after the deadline: detection compares "silent > timeout".
+                delay = min(interval_s, max(0.0, until) + 0.001)
+            waiters = [asyncio.ensure_future(e.wait()) for e in (stop, self.rescheduled)]
+            try:
+                await asyncio.wait(waiters, timeout=delay, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for waiter in waiters:
+                    waiter.cancel()
+            if self.rescheduled.is_set() and not stop.is_set():
+                continue  # a new deadline: wait for it instead
+            self.wanted.set()
+
+
+def _log_decision(stored: StoredEvent) -> None:
+    event = stored.event
+    if event.type in ("member.heartbeat",):
+        return
+    payload = event.payload
+    detail = getattr(payload, "reason", None) or getattr(payload, "detail", None) or ""
+    log.info("#%d %s %s: %s", stored.position, event.job_id, event.type, str(detail)[:200])
