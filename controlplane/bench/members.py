@@ -86,10 +86,7 @@ class SimulatedJob:
 
     async def heartbeat(self, members: Iterable[str], step: int, phase: str = "train") -> None:
         await self.send(
-            [
-                self.envelope(m, "member.heartbeat", {"step": step, "phase": phase})
-                for m in members
-            ]
+            [self.envelope(m, "member.heartbeat", {"step": step, "phase": phase}) for m in members]
         )
 
     async def exited(self, member: str, signal: int = 9) -> None:

@@ -145,7 +145,7 @@ def place(world: Sequence[Slot], redundancy: int) -> Placement:
     if len(set(members)) != len(members):
         raise ValueError("a member appears twice in the world")
     loads = _Loads(world)
-    multi_rack = False
+    multi_rack = len(loads.racks) > 1
     shortfalls: list[str] = []
     shards = []
     for r, owner in enumerate(world):

@@ -1,0 +1,263 @@
+"""The decider through the real service: NATS, PostgreSQL, the control plane, simulated members.
+
+Recorded before published, commands on ``elastic.cmd.<job>.all``, timeouts acted on when they
+expire, owed commands re-published after a restart, one decider with a standby taking over,
+and the rendezvous store hosted by the control plane.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from collections import Counter
+from collections.abc import AsyncIterator
+from datetime import timedelta
+
+import nats
+import pytest
+from nats.aio.msg import Msg
+
+from controlplane.bench.members import SimMember, SimulatedJob
+from controlplane.core.fold import fold
+from controlplane.rendezvous import parse_endpoint
+from controlplane.settings import Settings
+from controlplane.store.postgres import PostgresEventStore
+from controlplane.subjects import command_wildcard
+from schemas.commands import COMMAND_ADAPTER, Reallocate, Start, Stop
+from schemas.common import JobState
+from tests.integration.helpers import running_controlplane, wait_until
+
+pytestmark = pytest.mark.usefixtures("clean_stream")
+
+POLICY = {
+    "world_size": 4,
+    "min_world": 2,
+    "backup_interval": 10,
+    "redundancy": 2,
+    "heartbeat_timeout_s": {"init": 10.0, "train": 1.0, "waiting": 5.0, "backup": 5.0,
+                            "restore": 5.0},
+    "recovery_deadline_s": 30.0,
+}  # fmt: skip
+WORKERS = ["w00", "w01", "w10", "w11"]
+
+
+def cluster(js: nats.js.JetStreamContext, job_id: str, spares: int = 1) -> SimulatedJob:
+    members = [SimMember(m, f"node-{m[1]}-{m[2]}", f"rack{m[1]}") for m in WORKERS]
+    members += [
+        SimMember(f"spare{s}", f"spare-node-{s}", f"rack{s % 2}", role="spare")
+        for s in range(spares)
+    ]
+    return SimulatedJob(js, job_id, members)
+
+
+class Commands:
+    """Every command published for one job, as members receive them."""
+
+    def __init__(self) -> None:
+        self.received: list[Start | Reallocate | Stop] = []
+        self.arrived = asyncio.Event()
+
+    async def handler(self, msg: Msg) -> None:
+        self.received.append(COMMAND_ADAPTER.validate_json(msg.data))
+        self.arrived.set()
+
+    def of(self, kind: type) -> list:  # type: ignore[type-arg]
+        return [c for c in self.received if isinstance(c, kind)]
+
+    async def next(self, kind: type, count: int = 1, timeout: float = 20) -> list:  # type: ignore[type-arg]
+        await wait_until(lambda: len(self.of(kind)) >= count, timeout, f"{count} {kind.__name__}")
+        return self.of(kind)
+
+
+@pytest.fixture
+async def bus(settings: Settings) -> AsyncIterator[nats.NATS]:
+    nc = await nats.connect(settings.nats_url)
+    yield nc
+    await nc.close()
+
+
+async def listen(nc: nats.NATS, job_id: str) -> Commands:
+    commands = Commands()
+    await nc.subscribe(command_wildcard(job_id), cb=commands.handler)
+    return commands
+
+
+async def start_job(job: SimulatedJob, commands: Commands) -> Start:
+    await job.join(job.members, policy=POLICY)
+    [start] = await commands.next(Start)
+    await job.obey(start)
+    return start
+
+
+async def test_crash_is_recorded_then_published_and_the_job_recovers(settings, pg_store, bus):
+    async with running_controlplane(settings) as cp:
+        job = cluster(bus.jetstream(), "job-crash")
+        commands = await listen(bus, "job-crash")
+        start = await start_job(job, commands)
+        assert start.world == WORKERS and start.generation == 1
+        assert len(start.placement) == 4 and start.rendezvous.endswith("/job-crash/1")
+        await job.step(WORKERS, 10)
+        await job.backup(start.world, start.placement, 10)
+        await wait_until(
+            lambda: cp.views["job-crash"].last_complete_backup == 10, 10, "backup 10 complete"
+        )
+
+        await job.exited("w01")
+        [command] = await commands.next(Reallocate)
+        assert command.world == ["w00", "spare0", "w10", "w11"]
+        assert command.restore_step == 10 and command.generation == 2
+        # Recorded before published: the command names the decision's position in the log.
+        [decision] = pg_store.read(job_id="job-crash", after=command.decision_position - 1, limit=1)
+        assert decision.event.type == "reallocation.issued"
+        assert str(decision.event.payload.command_id) == str(command.command_id)
+        detected = pg_store.read(job_id="job-crash", types=["fault.detected"])
+        assert [d.event.payload.reason for d in detected] == ["exited"]
+        assert detected[0].position < decision.position
+
+        await job.obey(command)
+        await wait_until(
+            lambda: (
+                cp.views["job-crash"].state is JobState.RUNNING
+                and cp.views["job-crash"].open_incident is None
+            ),
+            10,
+            "the incident to be resolved",
+        )
+        [resolved] = pg_store.read(job_id="job-crash", types=["incident.resolved"])
+        assert resolved.event.payload.steps_lost == 0
+        assert set(resolved.event.payload.phases) == {"detect", "decide", "ack", "restore",
+                                                       "resume"}  # fmt: skip
+        # The live view is the fold of the log.
+        assert cp.views["job-crash"] == fold(None, pg_store.read(job_id="job-crash"))
+
+
+async def test_a_hang_is_decided_when_its_heartbeat_timeout_expires(settings, pg_store, bus):
+    async with running_controlplane(settings) as cp:
+        job = cluster(bus.jetstream(), "job-hang", spares=0)
+        commands = await listen(bus, "job-hang")
+        await start_job(job, commands)
+        alive = ["w00", "w01", "w10"]
+
+        async def beat() -> None:
+            for _ in range(40):
+                await job.heartbeat(alive, 5)
+                await asyncio.sleep(0.2)
+
+        beating = asyncio.create_task(beat())
+        try:
+            [command] = await commands.next(Reallocate, timeout=10)
+        finally:
+            beating.cancel()
+        assert command.mode == "shrink" and command.world == alive
+        [detected] = pg_store.read(job_id="job-hang", types=["fault.detected"])
+        payload = detected.event.payload
+        assert payload.reason == "heartbeat_timeout" and payload.members == ["w11"]
+        last_heartbeat = payload.evidence[0].at
+        late = (detected.recorded_at - last_heartbeat).total_seconds()
+        # Decided within a fraction of a second of the 1 s timeout expiring.
+        assert 1.0 < late < 1.5, late
+        assert cp.views["job-hang"].state is JobState.RECOVERING
+
+
+async def test_a_restarted_control_plane_republishes_what_no_member_acked(settings, pg_store, bus):
+    job = cluster(bus.jetstream(), "job-restart")
+    commands = await listen(bus, "job-restart")
+    async with running_controlplane(settings):
+        await start_job(job, commands)
+        await job.exited("w10")
+        [first] = await commands.next(Reallocate)
+    decisions_before = len(pg_store.read(job_id="job-restart", types=["reallocation.issued"]))
+
+    async with running_controlplane(settings) as cp:
+        again = await commands.next(Reallocate, count=2)
+        assert again[-1].command_id == first.command_id
+        assert again[-1].decision_position == first.decision_position
+        await job.obey(first)
+        await wait_until(
+            lambda: cp.views["job-restart"].open_incident is None, 10, "the incident to resolve"
+        )
+    # Nothing was decided twice.
+    assert len(pg_store.read(job_id="job-restart", types=["reallocation.issued"])) == (
+        decisions_before
+    )
+
+
+async def test_the_rendezvous_store_lives_in_the_control_plane(settings, bus):
+    import torch.distributed as dist
+
+    async with running_controlplane(settings) as cp:
+        job = cluster(bus.jetstream(), "job-rdzv")
+        commands = await listen(bus, "job-rdzv")
+        start = await start_job(job, commands)
+        assert cp.rendezvous is not None and cp.rendezvous.base is not None
+        assert start.rendezvous == f"{cp.rendezvous.base}/job-rdzv/1"
+        endpoint = parse_endpoint(start.rendezvous)
+
+        def meet() -> bytes:
+            client = dist.TCPStore(  # type: ignore[attr-defined]
+                endpoint.host, endpoint.port, is_master=False, timeout=timedelta(seconds=5)
+            )
+            store = dist.PrefixStore(endpoint.prefix, client)  # type: ignore[attr-defined]
+            store.set("rank0", "here")
+            return bytes(store.get("rank0"))
+
+        assert await asyncio.to_thread(meet) == b"here"
+
+
+def _serve(settings: Settings) -> subprocess.Popen[bytes]:
+    env = {
+        **os.environ,
+        "ELASTIC_NATS_URL": settings.nats_url,
+        "ELASTIC_DATABASE_URL": settings.database_url,
+        "ELASTIC_RENDEZVOUS_PORT": "0",
+        "ELASTIC_LOCK_RETRY_S": "0.5",
+        "ELASTIC_COMMAND_RETRY_S": "0.5",
+        "ELASTIC_LOG_LEVEL": "WARNING",
+    }
+    return subprocess.Popen([sys.executable, "-m", "controlplane", "serve"], env=env)
+
+
+async def test_two_deciders_one_leader_and_a_standby_that_takes_over(
+    settings, pg_store: PostgresEventStore, bus
+):
+    first, second = _serve(settings), None
+    try:
+        job = cluster(bus.jetstream(), "job-ha2", spares=2)
+        commands = await listen(bus, "job-ha2")
+        await job.join(job.members, policy=POLICY)
+        [start] = await commands.next(Start, timeout=30)
+        second = _serve(settings)
+        await job.obey(start)
+        await job.exited("w00")
+        [one] = await commands.next(Reallocate)
+        await job.obey(one)
+        await wait_until(
+            lambda: len(pg_store.read(job_id="job-ha2", types=["incident.resolved"])) == 1,
+            10,
+            "the first incident to resolve",
+        )
+
+        first.send_signal(signal.SIGKILL)
+        first.wait(10)
+        killed = asyncio.get_running_loop().time()
+        await job.exited("w11")
+        [_, two] = await commands.next(Reallocate, count=2, timeout=30)
+        took = asyncio.get_running_loop().time() - killed
+        assert took < 10, f"the standby took {took:.1f}s to decide"
+        assert two.generation == 3 and "w11" not in two.world
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(20)
+    # No split brain: one decision per generation, and positions without gaps.
+    log = pg_store.read(job_id="job-ha2")
+    generations = Counter(
+        s.event.payload.generation for s in log if s.event.type == "generation.started"
+    )
+    assert generations == {1: 1, 2: 1, 3: 1}
+    sources = {s.event.incarnation for s in log if s.event.source == "controlplane"}
+    assert len(sources) == 2, "two deciders, one after the other"
