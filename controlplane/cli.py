@@ -116,6 +116,28 @@ def bench_ingest(
     typer.echo(json.dumps(result))
 
 
+@bench_app.command("decide")
+def bench_decide(
+    members: Annotated[int, typer.Option(min=2, help="Members heartbeating at 1 Hz.")] = 4096,
+    faults: Annotated[
+        int, typer.Option(min=1, help="Faults to inject, alternating crash and hang.")
+    ] = 20,
+    as_json: Annotated[bool, typer.Option("--json", help="Print only the JSON result.")] = False,
+) -> None:
+    """Measure fault-to-decision latency through the real service.
+
+    Members heartbeat at 1 Hz through NATS into a control plane process; crashes (an exit
+    reported) and hangs (heartbeats stop) alternate. Latency runs from the exit report, or
+    the heartbeat timeout's expiry, to the commit of the decision. Uses ELASTIC_NATS_URL /
+    ELASTIC_DATABASE_URL when set; otherwise embedded NATS and PostgreSQL in a temp dir.
+    """
+    from controlplane.bench.decide import run_decide_bench
+
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    result = run_decide_bench(members=members, faults=faults, progress=not as_json)
+    typer.echo(json.dumps(result))
+
+
 def main() -> None:
     """Entry point of the ``elasticctl`` script."""
     app()

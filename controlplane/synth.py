@@ -71,10 +71,7 @@ class SyntheticJob:
     def controlplane_events(self) -> list[dict[str, Any]]:
         """What the control plane records first: the registration and generation 0."""
         world = [m for m, _, _ in self.members]
-        placement = [
-            {"shard": s.shard, "owner": s.owner, "holders": list(s.holders)}
-            for s in self.placement.shards
-        ]
+        placement = [list(h) for h in self.placement.holders]
         return [
             self.envelope(CONTROLPLANE_SOURCE, "job.registered", {
                 "name": "synthetic",
@@ -98,9 +95,9 @@ class SyntheticJob:
             })  # fmt: skip
             emitted += 1
         holds: dict[str, list[int]] = {m: [] for m, _, _ in self.members}
-        for entry in self.placement.shards:
-            for holder in entry.holders:
-                holds[holder].append(entry.shard)
+        for shard, holders in enumerate(self.placement.holders):
+            for holder in holders:
+                holds[holder].append(shard)
         step = 0
         while emitted < count:
             step += 1

@@ -17,7 +17,7 @@ from schemas.common import (
     Strict,
     Text,
 )
-from schemas.events import Members, RestoreSource, ShardPlacement
+from schemas.events import Members, Placement, RestoreSource
 
 
 class CommandBase(Strict):
@@ -41,9 +41,8 @@ class Reallocate(CommandBase):
     restore_step: Step
     restore_from: RestoreFrom
     plan: Annotated[list[RestoreSource], Field(max_length=65_536)]
-    placement: Annotated[list[ShardPlacement], Field(max_length=65_536)] = Field(
-        default_factory=list
-    )
+    #: ``placement[r]``: the members that hold copies of rank ``r``'s shard.
+    placement: Placement = Field(default_factory=list)
     rendezvous: ShortText
 
 
@@ -53,9 +52,8 @@ class Start(CommandBase):
     kind: Literal["start"] = "start"
     generation: NonNegInt
     world: Members
-    placement: Annotated[list[ShardPlacement], Field(max_length=65_536)] = Field(
-        default_factory=list
-    )
+    #: ``placement[r]``: the members that hold copies of rank ``r``'s shard.
+    placement: Placement = Field(default_factory=list)
     rendezvous: ShortText
 
 

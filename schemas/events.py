@@ -176,10 +176,10 @@ class TrainCompleted(Strict):
     loss: Annotated[float, Field(allow_inf_nan=False)] | None = None
 
 
-class ShardPlacement(Strict):
-    shard: NonNegInt
-    owner: Ident
-    holders: Annotated[list[Ident], Field(max_length=8)]
+#: The members holding copies of one shard.
+Holders = Annotated[list[Ident], Field(max_length=8)]
+#: ``placement[r]``: the holders of rank ``r``'s shard (its owner is ``world[r]``).
+Placement = Annotated[list[Holders], Field(max_length=MAX_WORLD)]
 
 
 class GenerationStarted(Strict):
@@ -187,9 +187,7 @@ class GenerationStarted(Strict):
     #: Rank -> member: ``world[r]`` is the member that runs rank ``r``.
     world: Members
     rendezvous: ShortText
-    placement: Annotated[list[ShardPlacement], Field(max_length=MAX_WORLD)] = Field(
-        default_factory=list
-    )
+    placement: Placement = Field(default_factory=list)
     #: Why the placement falls short of the rule, when it does.
     placement_note: Text = ""
 

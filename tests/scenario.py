@@ -181,7 +181,7 @@ class Scenario:
             )  # fmt: skip
             if not replicate:
                 continue
-            for holder in self.v.placement[shard].holders:
+            for holder in self.v.placement[shard]:
                 events.append(
                     self.ev.make(
                         "backup.replicated",

@@ -37,7 +37,9 @@ class SimMember:
 class SimulatedJob:
     """Members of one job on a JetStream context; events go out in one publish per call."""
 
-    def __init__(self, js: JetStreamContext, job_id: str, members: Iterable[SimMember]) -> None:
+    def __init__(
+        self, js: JetStreamContext | None, job_id: str, members: Iterable[SimMember]
+    ) -> None:
         self.js = js
         self.job_id = job_id
         self.members = {m.member: m for m in members}
@@ -64,6 +66,7 @@ class SimulatedJob:
         return Outgoing(subject, json.dumps(data, separators=(",", ":")).encode(), event_id)
 
     async def send(self, messages: Sequence[Outgoing]) -> None:
+        assert self.js is not None, "a job built without a JetStream context only encodes"
         if len(messages) == 1:
             m = messages[0]
             assert m.msg_id is not None
@@ -110,7 +113,7 @@ class SimulatedJob:
             out.append(self.envelope(owner, "backup.snapshot", {
                 "step": step, "shard": shard, "nbytes": 64, "checksum": checksum,
                 "seconds": 0.001}))  # fmt: skip
-            for holder in placement[shard].holders:
+            for holder in placement[shard]:
                 out.append(self.envelope(holder, "backup.replicated", {
                     "step": step, "shard": shard, "owner": owner, "nbytes": 64,
                     "checksum": checksum, "seconds": 0.001}))  # fmt: skip

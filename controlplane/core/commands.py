@@ -43,7 +43,7 @@ def owed(view: JobView) -> list[Start | Reallocate | Stop]:
     decision = incident.decisions[-1]
     if all(m in decision.acked for m in decision.world):
         return []
-    placement = list(view.placement) if view.generation == decision.generation else []
+    placement = [list(h) for h in view.placement] if view.generation == decision.generation else []
     return [
         Reallocate.model_construct(
             command_id=uuid.UUID(decision.command_id),
@@ -73,13 +73,13 @@ def _start(view: JobView) -> list[Start | Reallocate | Stop]:
         return []
     return [
         Start.model_construct(
-            command_id=uuid.UUID(decision_id(view.job_id, f"command/{view.generation}")),
+            command_id=uuid.UUID(decision_id(view.job_id, f"start/{view.generation}")),
             job_id=view.job_id,
             decision_position=mark.position,
             issued_at=mark.at,
             generation=view.generation,
             world=list(view.world),
-            placement=list(view.placement),
+            placement=[list(h) for h in view.placement],
             rendezvous=view.rendezvous,
         )
     ]

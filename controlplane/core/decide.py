@@ -27,7 +27,7 @@ from __future__ import annotations
 import re
 import uuid
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from controlplane.core.detect import Finding, detect, heartbeat_timeout
@@ -61,7 +61,6 @@ from schemas.events import (
     JobStopped,
     ReallocationIssued,
     RestoreSource,
-    ShardPlacement,
 )
 
 #: Namespace of the ids the decider derives (uuid5 of the job, then of the decision's key).
@@ -190,6 +189,8 @@ class _Plan:
     restore_from: RestoreFrom
     sources: tuple[tuple[int, str], ...]
     reason: str
+    #: Failed member -> the member that takes its rank.
+    replacements: dict[str, str] = field(default_factory=dict)
 
 
 class _Round:
@@ -280,6 +281,10 @@ class _Round:
 
     def _pending(self) -> None:
         view, policy = self.view, self.policy
+        wanted = policy.start_world
+        # With world_size set, exactly that many (the rest wait as candidates); without it,
+        # every worker there is, up to max_world.
+        most = policy.world_size if policy.world_size is not None else policy.max_world
         workers = sorted(
             (
                 m
@@ -287,8 +292,7 @@ class _Round:
                 if m.role is Role.WORKER and m.status is MemberStatus.ACTIVE and self._fresh(m)
             ),
             key=_topology_key,
-        )[: policy.max_world]
-        wanted = policy.start_world
+        )[:most]
         if len(workers) >= wanted:
             self._start(workers, f"{len(workers)} workers joined (the job waits for {wanted})")
             return
@@ -314,8 +318,14 @@ class _Round:
         self._generation(generation, world)
         self._state(_S.RUNNING, reason)
 
-    def _generation(self, generation: int, world: tuple[str, ...]) -> None:
-        placement = place(self._slots(world), self.policy.redundancy)
+    def _generation(
+        self, generation: int, world: tuple[str, ...], substitute: dict[str, str] | None = None
+    ) -> None:
+        """Record ``generation``: its world, rendezvous, and a placement that keeps every
+        still-valid copy of the current one (replacements stand in for whom they replace)."""
+        view = self.view
+        previous = dict(zip(view.world, view.placement, strict=False))
+        placement = place(self._slots(world), self.policy.redundancy, previous, substitute)
         self._emit(
             f"generation/{generation}",
             "generation.started",
@@ -323,12 +333,7 @@ class _Round:
                 generation=generation,
                 world=list(world),
                 rendezvous=self._rendezvous(generation),
-                placement=[
-                    ShardPlacement.model_construct(
-                        shard=s.shard, owner=s.owner, holders=list(s.holders)
-                    )
-                    for s in placement.shards
-                ],
+                placement=[list(h) for h in placement.holders],
                 placement_note=placement.note[:_MAX_TEXT],
             ),
             generation,
@@ -337,8 +342,26 @@ class _Round:
     def _findings(self) -> list[Finding]:
         """Failures of members of the current world (a spare's failure opens no incident:
         it simply is no candidate any more)."""
-        members = self.view.members
-        return [f for f in detect(self.view, self.now) if members[f.member].rank is not None]
+        view = self.view
+        members = view.members
+        found = [f for f in detect(view, self.now) if members[f.member].rank is not None]
+        named = {f.member for f in found}
+        for member_id in view.world:
+            member = members.get(member_id)
+            # Rejoined under a new incarnation: the process of the world is gone, even if
+            # its exit was never reported. (The new process may serve again, as a spare.)
+            if member is not None and member.rank is None and member_id not in named:
+                found.append(
+                    Finding(
+                        member_id,
+                        FaultReason.EXITED,
+                        f"{member_id} came back as a new process (incarnation"
+                        f" {member.incarnation}): its process in generation"
+                        f" {view.generation} is gone",
+                        ((member_id, "member.joined", member.joined_position, member.joined_at),),
+                    )
+                )
+        return sorted(found, key=lambda f: f.member)
 
     def _running(self) -> None:
         view = self.view
@@ -419,7 +442,7 @@ class _Round:
             ),
             generation,
         )
-        self._generation(generation, plan.world)
+        self._generation(generation, plan.world, plan.replacements)
         self._state(
             _S.RECOVERING,
             f"generation {generation}: {len(plan.world)} members restore step"
@@ -473,7 +496,9 @@ class _Round:
         if dropped:
             parts.append(f"shrink to {len(world)} without {', '.join(dropped[:8])} (no spare)")
         reason = "; ".join(parts) or "re-form the world"
-        return _Plan(mode, world, step, source, sources, f"{reason}; restore step {step}")
+        return _Plan(
+            mode, world, step, source, sources, f"{reason}; restore step {step}", replacements
+        )
 
     def _restore_point(
         self, world: tuple[str, ...]
@@ -485,9 +510,9 @@ class _Round:
         receivers = dict(enumerate(world))
         slots = {s.member: s for s in self._slots(m for m in members)}
         hot = plan_restore(view, alive, receivers, slots)
-        cold = view.newest_complete_checkpoint()
-        if hot is not None and (cold is None or hot.step >= cold.step):
+        if hot is not None:  # hot first (seconds), even when a cold checkpoint is newer
             return hot.step, RestoreFrom.MEMORY, hot.sources
+        cold = view.newest_complete_checkpoint()
         if cold is not None:
             return cold.step, RestoreFrom.CHECKPOINT, ()
         if view.last_complete_backup is None:
@@ -506,12 +531,9 @@ class _Round:
         if incident is None or not incident.decisions:
             self._stop("RECOVERING without a recorded decision: nothing to wait for")
             return
-        findings = self._findings()
-        if findings:
-            self._detected(incident.incident_id, findings)
-            self._state(_S.REALLOCATING, f"while recovering: {_summary(findings)}")
-            return
         decision = incident.decisions[-1]
+        # The new generation stepping resolves the incident first: a fault seen in the same
+        # batch then opens a new incident instead of blurring this one's timeline.
         if decision.first_step_position is not None:
             line = timeline(incident)
             self._emit(
@@ -525,6 +547,11 @@ class _Round:
                 ),
             )
             self._state(_S.RUNNING, f"generation {decision.generation} took its first step")
+            return
+        findings = self._findings()
+        if findings:
+            self._detected(incident.incident_id, findings)
+            self._state(_S.REALLOCATING, f"while recovering: {_summary(findings)}")
             return
         late = (self.now - decision.at).total_seconds()
         if late <= policy.recovery_deadline_s:

@@ -403,7 +403,7 @@ class _Fold:
         view.generation = p.generation
         view.world = tuple(p.world)
         view.rendezvous = p.rendezvous
-        view.placement = tuple(p.placement)
+        view.placement = tuple(tuple(h) for h in p.placement)
         view.placement_note = p.placement_note
         view.generation_mark = Mark(stored.position, stored.recorded_at)
         if view.started_position is None:
@@ -443,6 +443,9 @@ class _Fold:
                 incident.members.append(member_id)
             member = self._member(member_id)
             if member is None:
+                continue
+            if member.rank is None and member_id in view.world:
+                # A new incarnation rejoined: the failed process was the old one.
                 continue
             member.detected_position = stored.position
             if member.status is MemberStatus.ACTIVE:

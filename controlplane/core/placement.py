@@ -6,17 +6,22 @@ over as many racks as possible. With a single holder, it goes to another rack: a
 survives losing a rack beats a nearby one, and no shard should have every copy in one rack.
 
 Balance is greedy: each copy goes to the least-loaded member allowed by the rule (ties broken by
-rank), and the other racks are taken least-loaded (per member) first. Heaps keep that at
-O(n * redundancy * log n), a few milliseconds for thousands of ranks, so the decider can place a
-new generation on the hot path. The result is a pure function of the world, never random. When
-the topology cannot satisfy the rule, the best available placement is made and the note says
-why.
+rank), and the other racks are taken least-loaded (per member) first; heaps keep that at
+O(n * redundancy * log n). When the topology cannot satisfy the rule, the best available
+placement is made and the note says why.
+
+A new generation keeps what it can of the previous one (``previous``, with failed members
+``substitute``-d by their replacements): every copy that is still on a valid holder stays where
+it is, and only the shards that lost a holder (or gained an owner) are placed again. After a
+failure, then, a handful of ranks re-replicate instead of all of them, and placing 4,096 ranks
+takes a few milliseconds on the decider's hot path. Either way the result is a pure function of
+its arguments (the world, and the previous generation's placement), never random.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 #: Shortfalls spelled out in a placement note before the rest are only counted.
@@ -33,26 +38,19 @@ class Slot:
 
 
 @dataclass(frozen=True, slots=True)
-class Shard:
-    """One rank's shard and the members holding its copies."""
-
-    shard: int
-    owner: str
-    holders: tuple[str, ...]
-
-
-@dataclass(frozen=True, slots=True)
 class Placement:
-    """Holders for every shard, and why the rule was not met where it was not."""
+    """``holders[r]``: the members holding copies of rank ``r``'s shard (owned by
+    ``world[r]``), and why the rule was not met where it was not."""
 
-    shards: tuple[Shard, ...]
+    world: tuple[str, ...]
+    holders: tuple[tuple[str, ...], ...]
     note: str = ""
 
     def load(self) -> dict[str, int]:
         """How many shards each member holds a copy of."""
         out: dict[str, int] = {}
-        for shard in self.shards:
-            for holder in shard.holders:
+        for holders in self.holders:
+            for holder in holders:
                 out[holder] = out.get(holder, 0) + 1
         return out
 
@@ -60,9 +58,9 @@ class Placement:
 class _Loads:
     """Copies held per member and per rack, with lazy min-heaps over both."""
 
-    def __init__(self, world: Sequence[Slot]) -> None:
+    def __init__(self, world: Sequence[Slot], load: list[int] | None = None) -> None:
         self.world = world
-        self.load = [0] * len(world)
+        self.load = load if load is not None else [0] * len(world)
         self.racks: list[str] = []
         self.rack_of: list[int] = []
         index: dict[str, int] = {}
@@ -77,8 +75,14 @@ class _Loads:
         self.rack_load = [0] * len(self.racks)
         self.members: list[list[tuple[int, int]]] = [[] for _ in self.racks]
         for i, rack in enumerate(self.rack_of):
-            self.members[rack].append((0, i))  # already a heap: equal loads, rising index
-        self.rack_heap = [(0.0, rack) for rack in range(len(self.racks))]
+            self.rack_load[rack] += self.load[i]
+            self.members[rack].append((self.load[i], i))
+        for heap in self.members:
+            heapq.heapify(heap)
+        self.rack_heap = [
+            (self.rack_load[rack] / self.size[rack], rack) for rack in range(len(self.racks))
+        ]
+        heapq.heapify(self.rack_heap)
         self.nodes: dict[str, list[int]] = {}
         node_index: dict[str, int] = {}
         self.node_of: list[int] = []
@@ -137,66 +141,120 @@ class _Loads:
         return found
 
 
-def place(world: Sequence[Slot], redundancy: int) -> Placement:
-    """Choose ``redundancy`` holders for the shard of each rank ``r`` (owned by ``world[r]``)."""
+def place(
+    world: Sequence[Slot],
+    redundancy: int,
+    previous: Mapping[str, Sequence[str]] | None = None,
+    substitute: Mapping[str, str] | None = None,
+) -> Placement:
+    """Choose ``redundancy`` holders for the shard of each rank ``r`` (owned by ``world[r]``).
+
+    ``previous`` maps an owner to the holders its shard had (the last generation); copies on
+    holders that are still valid stay. ``substitute`` renames members first (a failed member
+    -> its replacement), as owners and as holders.
+    """
     if redundancy < 0:
         raise ValueError("redundancy must be >= 0")
     members = [s.member for s in world]
-    if len(set(members)) != len(members):
+    index = {m: i for i, m in enumerate(members)}
+    if len(index) != len(members):
         raise ValueError("a member appears twice in the world")
-    loads = _Loads(world)
+    kept = _kept(world, index, redundancy, previous or {}, substitute or {})
+    load = [0] * len(world)
+    for chosen in kept:
+        for i in chosen:
+            load[i] += 1
+    loads = _Loads(world, load)
     multi_rack = len(loads.racks) > 1
     shortfalls: list[str] = []
-    shards = []
+    holders: list[tuple[str, ...]] = []
     for r, owner in enumerate(world):
-        own_rack = loads.rack_of[r]
-        own_node = loads.node_of[r]
-        chosen: list[int] = []
-        if redundancy >= 2:
-            pick = loads.least_in_rack(own_rack, own_node, chosen)
-            if pick is not None:
-                chosen.append(pick)
-                loads.add(pick)
-            elif multi_rack:
-                shortfalls.append(f"shard {r}: no other node in rack {owner.rack}")
-        racks_used = {own_rack}
-        while len(chosen) < redundancy and multi_rack:
-            rack = loads.least_rack(racks_used)
-            if rack is None:  # every other rack holds a copy already: use one again
-                rack = loads.least_rack({own_rack}, own_node, chosen)
-            if rack is None:
-                break
-            pick = loads.least_in_rack(rack, own_node, chosen)
-            assert pick is not None
-            chosen.append(pick)
-            loads.add(pick)
-            racks_used.add(rack)
+        chosen = kept[r]
         if len(chosen) < redundancy:
-            # Fewer racks or nodes than the rule needs: same rack, then same node, is better
-            # than no copy at all.
-            while len(chosen) < redundancy:
-                pick = loads.least_in_rack(own_rack, own_node, chosen)
-                if pick is None:
-                    break
-                chosen.append(pick)
-                loads.add(pick)
-            same_node = [i for i in loads.nodes[owner.node] if i != r]
-            while len(chosen) < redundancy:
-                rest = [i for i in same_node if i not in chosen]
-                if not rest:
-                    break
-                pick = min(rest, key=lambda i: (loads.load[i], i))
-                chosen.append(pick)
-                loads.add(pick)
-                shortfalls.append(f"shard {r}: a copy on the owner's own node {owner.node}")
-        if len(chosen) < redundancy:
-            shortfalls.append(f"shard {r}: holders {len(chosen)} of {redundancy} wanted")
+            _fill(loads, r, chosen, redundancy, shortfalls)
         if redundancy >= 1 and chosen and not multi_rack:
             shortfalls.append(
                 f"shard {r}: one rack only, no copy survives losing rack {owner.rack}"
             )
-        shards.append(Shard(r, owner.member, tuple(world[i].member for i in chosen)))
-    return Placement(tuple(shards), _note(shortfalls))
+        holders.append(tuple(members[i] for i in chosen))
+    return Placement(tuple(members), tuple(holders), _note(shortfalls))
+
+
+def _kept(
+    world: Sequence[Slot],
+    index: Mapping[str, int],
+    redundancy: int,
+    previous: Mapping[str, Sequence[str]],
+    substitute: Mapping[str, str],
+) -> list[list[int]]:
+    """Per rank, the previous holders that remain valid: in the world, not the owner, not on
+    its node, and not leaving every copy in the owner's rack while other racks exist."""
+    if not previous or redundancy == 0:
+        return [[] for _ in world]
+    origin = {new: old for old, new in substitute.items()}
+    multi_rack = len({s.rack for s in world}) > 1
+    out: list[list[int]] = []
+    for r, owner in enumerate(world):
+        before = previous.get(origin.get(owner.member, owner.member), ())
+        chosen: list[int] = []
+        for name in before:
+            i = index.get(substitute.get(name, name))
+            if i is None or i == r or i in chosen or world[i].node == owner.node:
+                continue
+            chosen.append(i)
+        del chosen[redundancy:]
+        if multi_rack and chosen and all(world[i].rack == owner.rack for i in chosen):
+            chosen.pop()  # the refill goes to another rack
+        out.append(chosen)
+    return out
+
+
+def _fill(loads: _Loads, r: int, chosen: list[int], redundancy: int, shortfalls: list[str]) -> None:
+    """Add holders for rank ``r`` until ``redundancy``, by the rule, least-loaded first."""
+    world = loads.world
+    owner = world[r]
+    own_rack = loads.rack_of[r]
+    own_node = loads.node_of[r]
+    multi_rack = len(loads.racks) > 1
+    if redundancy >= 2 and not any(loads.rack_of[i] == own_rack for i in chosen):
+        pick = loads.least_in_rack(own_rack, own_node, chosen)
+        if pick is not None:
+            chosen.append(pick)
+            loads.add(pick)
+        elif multi_rack:
+            shortfalls.append(f"shard {r}: no other node in rack {owner.rack}")
+    racks_used = {own_rack, *(loads.rack_of[i] for i in chosen)}
+    while len(chosen) < redundancy and multi_rack:
+        rack = loads.least_rack(racks_used)
+        if rack is None:  # every other rack holds a copy already: use one again
+            rack = loads.least_rack({own_rack}, own_node, chosen)
+        if rack is None:
+            break
+        pick = loads.least_in_rack(rack, own_node, chosen)
+        assert pick is not None
+        chosen.append(pick)
+        loads.add(pick)
+        racks_used.add(rack)
+    if len(chosen) < redundancy:
+        # Fewer racks or nodes than the rule needs: same rack, then same node, is better
+        # than no copy at all.
+        while len(chosen) < redundancy:
+            pick = loads.least_in_rack(own_rack, own_node, chosen)
+            if pick is None:
+                break
+            chosen.append(pick)
+            loads.add(pick)
+        same_node = [i for i in loads.nodes[owner.node] if i != r]
+        while len(chosen) < redundancy:
+            rest = [i for i in same_node if i not in chosen]
+            if not rest:
+                break
+            pick = min(rest, key=lambda i: (loads.load[i], i))
+            chosen.append(pick)
+            loads.add(pick)
+            shortfalls.append(f"shard {r}: a copy on the owner's own node {owner.node}")
+    if len(chosen) < redundancy:
+        shortfalls.append(f"shard {r}: holders {len(chosen)} of {redundancy} wanted")
 
 
 def _note(shortfalls: list[str]) -> str:

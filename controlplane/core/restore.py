@@ -1,7 +1,8 @@
 """Which step a job restores to after a fault, and where each shard's state comes from.
 
 The restore step is the newest backup step for which every shard has a checksum-verified copy
-on a surviving member (the owner's own snapshot counts while the owner survives). Each shard
+on a surviving member (the owner's own snapshot counts while the owner survives; a member that
+rejoined as a new process lost whatever its earlier process held). Each shard
 then comes from the member that will run it if that member holds a copy (local memory), else
 from a surviving holder on the same node, then the same rack, then anywhere, the least used
 source first, so one holder does not serve every shard.
@@ -25,19 +26,36 @@ class RestorePlan:
     sources: tuple[tuple[int, str], ...]
 
 
-def surviving_copies(shard: ShardBackup, survivors: Set[str]) -> list[str]:
-    """Surviving members with a verified copy of ``shard`` (the owner first)."""
+def surviving_copies(
+    shard: ShardBackup, survivors: Set[str], since: Mapping[str, int] | None = None
+) -> list[str]:
+    """Surviving members with a verified copy of ``shard`` (the owner first).
+
+    ``since`` maps a member to the log position its current process joined at: a copy
+    reported before that belonged to an earlier process of the same name and is gone.
+    """
     if shard.checksum is None:
         return []
-    owner = [shard.owner] if shard.owner is not None and shard.owner in survivors else []
-    return owner + [h for h in shard.verified_holders() if h in survivors and h != shard.owner]
+
+    def holds(member: str, position: int | None) -> bool:
+        if member not in survivors:
+            return False
+        return since is None or position is None or position > since.get(member, 0)
+
+    owner = shard.owner
+    first = [owner] if owner is not None and holds(owner, shard.snapshot_position) else []
+    return first + [
+        h for h in shard.verified_holders() if h != owner and holds(h, shard.replicas[h].position)
+    ]
 
 
-def restorable(backup: StepBackup, survivors: Set[str]) -> bool:
+def restorable(
+    backup: StepBackup, survivors: Set[str], since: Mapping[str, int] | None = None
+) -> bool:
     """Every shard of ``backup`` has a verified copy on a survivor."""
     if len(backup.shards) < backup.num_shards:
         return False
-    return all(surviving_copies(s, survivors) for s in backup.shards.values())
+    return all(surviving_copies(s, survivors, since) for s in backup.shards.values())
 
 
 def plan_restore(
@@ -52,15 +70,16 @@ def plan_restore(
     ``slots`` locates members on nodes and racks.
     """
     staying = set(receivers.values())
+    since = {m: member.joined_position for m, member in view.members.items()}
     for step in sorted(view.backups, reverse=True):
         backup = view.backups[step]
-        if not restorable(backup, survivors):
+        if not restorable(backup, survivors, since):
             continue
         served: dict[str, int] = {}
         sources = []
         for shard_no in sorted(backup.shards):
             shard = backup.shards[shard_no]
-            copies = surviving_copies(shard, survivors)
+            copies = surviving_copies(shard, survivors, since)
             # An owner that stays in the world keeps its shard (its own memory), even where
             # ranks moved (a shrink, or a backup of an older generation).
             receiver = shard.owner if shard.owner in staying else receivers.get(shard_no)

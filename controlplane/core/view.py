@@ -13,7 +13,7 @@ from enum import StrEnum
 from typing import NamedTuple
 
 from schemas.common import JobState, Phase, ReallocationMode, RestoreFrom, Role
-from schemas.events import JobPolicy, ShardPlacement
+from schemas.events import JobPolicy
 
 #: Fold anomalies kept per job (events that could not be applied cleanly).
 MAX_ANOMALIES = 100
@@ -229,7 +229,8 @@ class JobView:
     rendezvous: str = ""
     #: Where and when the current generation was started.
     generation_mark: Mark | None = None
-    placement: tuple[ShardPlacement, ...] = ()
+    #: ``placement[r]``: the members holding copies of rank ``r``'s shard.
+    placement: tuple[tuple[str, ...], ...] = ()
     placement_note: str = ""
     members: dict[str, Member] = field(default_factory=dict)
     last_step: int = 0

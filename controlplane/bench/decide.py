@@ -1,0 +1,292 @@
+"""``elasticctl bench decide``: fault to recorded decision, through the real service.
+
+``members`` simulated members join one job and heartbeat at 1 Hz through NATS into the control
+plane (``elasticctl serve``, its own process, as deployed). Once the first generation runs and a
+backup is complete, faults are injected one after another, alternating a crash (the launcher
+reports ``member.exited``) and a hang (the member stops heartbeating). Each fault's latency is
+read from the log afterwards:
+
+- crash: from the moment the exit was reported (the ``member.exited`` envelope's
+  ``emitted_at``, taken just before it is published) to the commit of the decision batch
+  (``reallocation.issued`` ``recorded_at``);
+- hang: from the moment its heartbeat timeout expired (its last heartbeat's ``recorded_at``
+  plus the policy's timeout) to the same commit.
+
+Both clocks are this machine's. The simulated world answers each reallocation with the first
+step of the new generation, so incidents resolve and the next fault opens a new one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import nats
+
+from controlplane.bench import loadgen
+from controlplane.bench.members import SimMember, SimulatedJob
+from controlplane.bus import ensure_stream
+from controlplane.devstack import NatsServer, PostgresServer
+from controlplane.settings import DATABASE_URL_ENV, NATS_URL_ENV, Settings
+from controlplane.store import migrate
+from controlplane.store.postgres import PostgresEventStore, make_engine
+from controlplane.subjects import command_subject
+from schemas.commands import COMMAND_ADAPTER, Reallocate, Start
+
+HANG_TIMEOUT_S = 3.0
+
+
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _layout(members: int, spares: int) -> list[SimMember]:
+    """8 members per node, 16 nodes per rack (the last rack may be partial)."""
+    out = []
+    for i in range(members):
+        node, rack = i // 8, i // 128
+        out.append(SimMember(f"m{i}", f"n{node}", f"r{rack}"))
+    racks = max(1, (members + 127) // 128)
+    for s in range(spares):
+        out.append(SimMember(f"spare{s}", f"sn{s}", f"r{s % racks}", role="spare"))
+    return out
+
+
+class _World:
+    """The simulated members' side: heartbeats, commands, faults."""
+
+    def __init__(self, url: str, job: SimulatedJob) -> None:
+        self.url = url
+        self.job = job
+        self.silent: set[str] = set()
+        self.step = 0
+        self.commands: list[Start | Reallocate] = []
+        self.arrived = asyncio.Event()
+
+    async def send(self, messages: list[Any]) -> None:
+        if messages:
+            await loadgen.send(self.url, loadgen.frames(messages))
+
+    async def on_command(self, msg: Any) -> None:
+        command = COMMAND_ADAPTER.validate_json(msg.data)
+        known = {str(c.command_id) for c in self.commands}
+        if isinstance(command, Start | Reallocate) and str(command.command_id) not in known:
+            self.commands.append(command)
+            self.arrived.set()
+
+    async def next_command(self, count: int, wait_s: float = 120.0) -> Start | Reallocate:
+        deadline = time.monotonic() + wait_s
+        while len(self.commands) < count:
+            self.arrived.clear()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no command #{count} within {wait_s:g}s")
+            try:
+                await asyncio.wait_for(self.arrived.wait(), left)
+            except TimeoutError:
+                continue
+        return self.commands[count - 1]
+
+    async def heartbeats(self, stop: asyncio.Event) -> None:
+        """Every member not silent, once a second."""
+        while not stop.is_set():
+            started = time.monotonic()
+            alive = [m for m in self.job.members if m not in self.silent]
+            await self.send(
+                [
+                    self.job.envelope(m, "member.heartbeat", {"step": self.step, "phase": "train"})
+                    for m in alive
+                ]
+            )
+            left = 1.0 - (time.monotonic() - started)
+            if left > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), left)
+
+
+async def _scenario(url: str, job_id: str, members: int, faults: int, progress: bool) -> None:
+    job = SimulatedJob(None, job_id, _layout(members, spares=max(2, faults // 2)))
+    world = _World(url, job)
+    nc = await nats.connect(url)
+    await ensure_stream(nc.jetstream(), Settings())
+    await nc.subscribe(command_subject(job_id), cb=world.on_command)
+    policy = {
+        "world_size": members,
+        "min_world": 1,
+        "max_world": members,
+        "backup_interval": 10,
+        "redundancy": 2,
+        "heartbeat_timeout_s": {"init": 30.0, "train": HANG_TIMEOUT_S, "waiting": 30.0,
+                                "backup": 30.0, "restore": 30.0},
+        "recovery_deadline_s": 120.0,
+        "max_decisions_per_incident": 100,
+    }  # fmt: skip
+    stop = asyncio.Event()
+    beating: asyncio.Task[None] | None = None
+    try:
+        if progress:
+            _progress(f"{len(job.members)} members join")
+        names = list(job.members)
+        first = job.envelope(names[0], "member.joined", _joined(job, names[0], policy))
+        await world.send([first] + [job.envelope(m, "member.joined", _joined(job, m)) for m in
+                                    names[1:]])  # fmt: skip
+        beating = asyncio.create_task(world.heartbeats(stop))
+        start = await world.next_command(1)
+        assert isinstance(start, Start)
+        for m in start.world:
+            job.members[m].generation = start.generation
+        world.step = 10
+        if progress:
+            _progress(f"generation 1 runs {len(start.world)} ranks; backing up step 10")
+        backup = []
+        for shard, owner in enumerate(start.world):
+            checksum = f"crc32:{shard:08x}"
+            backup.append(job.envelope(owner, "backup.snapshot", {
+                "step": 10, "shard": shard, "nbytes": 1 << 20, "checksum": checksum,
+                "seconds": 0.01}))  # fmt: skip
+            for holder in start.placement[shard]:
+                backup.append(job.envelope(holder, "backup.replicated", {
+                    "step": 10, "shard": shard, "owner": owner, "nbytes": 1 << 20,
+                    "checksum": checksum, "seconds": 0.01}))  # fmt: skip
+        await world.send(backup)
+        await asyncio.sleep(2.0)  # the backup is folded before the first fault
+
+        current: Start | Reallocate = start
+        for k in range(faults):
+            victim = current.world[(k * 7919) % len(current.world)]
+            if k % 2 == 0:
+                world.silent.add(victim)
+                await world.send([job.envelope(victim, "member.exited",
+                                               {"member": victim, "signal": 9})])  # fmt: skip
+                how = "crash"
+            else:
+                world.silent.add(victim)
+                how = "hang"
+            command = await world.next_command(k + 2)
+            assert isinstance(command, Reallocate)
+            if progress:
+                _progress(
+                    f"fault {k + 1}/{faults}: {how} of {victim} -> generation"
+                    f" {command.generation} ({command.mode}, {len(command.world)} ranks)"
+                )
+            for m in command.world:
+                job.members[m].generation = command.generation
+            lead = command.world[0]
+            await world.send([job.envelope(lead, "train.step", {
+                "step": command.restore_step + 1, "loss": 1.0, "step_seconds": 0.01,
+                "samples": 8})])  # fmt: skip
+            current = command
+            await asyncio.sleep(1.0)
+    finally:
+        stop.set()
+        if beating is not None:
+            await beating
+        await nc.close()
+
+
+def _joined(job: SimulatedJob, name: str, policy: dict[str, Any] | None = None) -> dict[str, Any]:
+    m = job.members[name]
+    payload: dict[str, Any] = {
+        "node": m.node, "rack": m.rack, "host": f"host-{m.node}", "pid": 1, "role": m.role,
+        "device": "cpu", "backup_endpoint": f"{m.node}:7000",
+    }  # fmt: skip
+    if policy is not None:
+        payload["policy"] = policy
+    return payload
+
+
+def _latencies(store: PostgresEventStore, job_id: str) -> list[float]:
+    """Milliseconds from each fault's trigger to the commit of the decision it caused."""
+    log = store.read(job_id=job_id)
+    by_position = {s.position: s for s in log}
+    out = []
+    for stored in log:
+        if stored.event.type != "fault.detected":
+            continue
+        payload = stored.event.payload
+        decision = next(
+            s for s in log if s.position > stored.position and s.event.type == "reallocation.issued"
+        )
+        evidence = payload.evidence[0]
+        if payload.reason == "exited":
+            assert evidence.position is not None
+            trigger = by_position[evidence.position].event.emitted_at
+        else:
+            assert evidence.at is not None
+            trigger = evidence.at.timestamp() + HANG_TIMEOUT_S
+            out.append((decision.recorded_at.timestamp() - trigger) * 1000)
+            continue
+        out.append((decision.recorded_at - trigger).total_seconds() * 1000)
+    return out
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def run_decide_bench(*, members: int, faults: int, progress: bool = True) -> dict[str, Any]:
+    """Run the benchmark and return its figures."""
+    nats_url = os.environ.get(NATS_URL_ENV)
+    database_url = os.environ.get(DATABASE_URL_ENV)
+    tmp = tempfile.TemporaryDirectory(prefix="elastic-bench-")
+    servers: list[Any] = []
+    serve: subprocess.Popen[bytes] | None = None
+    try:
+        if nats_url is None:
+            servers.append(NatsServer(Path(tmp.name) / "nats").start())
+            nats_url = servers[-1].url
+        if database_url is None:
+            servers.append(PostgresServer(Path(tmp.name) / "postgres").start())
+            database_url = servers[-1].url
+        engine = make_engine(database_url, pool_size=1)
+        migrate.upgrade(engine)
+        engine.dispose()
+        env = {
+            **os.environ,
+            NATS_URL_ENV: nats_url,
+            DATABASE_URL_ENV: database_url,
+            "ELASTIC_LOG_LEVEL": "WARNING",
+            "ELASTIC_RENDEZVOUS_PORT": "0",
+        }
+        serve = subprocess.Popen([sys.executable, "-m", "controlplane", "serve"], env=env)
+        job_id = f"bench-{uuid.uuid4().hex[:8]}"
+        started = time.monotonic()
+        asyncio.run(_scenario(nats_url, job_id, members, faults, progress))
+        elapsed = time.monotonic() - started
+        store = PostgresEventStore.from_url(database_url)
+        try:
+            latencies = _latencies(store, job_id)
+            heartbeats = len(store.read(job_id=job_id, types=["member.heartbeat"]))
+        finally:
+            store.close()
+        return {
+            "members": members,
+            "faults": faults,
+            "decisions": len(latencies),
+            "p50_ms": round(statistics.median(latencies), 1),
+            "p99_ms": round(_percentile(latencies, 0.99), 1),
+            "max_ms": round(max(latencies), 1),
+            "latencies_ms": [round(x, 1) for x in latencies],
+            "heartbeats_per_s": round(heartbeats / elapsed, 1),
+            "seconds": round(elapsed, 1),
+            "nats_url": "embedded" if os.environ.get(NATS_URL_ENV) is None else "external",
+            "database": "embedded" if os.environ.get(DATABASE_URL_ENV) is None else "external",
+        }
+    finally:
+        if serve is not None:
+            serve.terminate()
+            serve.wait(30)
+        for server in servers:
+            server.stop()
+        tmp.cleanup()
