@@ -17,7 +17,7 @@ from schemas.common import (
     Strict,
     Text,
 )
-from schemas.events import Members, Placement, RestoreSource
+from schemas.events import Members, Placement
 
 
 class CommandBase(Strict):
@@ -40,7 +40,8 @@ class Reallocate(CommandBase):
     world: Members
     restore_step: Step
     restore_from: RestoreFrom
-    plan: Annotated[list[RestoreSource], Field(max_length=65_536)]
+    #: ``plan[s]``: the member to take shard ``s`` of the restore step from.
+    plan: Members
     #: ``placement[r]``: the members that hold copies of rank ``r``'s shard.
     placement: Placement = Field(default_factory=list)
     rendezvous: ShortText

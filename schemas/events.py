@@ -213,11 +213,6 @@ class JobStateChanged(Strict):
     reason: Text
 
 
-class RestoreSource(Strict):
-    shard: NonNegInt
-    source: Ident
-
-
 class ReallocationIssued(Strict):
     incident_id: UUID
     command_id: UUID
@@ -226,7 +221,9 @@ class ReallocationIssued(Strict):
     world: Members
     restore_step: Step
     restore_from: RestoreFrom = RestoreFrom.MEMORY
-    plan: Annotated[list[RestoreSource], Field(max_length=MAX_WORLD)] = Field(default_factory=list)
+    #: ``plan[s]``: the member shard ``s`` of the restore step is taken from (the member
+    #: itself when it holds it); empty when restoring from a checkpoint or the initial state.
+    plan: Members = Field(default_factory=list)
     rendezvous: ShortText
     reason: Text
 

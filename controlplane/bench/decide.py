@@ -27,16 +27,18 @@ import sys
 import tempfile
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import nats
+import psycopg
 
 from controlplane.bench import loadgen
 from controlplane.bench.members import SimMember, SimulatedJob
 from controlplane.bus import ensure_stream
 from controlplane.devstack import NatsServer, PostgresServer
-from controlplane.settings import DATABASE_URL_ENV, NATS_URL_ENV, Settings
+from controlplane.settings import DATABASE_URL_ENV, NATS_URL_ENV, Settings, libpq_url
 from controlplane.store import migrate
 from controlplane.store.postgres import PostgresEventStore, make_engine
 from controlplane.subjects import command_subject
@@ -79,7 +81,8 @@ class _World:
     async def on_command(self, msg: Any) -> None:
         command = COMMAND_ADAPTER.validate_json(msg.data)
         known = {str(c.command_id) for c in self.commands}
-        if isinstance(command, Start | Reallocate) and str(command.command_id) not in known:
+        wanted = Reallocate if self.commands else Start
+        if isinstance(command, wanted) and str(command.command_id) not in known:
             self.commands.append(command)
             self.arrived.set()
 
@@ -96,24 +99,45 @@ class _World:
                 continue
         return self.commands[count - 1]
 
-    async def heartbeats(self, stop: asyncio.Event) -> None:
-        """Every member not silent, once a second."""
+    async def heartbeats(self, stop: asyncio.Event, slices: int = 20) -> None:
+        """Every member not silent, once a second, spread over the second as real members'
+        clocks are (a slice every 1/``slices`` s), not in one synchronized burst."""
+        started = time.monotonic()
+        tick = 0
         while not stop.is_set():
-            started = time.monotonic()
             alive = [m for m in self.job.members if m not in self.silent]
+            part = alive[tick % slices :: slices]
             await self.send(
                 [
                     self.job.envelope(m, "member.heartbeat", {"step": self.step, "phase": "train"})
-                    for m in alive
+                    for m in part
                 ]
             )
-            left = 1.0 - (time.monotonic() - started)
+            tick += 1
+            left = started + tick / slices - time.monotonic()
             if left > 0:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), left)
 
 
-async def _scenario(url: str, job_id: str, members: int, faults: int, progress: bool) -> None:
+async def _until_stored(database_url: str, job_id: str, backups: int) -> None:
+    """Wait until the control plane committed ``backups`` backup events of the job."""
+    query = (
+        "SELECT count(*) FROM events WHERE job_id = %s"
+        " AND type IN ('backup.snapshot', 'backup.replicated')"
+    )
+    async with await psycopg.AsyncConnection.connect(libpq_url(database_url)) as conn:
+        for _ in range(1200):
+            row = await (await conn.execute(query, (job_id,))).fetchone()
+            if row is not None and row[0] >= backups:
+                return
+            await asyncio.sleep(0.05)
+    raise TimeoutError("the backup was not stored within 60s")
+
+
+async def _scenario(
+    url: str, database_url: str, job_id: str, members: int, faults: int, progress: bool
+) -> None:
     job = SimulatedJob(None, job_id, _layout(members, spares=max(2, faults // 2)))
     world = _World(url, job)
     nc = await nats.connect(url)
@@ -158,7 +182,8 @@ async def _scenario(url: str, job_id: str, members: int, faults: int, progress: 
                     "step": 10, "shard": shard, "owner": owner, "nbytes": 1 << 20,
                     "checksum": checksum, "seconds": 0.01}))  # fmt: skip
         await world.send(backup)
-        await asyncio.sleep(2.0)  # the backup is folded before the first fault
+        await _until_stored(database_url, job_id, len(backup))
+        await asyncio.sleep(1.0)  # ... and folded, before the first fault
 
         current: Start | Reallocate = start
         for k in range(faults):
@@ -204,8 +229,21 @@ def _joined(job: SimulatedJob, name: str, policy: dict[str, Any] | None = None) 
     return payload
 
 
-def _latencies(store: PostgresEventStore, job_id: str) -> list[float]:
-    """Milliseconds from each fault's trigger to the commit of the decision it caused."""
+@dataclass(frozen=True, slots=True)
+class _Latency:
+    """One fault, in milliseconds: trigger -> decision committed, and where it went."""
+
+    kind: str
+    total_ms: float
+    #: Trigger -> the decider's turn began (the ``emitted_at`` of its decisions): ingest of
+    #: the exit and waiting for a quiet turn, or waking after the timeout expired.
+    to_turn_ms: float
+    #: The turn: decide, append, commit (``recorded_at`` is the commit's clock).
+    turn_ms: float
+
+
+def _latencies(store: PostgresEventStore, job_id: str) -> list[_Latency]:
+    """Each fault's trigger to the commit of the decision it caused."""
     log = store.read(job_id=job_id)
     by_position = {s.position: s for s in log}
     out = []
@@ -219,13 +257,20 @@ def _latencies(store: PostgresEventStore, job_id: str) -> list[float]:
         evidence = payload.evidence[0]
         if payload.reason == "exited":
             assert evidence.position is not None
-            trigger = by_position[evidence.position].event.emitted_at
+            trigger = by_position[evidence.position].event.emitted_at.timestamp()
         else:
             assert evidence.at is not None
             trigger = evidence.at.timestamp() + HANG_TIMEOUT_S
-            out.append((decision.recorded_at.timestamp() - trigger) * 1000)
-            continue
-        out.append((decision.recorded_at - trigger).total_seconds() * 1000)
+        turn = decision.event.emitted_at.timestamp()
+        committed = decision.recorded_at.timestamp()
+        out.append(
+            _Latency(
+                "crash" if payload.reason == "exited" else "hang",
+                (committed - trigger) * 1000,
+                (turn - trigger) * 1000,
+                (committed - turn) * 1000,
+            )
+        )
     return out
 
 
@@ -262,14 +307,20 @@ def run_decide_bench(*, members: int, faults: int, progress: bool = True) -> dic
         serve = subprocess.Popen([sys.executable, "-m", "controlplane", "serve"], env=env)
         job_id = f"bench-{uuid.uuid4().hex[:8]}"
         started = time.monotonic()
-        asyncio.run(_scenario(nats_url, job_id, members, faults, progress))
+        asyncio.run(_scenario(nats_url, database_url, job_id, members, faults, progress))
         elapsed = time.monotonic() - started
         store = PostgresEventStore.from_url(database_url)
         try:
-            latencies = _latencies(store, job_id)
+            measured = _latencies(store, job_id)
             heartbeats = len(store.read(job_id=job_id, types=["member.heartbeat"]))
         finally:
             store.close()
+        latencies = [m.total_ms for m in measured]
+
+        def median(kind: str, part: str) -> float | None:
+            values = [getattr(m, part) for m in measured if m.kind == kind]
+            return round(statistics.median(values), 1) if values else None
+
         return {
             "members": members,
             "faults": faults,
@@ -278,6 +329,11 @@ def run_decide_bench(*, members: int, faults: int, progress: bool = True) -> dic
             "p99_ms": round(_percentile(latencies, 0.99), 1),
             "max_ms": round(max(latencies), 1),
             "latencies_ms": [round(x, 1) for x in latencies],
+            # Medians of the two legs, per kind of fault (see _Latency).
+            "crash_to_turn_ms": median("crash", "to_turn_ms"),
+            "crash_turn_ms": median("crash", "turn_ms"),
+            "hang_to_turn_ms": median("hang", "to_turn_ms"),
+            "hang_turn_ms": median("hang", "turn_ms"),
             "heartbeats_per_s": round(heartbeats / elapsed, 1),
             "seconds": round(elapsed, 1),
             "nats_url": "embedded" if os.environ.get(NATS_URL_ENV) is None else "external",

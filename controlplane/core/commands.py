@@ -16,7 +16,6 @@ from controlplane.core.decide import decision_id
 from controlplane.core.view import JobView, MemberStatus
 from schemas.commands import Reallocate, Start, Stop
 from schemas.common import JobState
-from schemas.events import RestoreSource
 
 
 def owed(view: JobView) -> list[Start | Reallocate | Stop]:
@@ -56,7 +55,7 @@ def owed(view: JobView) -> list[Start | Reallocate | Stop]:
             world=list(decision.world),
             restore_step=decision.restore_step,
             restore_from=decision.restore_from,
-            plan=[RestoreSource.model_construct(shard=s, source=m) for s, m in decision.plan],
+            plan=list(decision.plan),
             placement=placement,
             rendezvous=decision.rendezvous,
         )
@@ -68,6 +67,8 @@ def _start(view: JobView) -> list[Start | Reallocate | Stop]:
     mark = view.generation_mark
     if view.state is not JobState.RUNNING or mark is None:
         return []
+    if any(d.generation == view.generation for i in view.incidents.values() for d in i.decisions):
+        return []  # a reallocation formed it: its members were told by the Reallocate
     members = view.members
     if all(m in members and members[m].generation >= view.generation for m in view.world):
         return []

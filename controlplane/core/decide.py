@@ -42,6 +42,7 @@ from schemas.common import (
     CONTROLPLANE_SOURCE,
     FaultReason,
     JobState,
+    Phase,
     ReallocationMode,
     RestoreFrom,
     Role,
@@ -60,7 +61,6 @@ from schemas.events import (
     JobStateChanged,
     JobStopped,
     ReallocationIssued,
-    RestoreSource,
 )
 
 #: Namespace of the ids the decider derives (uuid5 of the job, then of the decision's key).
@@ -108,6 +108,8 @@ def decide(view: JobView, now: datetime, context: Context = Context()) -> list[D
         if not round_:
             break
         out.extend(round_)
+        if _ends_in(round_, _S.RECOVERING):
+            break  # what RECOVERING waits for (a step, a deadline) cannot happen at ``now``
         current = fold(
             current,
             [
@@ -116,6 +118,11 @@ def decide(view: JobView, now: datetime, context: Context = Context()) -> list[D
             ],
         )
     return out
+
+
+def _ends_in(round_: list[Decided], state: JobState) -> bool:
+    last = round_[-1].payload
+    return isinstance(last, JobStateChanged) and last.to is state
 
 
 def envelope(
@@ -155,14 +162,21 @@ def next_deadline(view: JobView) -> datetime | None:
         if view.registered_at is not None:
             deadlines.append(view.registered_at + timedelta(seconds=policy.start_timeout_s))
         return min(deadlines, default=None)
+    # The oldest heartbeat per phase decides (one comparison per member, no arithmetic).
+    oldest: dict[Phase, datetime] = {}
+    members = view.members
     for member_id in view.world:
-        member = view.members.get(member_id)
+        member = members.get(member_id)
         if member is None or member.status is not MemberStatus.ACTIVE:
             continue
         if member.detected_position is not None:
             continue
         last = member.last_heartbeat_at or member.joined_at
-        deadlines.append(last + timedelta(seconds=heartbeat_timeout(view, member.phase)))
+        seen = oldest.get(member.phase)
+        if seen is None or last < seen:
+            oldest[member.phase] = last
+    for phase, last in oldest.items():
+        deadlines.append(last + timedelta(seconds=heartbeat_timeout(view, phase)))
     if view.state is _S.RECOVERING and view.open_incident is not None:
         incident = view.incidents[view.open_incident]
         if incident.decisions:
@@ -187,7 +201,7 @@ class _Plan:
     world: tuple[str, ...]
     restore_step: int
     restore_from: RestoreFrom
-    sources: tuple[tuple[int, str], ...]
+    sources: tuple[str, ...]
     reason: str
     #: Failed member -> the member that takes its rank.
     replacements: dict[str, str] = field(default_factory=dict)
@@ -436,7 +450,7 @@ class _Round:
                 world=list(plan.world),
                 restore_step=plan.restore_step,
                 restore_from=plan.restore_from,
-                plan=[RestoreSource.model_construct(shard=s, source=m) for s, m in plan.sources],
+                plan=list(plan.sources),
                 rendezvous=self._rendezvous(generation),
                 reason=plan.reason[:_MAX_TEXT],
             ),
@@ -502,14 +516,13 @@ class _Round:
 
     def _restore_point(
         self, world: tuple[str, ...]
-    ) -> tuple[int, RestoreFrom, tuple[tuple[int, str], ...]] | str:
+    ) -> tuple[int, RestoreFrom, tuple[str, ...]] | str:
         """Newest step whose every shard survives (hot first, then cold), or why none does."""
         view = self.view
         members = view.members
         alive = {m for m, member in members.items() if member.status is MemberStatus.ACTIVE}
         receivers = dict(enumerate(world))
-        slots = {s.member: s for s in self._slots(m for m in members)}
-        hot = plan_restore(view, alive, receivers, slots)
+        hot = plan_restore(view, alive, receivers, members)
         if hot is not None:  # hot first (seconds), even when a cold checkpoint is newer
             return hot.step, RestoreFrom.MEMORY, hot.sources
         cold = view.newest_complete_checkpoint()

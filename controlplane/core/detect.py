@@ -10,7 +10,7 @@ already named by a ``fault.detected`` is not found again, so detection is idempo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from controlplane.core.view import JobView, Member, MemberStatus
 from schemas.common import FaultKind, FaultReason, Phase
@@ -49,11 +49,22 @@ def detect(view: JobView, now: datetime) -> list[Finding]:
     """Every member that has failed and was not yet named by a ``fault.detected``."""
     findings: dict[str, Finding] = {}
     members = view.members
-
+    timeouts = view.effective_policy.heartbeat_timeout_s
+    default_timeout = timeouts.get(Phase.TRAIN, 5.0)
+    # Silent past its limit <=> last heard before ``now - limit``: one comparison per member.
+    cutoffs = {
+        phase: now - timedelta(seconds=timeouts.get(phase, default_timeout)) for phase in Phase
+    }
+    reporters: list[Member] = []
+    silent_members: list[tuple[Member, float, float]] = []
+    # One pass over the members: the cheap tests first, the rest only for the few concerned.
     for member in members.values():
-        if not _watched(member):
+        if member.last_fault is not None:
+            reporters.append(member)
+        if member.detected_position is not None:
             continue
-        if member.status is MemberStatus.EXITED:
+        status = member.status
+        if status is MemberStatus.EXITED:
             how = (
                 f"killed by signal {member.exit_signal}"
                 if member.exit_signal
@@ -65,11 +76,15 @@ def detect(view: JobView, now: datetime) -> list[Finding]:
                 f"{member.member_id} {how}",
                 ((member.member_id, "member.exited", member.exited_position, member.exited_at),),
             )
+        elif status is MemberStatus.ACTIVE:
+            last = member.last_heartbeat_at or member.joined_at
+            if last < cutoffs[member.phase]:
+                silent = (now - last).total_seconds()
+                silent_members.append((member, silent, timeouts.get(member.phase, default_timeout)))
 
-    for reporter in members.values():
+    for reporter in reporters:
         report = reporter.last_fault
-        if report is None:
-            continue
+        assert report is not None
         if report.kind in SELF_FAULTS and _watched(reporter):
             findings.setdefault(
                 reporter.member_id,
@@ -102,27 +117,22 @@ def detect(view: JobView, now: datetime) -> list[Finding]:
                     ),
                 )
 
-    for member in members.values():
-        if member.member_id in findings or not _watched(member):
-            continue
-        if member.status is not MemberStatus.ACTIVE:
+    for member, silent, limit in silent_members:
+        if member.member_id in findings:
             continue
         last = member.last_heartbeat_at or member.joined_at
-        silent = (now - last).total_seconds()
-        limit = heartbeat_timeout(view, member.phase)
-        if silent > limit:
-            findings[member.member_id] = Finding(
-                member.member_id,
-                FaultReason.HEARTBEAT_TIMEOUT,
-                f"{member.member_id} silent for {silent:.1f}s in phase {member.phase.value}"
-                f" (timeout {limit:g}s)",
+        findings[member.member_id] = Finding(
+            member.member_id,
+            FaultReason.HEARTBEAT_TIMEOUT,
+            f"{member.member_id} silent for {silent:.1f}s in phase {member.phase.value}"
+            f" (timeout {limit:g}s)",
+            (
                 (
-                    (
-                        member.member_id,
-                        "member.heartbeat" if member.last_heartbeat_at else "member.joined",
-                        member.last_heartbeat_position or member.joined_position,
-                        last,
-                    ),
+                    member.member_id,
+                    "member.heartbeat" if member.last_heartbeat_at else "member.joined",
+                    member.last_heartbeat_position or member.joined_position,
+                    last,
                 ),
-            )
+            ),
+        )
     return [findings[m] for m in sorted(findings)]

@@ -508,7 +508,7 @@ class _Fold:
                 world=tuple(p.world),
                 restore_step=p.restore_step,
                 restore_from=p.restore_from,
-                plan=tuple((s.shard, s.source) for s in p.plan),
+                plan=tuple(p.plan),
                 rendezvous=p.rendezvous,
                 reason=p.reason,
             )

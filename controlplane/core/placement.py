@@ -159,52 +159,69 @@ def place(
     index = {m: i for i, m in enumerate(members)}
     if len(index) != len(members):
         raise ValueError("a member appears twice in the world")
-    kept = _kept(world, index, redundancy, previous or {}, substitute or {})
     load = [0] * len(world)
-    for chosen in kept:
-        for i in chosen:
-            load[i] += 1
-    loads = _Loads(world, load)
-    multi_rack = len(loads.racks) > 1
+    kept = _kept(
+        world,
+        index,
+        redundancy=redundancy,
+        previous=previous or {},
+        substitute=substitute or {},
+        load=load,
+    )
+    loads: _Loads | None = None  # built on the first shard that needs a holder
+    multi_rack = len({s.rack for s in world}) > 1
     shortfalls: list[str] = []
     holders: list[tuple[str, ...]] = []
-    for r, owner in enumerate(world):
-        chosen = kept[r]
+    for r, chosen in enumerate(kept):
         if len(chosen) < redundancy:
+            if loads is None:
+                loads = _Loads(world, load)
             _fill(loads, r, chosen, redundancy, shortfalls)
         if redundancy >= 1 and chosen and not multi_rack:
             shortfalls.append(
-                f"shard {r}: one rack only, no copy survives losing rack {owner.rack}"
+                f"shard {r}: one rack only, no copy survives losing rack {world[r].rack}"
             )
-        holders.append(tuple(members[i] for i in chosen))
+        holders.append(tuple([members[i] for i in chosen]))
     return Placement(tuple(members), tuple(holders), _note(shortfalls))
 
 
 def _kept(
     world: Sequence[Slot],
     index: Mapping[str, int],
+    *,
     redundancy: int,
     previous: Mapping[str, Sequence[str]],
     substitute: Mapping[str, str],
+    load: list[int],
 ) -> list[list[int]]:
     """Per rank, the previous holders that remain valid: in the world, not the owner, not on
-    its node, and not leaving every copy in the owner's rack while other racks exist."""
+    its node, and not leaving every copy in the owner's rack while other racks exist.
+    ``load`` counts what is kept."""
     if not previous or redundancy == 0:
         return [[] for _ in world]
     origin = {new: old for old, new in substitute.items()}
-    multi_rack = len({s.rack for s in world}) > 1
+    nodes = [s.node for s in world]
+    racks = [s.rack for s in world]
+    multi_rack = len(set(racks)) > 1
     out: list[list[int]] = []
     for r, owner in enumerate(world):
-        before = previous.get(origin.get(owner.member, owner.member), ())
+        name = owner.member
+        before = previous.get(origin.get(name, name), ())
+        node, rack = nodes[r], racks[r]
         chosen: list[int] = []
-        for name in before:
-            i = index.get(substitute.get(name, name))
-            if i is None or i == r or i in chosen or world[i].node == owner.node:
+        elsewhere = False
+        for held_by in before:
+            i = index.get(substitute.get(held_by, held_by) if substitute else held_by)
+            if i is None or i == r or nodes[i] == node or i in chosen:
                 continue
+            if len(chosen) == redundancy:
+                break
             chosen.append(i)
-        del chosen[redundancy:]
-        if multi_rack and chosen and all(world[i].rack == owner.rack for i in chosen):
+            elsewhere = elsewhere or racks[i] != rack
+        if multi_rack and chosen and not elsewhere:
             chosen.pop()  # the refill goes to another rack
+        for i in chosen:
+            load[i] += 1
         out.append(chosen)
     return out
 

@@ -12,9 +12,19 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Set
 from dataclasses import dataclass
+from typing import Protocol
 
-from controlplane.core.placement import Slot
 from controlplane.core.view import JobView, ShardBackup, StepBackup
+
+
+class Located(Protocol):
+    """Where a member runs (a ``Slot``, or the view's ``Member``)."""
+
+    @property
+    def node(self) -> str: ...
+
+    @property
+    def rack(self) -> str: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,7 +33,8 @@ class RestorePlan:
 
     step: int
     generation: int
-    sources: tuple[tuple[int, str], ...]
+    #: ``sources[s]``: the member to take shard ``s`` from.
+    sources: tuple[str, ...]
 
 
 def surviving_copies(
@@ -62,7 +73,7 @@ def plan_restore(
     view: JobView,
     survivors: Set[str],
     receivers: Mapping[int, str],
-    slots: Mapping[str, Slot],
+    slots: Mapping[str, Located],
 ) -> RestorePlan | None:
     """The newest restorable step and a source per shard; None when no hot copy is whole.
 
@@ -72,26 +83,62 @@ def plan_restore(
     staying = set(receivers.values())
     since = {m: member.joined_position for m, member in view.members.items()}
     for step in sorted(view.backups, reverse=True):
-        backup = view.backups[step]
-        if not restorable(backup, survivors, since):
-            continue
-        served: dict[str, int] = {}
-        sources = []
-        for shard_no in sorted(backup.shards):
-            shard = backup.shards[shard_no]
-            copies = surviving_copies(shard, survivors, since)
-            # An owner that stays in the world keeps its shard (its own memory), even where
-            # ranks moved (a shrink, or a backup of an older generation).
-            receiver = shard.owner if shard.owner in staying else receivers.get(shard_no)
-            source = _closest(copies, receiver, slots, served)
-            served[source] = served.get(source, 0) + 1
-            sources.append((shard_no, source))
-        return RestorePlan(step=step, generation=backup.generation, sources=tuple(sources))
+        sources = _sources(
+            view.backups[step],
+            survivors=survivors,
+            since=since,
+            staying=staying,
+            receivers=receivers,
+            slots=slots,
+        )
+        if sources is not None:
+            return RestorePlan(step, view.backups[step].generation, sources)
     return None
 
 
+def _sources(
+    backup: StepBackup,
+    *,
+    survivors: Set[str],
+    since: Mapping[str, int],
+    staying: Set[str],
+    receivers: Mapping[int, str],
+    slots: Mapping[str, Located],
+) -> tuple[str, ...] | None:
+    """A source per shard of ``backup``, or None when some shard has no surviving copy."""
+    served: dict[str, int] = {}
+    sources = []
+    shards = backup.shards
+    for shard_no in range(backup.num_shards):
+        shard = shards.get(shard_no)
+        if shard is None or shard.checksum is None:
+            return None
+        owner = shard.owner
+        # An owner that stays in the world keeps its shard (its own memory), even where
+        # ranks moved (a shrink, or a backup of an older generation).
+        receiver = owner if owner in staying else receivers.get(shard_no)
+        if (
+            receiver is not None
+            and receiver == owner
+            and receiver in survivors
+            and (shard.snapshot_position or 0) > since.get(receiver, 0)
+        ):
+            source = receiver  # the common case, and the cheap one: its own memory
+        else:
+            copies = surviving_copies(shard, survivors, since)
+            if not copies:
+                return None
+            source = _closest(copies, receiver, slots, served)
+        served[source] = served.get(source, 0) + 1
+        sources.append(source)
+    return tuple(sources)
+
+
 def _closest(
-    copies: list[str], receiver: str | None, slots: Mapping[str, Slot], served: Mapping[str, int]
+    copies: list[str],
+    receiver: str | None,
+    slots: Mapping[str, Located],
+    served: Mapping[str, int],
 ) -> str:
     if receiver is not None and receiver in copies:
         return receiver  # already in its own memory

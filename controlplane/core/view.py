@@ -163,8 +163,8 @@ class Decision:
     world: tuple[str, ...]
     restore_step: int
     restore_from: RestoreFrom
-    #: (shard, source member) for every shard restored from memory.
-    plan: tuple[tuple[int, str], ...] = ()
+    #: ``plan[s]``: the member shard ``s`` is restored from (memory restores only).
+    plan: tuple[str, ...] = ()
     rendezvous: str = ""
     reason: str = ""
     #: member -> the first event that shows it (position and time).

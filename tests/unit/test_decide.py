@@ -23,6 +23,8 @@ from hypothesis import strategies as st
 from controlplane.core.commands import owed
 from controlplane.core.decide import Decided, decide, decision_id, envelope, next_deadline
 from controlplane.core.placement import Slot, place
+from controlplane.core.records import StoredEvent
+from controlplane.core.replay import decision_batches, redecide
 from controlplane.core.statemachine import TERMINAL, can_transition
 from controlplane.core.view import JobView, MemberStatus
 from schemas.commands import COMMAND_ADAPTER, Reallocate, Stop
@@ -76,7 +78,7 @@ def only(decided: list[Decided], type_: str) -> Any:
 
 
 def plan(realloc: Any) -> dict[int, str]:
-    return {s.shard: s.source for s in realloc.plan}
+    return dict(enumerate(realloc.plan))
 
 
 def running(spares: int = 0, *, racks: int = 2, nodes: int = 2, **policy: Any) -> Scenario:
@@ -1450,3 +1452,39 @@ def test_a_rejoined_process_is_no_source_for_what_its_earlier_process_held():
     sources = plan(realloc)
     assert sources[1] != "w01"  # its shard comes from a holder, not from the new process
     assert "w01" not in sources.values()
+
+
+# --------------------------------------------------------------------------- re-deciding a log
+
+
+def test_re_deciding_a_recorded_log_reproduces_every_decision():
+    """A crash with a spare, a cascade, a recovery, a hang, a shrink: record it all, then
+    re-run the decider before each recorded batch with the batch's time."""
+    s, _ = crash_w01(spares=1)
+    s.at(2.5)
+    s.exited("w10")  # a cascade, no spare left: shrink
+    assert s.decide()
+    s.at(3)
+    s.recover()
+    assert s.decide()
+    s.at(4)
+    s.heartbeat("w00", "spare0", step=21)
+    s.at(9.5)  # w11 is silent past its timeout
+    s.heartbeat("w00", "spare0", step=21)
+    assert s.decide()
+    batches = redecide(s.log)
+    assert len(batches) == len(decision_batches(s.log)) >= 5
+    assert all(b.matches for b in batches)
+    assert sum(len(b.recorded) for b in batches) == sum(
+        1 for e in s.log if e.event.source == "controlplane"
+    )
+
+
+def test_re_deciding_notices_a_decision_the_decider_would_not_take():
+    s, _ = crash_w01(spares=1)
+    forged = list(s.log)
+    # Move the exit after the decisions: before them, the decider had nothing to decide.
+    exit_index = next(i for i, e in enumerate(forged) if e.event.type == "member.exited")
+    forged.append(forged.pop(exit_index))
+    renumbered = [StoredEvent(i, e.recorded_at, e.event) for i, e in enumerate(forged, 1)]
+    assert not all(b.matches for b in redecide(renumbered))

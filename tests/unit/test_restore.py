@@ -71,7 +71,7 @@ def test_survivors_restore_from_their_own_memory_and_the_spare_from_a_holder():
     receivers = {0: "m0", 1: "m1", 2: "m2", 3: "spare"}
     plan = plan_restore(view, survivors, receivers, SLOTS)
     assert plan is not None and plan.step == 20
-    assert dict(plan.sources) == {0: "m0", 1: "m1", 2: "m2", 3: "m1"}  # m1 holds shard 3
+    assert dict(enumerate(plan.sources)) == {0: "m0", 1: "m1", 2: "m2", 3: "m1"}  # m1 holds shard 3
 
 
 def test_the_newest_step_whose_every_shard_survives():
@@ -80,7 +80,7 @@ def test_the_newest_step_whose_every_shard_survives():
     survivors = {"m0", "m2", "spare"}  # m1 and m3 died together
     plan = plan_restore(view, survivors, {0: "m0", 1: "spare", 2: "m2", 3: "spare"}, SLOTS)
     assert plan is not None and plan.step == 10
-    assert dict(plan.sources) == {0: "m0", 1: "m2", 2: "m2", 3: "m2"}
+    assert dict(enumerate(plan.sources)) == {0: "m0", 1: "m2", 2: "m2", 3: "m2"}
 
 
 def test_no_whole_copy_anywhere():
@@ -95,7 +95,7 @@ def test_sources_spread_over_holders_and_prefer_nearby():
     survivors = {"m2", "m3", "spare"}  # rack r0's workers died
     plan = plan_restore(view, survivors, {0: "spare", 1: "m3", 2: "m2", 3: "m3"}, SLOTS)
     assert plan is not None
-    sources = dict(plan.sources)
+    sources = dict(enumerate(plan.sources))
     assert sources[2] == "m2" and sources[3] == "m3"  # own memory
     assert {sources[0], sources[1]} <= {"m2"}  # the only survivors holding them
 
@@ -129,7 +129,7 @@ def test_the_chosen_step_is_always_fully_covered_by_survivors(steps, survivors):
         return
     assert plan.step == max(covered)
     backup = view.backups[plan.step]
-    for shard, source in plan.sources:
+    for shard, source in enumerate(plan.sources):
         assert source in survivors
         assert source in surviving_copies(backup.shards[shard], survivors)
     assert plan_restore(view, survivors, receivers, SLOTS) == plan  # deterministic
