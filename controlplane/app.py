@@ -7,6 +7,7 @@ import contextlib
 import gc
 import logging
 import signal
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -204,6 +205,22 @@ def tune_gc() -> None:
     default-threshold collector spent as much CPU as the ingest itself (bench ingest)."""
     gc.freeze()  # what start-up loaded is never garbage
     gc.set_threshold(50_000, 50, 100)
+    gc.callbacks.append(_gc_pause)
+
+
+_gc_started = [0.0]
+
+
+def _gc_pause(phase: str, info: dict[str, int]) -> None:
+    """Log collections long enough to delay a decision (a full one walks every view)."""
+    if phase == "start":
+        _gc_started[0] = time.perf_counter()
+        return
+    took = time.perf_counter() - _gc_started[0]
+    if took > 0.05:
+        log.warning(
+            "garbage collection (generation %d) took %.0f ms", info["generation"], took * 1e3
+        )
 
 
 def serve(settings: Settings) -> None:

@@ -37,6 +37,8 @@ from schemas.commands import Reallocate, Start, Stop
 
 log = logging.getLogger(__name__)
 
+#: A decision taking longer than this is logged with where its time went.
+SLOW_TURN_S = 0.1
 #: Event types after which deciding cannot be useful (heartbeats only move deadlines later).
 QUIET_TYPES = frozenset({"member.heartbeat"})
 
@@ -150,13 +152,22 @@ class Decider:
         now = self._clock()
         started = time.perf_counter()
         for job_id, view in list(self._views().items()):
-            if view.state in TERMINAL and self._publisher is None:
+            if view.state in TERMINAL:
                 continue
-            decided = decide(view, now, self.context) if view.state not in TERMINAL else []
-            if decided:
-                if not await self._record(job_id, view, decided, now):
-                    continue
-                self.stats.append_s.append(time.perf_counter() - started)
+            began = time.perf_counter()
+            decided = decide(view, now, self.context)
+            if not decided:
+                continue
+            thought = time.perf_counter()
+            if not await self._record(job_id, view, decided, now):
+                continue
+            done = time.perf_counter()
+            self.stats.append_s.append(done - started)
+            if done - began > SLOW_TURN_S:
+                log.warning(
+                    "slow decision for %s: decide %.0f ms, record %.0f ms (%d events)",
+                    job_id, (thought - began) * 1e3, (done - thought) * 1e3, len(decided),
+                )  # fmt: skip
         self._publish()
         self._reschedule()
 

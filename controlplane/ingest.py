@@ -203,6 +203,10 @@ class Ingest:
     ) -> None:
         self._appender = appender
         self._quiet = quiet
+        #: Cleared during a quiet turn: the fetcher stops decoding so the turn's round trips
+        #: to PostgreSQL are not queued behind decode slices on the event loop.
+        self._free = asyncio.Event()
+        self._free.set()
         self._consumer = consumer
         self._batch = batch
         self._fetch_wait_s = fetch_wait_s
@@ -257,6 +261,7 @@ class Ingest:
             else:
                 encoded.extend(rows)
             await asyncio.sleep(0)
+            await self._free.wait()
         return Batch(events, encoded, letters, last=msgs[-1], size=len(msgs), epoch=epoch)
 
     async def _watchdog(self) -> None:
@@ -290,10 +295,13 @@ class Ingest:
         quiet = self._quiet
         if quiet is not None and quiet.wanted.is_set():
             quiet.wanted.clear()
+            self._free.clear()
             try:
                 await quiet.run()
             except Exception:
                 log.exception("the quiet turn failed; ingest goes on")
+            finally:
+                self._free.set()
 
     async def _commit(self, batch: Batch, stop: asyncio.Event) -> AppendResult | None:
         """Commit ``batch``, retrying while PostgreSQL is down; None if stopped first."""

@@ -136,7 +136,7 @@ async def _until_stored(database_url: str, job_id: str, backups: int) -> None:
 
 
 async def _scenario(
-    url: str, database_url: str, job_id: str, members: int, faults: int, progress: bool
+    url: str, database_url: str, job_id: str, *, members: int, faults: int, progress: bool
 ) -> None:
     job = SimulatedJob(None, job_id, _layout(members, spares=max(2, faults // 2)))
     world = _World(url, job)
@@ -183,7 +183,8 @@ async def _scenario(
                     "checksum": checksum, "seconds": 0.01}))  # fmt: skip
         await world.send(backup)
         await _until_stored(database_url, job_id, len(backup))
-        await asyncio.sleep(1.0)  # ... and folded, before the first fault
+        # ... and digested (folded, a turn): the faults land on the heartbeat load alone.
+        await asyncio.sleep(3.0)
 
         current: Start | Reallocate = start
         for k in range(faults):
@@ -240,6 +241,8 @@ class _Latency:
     to_turn_ms: float
     #: The turn: decide, append, commit (``recorded_at`` is the commit's clock).
     turn_ms: float
+    #: A crash's exit event, from published to committed by the ingest.
+    ingest_ms: float | None = None
 
 
 def _latencies(store: PostgresEventStore, job_id: str) -> list[_Latency]:
@@ -255,9 +258,12 @@ def _latencies(store: PostgresEventStore, job_id: str) -> list[_Latency]:
             s for s in log if s.position > stored.position and s.event.type == "reallocation.issued"
         )
         evidence = payload.evidence[0]
+        ingest = None
         if payload.reason == "exited":
             assert evidence.position is not None
-            trigger = by_position[evidence.position].event.emitted_at.timestamp()
+            exit_event = by_position[evidence.position]
+            trigger = exit_event.event.emitted_at.timestamp()
+            ingest = (exit_event.recorded_at.timestamp() - trigger) * 1000
         else:
             assert evidence.at is not None
             trigger = evidence.at.timestamp() + HANG_TIMEOUT_S
@@ -269,6 +275,7 @@ def _latencies(store: PostgresEventStore, job_id: str) -> list[_Latency]:
                 (committed - trigger) * 1000,
                 (turn - trigger) * 1000,
                 (committed - turn) * 1000,
+                ingest,
             )
         )
     return out
@@ -307,7 +314,11 @@ def run_decide_bench(*, members: int, faults: int, progress: bool = True) -> dic
         serve = subprocess.Popen([sys.executable, "-m", "controlplane", "serve"], env=env)
         job_id = f"bench-{uuid.uuid4().hex[:8]}"
         started = time.monotonic()
-        asyncio.run(_scenario(nats_url, database_url, job_id, members, faults, progress))
+        asyncio.run(
+            _scenario(
+                nats_url, database_url, job_id, members=members, faults=faults, progress=progress
+            )
+        )
         elapsed = time.monotonic() - started
         store = PostgresEventStore.from_url(database_url)
         try:
@@ -329,6 +340,13 @@ def run_decide_bench(*, members: int, faults: int, progress: bool = True) -> dic
             "p99_ms": round(_percentile(latencies, 0.99), 1),
             "max_ms": round(max(latencies), 1),
             "latencies_ms": [round(x, 1) for x in latencies],
+            # Per fault: [trigger -> turn, turn -> commit], and for a crash the exit's own
+            # trip (published -> committed by the ingest) inside the first.
+            "legs_ms": [
+                [round(m.to_turn_ms, 1), round(m.turn_ms, 1)]
+                + ([round(m.ingest_ms, 1)] if m.ingest_ms is not None else [])
+                for m in measured
+            ],
             # Medians of the two legs, per kind of fault (see _Latency).
             "crash_to_turn_ms": median("crash", "to_turn_ms"),
             "crash_turn_ms": median("crash", "turn_ms"),

@@ -103,8 +103,9 @@ def decide(view: JobView, now: datetime, context: Context = Context()) -> list[D
     """Every decision due for ``view`` at ``now``, in the order they are to be recorded."""
     out: list[Decided] = []
     current = view
+    flagged = _Flagged()
     for _ in range(MAX_ROUNDS):
-        round_ = _Round(current, now, context).run()
+        round_ = _Round(current, now, context, flagged).run()
         if not round_:
             break
         out.extend(round_)
@@ -195,6 +196,14 @@ def _topology_key(member: Member) -> tuple[object, ...]:
     return (member.rack, member.node, natural_key(member.member_id))
 
 
+@dataclass(slots=True)
+class _Flagged:
+    """Members ``detect`` finds failed at ``now`` (world or not), shared by the rounds of one
+    call: none of them may be brought into the world."""
+
+    members: set[str] | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class _Plan:
     mode: ReallocationMode
@@ -210,7 +219,8 @@ class _Plan:
 class _Round:
     """One round of decisions on one view."""
 
-    def __init__(self, view: JobView, now: datetime, context: Context) -> None:
+    def __init__(self, view: JobView, now: datetime, context: Context, flagged: _Flagged) -> None:
+        self.flagged = flagged
         self.view = view
         self.now = now
         self.context = context
@@ -256,11 +266,15 @@ class _Round:
         return silent <= heartbeat_timeout(self.view, member.phase)
 
     def _usable(self, member: Member) -> bool:
-        """A member outside the world that could join it: alive, never failed, fresh."""
+        """A member outside the world that could join it: alive, never failed, fresh, and
+        nothing ``detect`` would hold against it once it is in the world."""
+        if self.flagged.members is None:
+            self.flagged.members = {f.member for f in detect(self.view, self.now)}
         return (
             member.rank is None
             and member.status is MemberStatus.ACTIVE
             and member.detected_position is None
+            and member.member_id not in self.flagged.members
             and self._fresh(member)
         )
 
@@ -358,7 +372,9 @@ class _Round:
         it simply is no candidate any more)."""
         view = self.view
         members = view.members
-        found = [f for f in detect(view, self.now) if members[f.member].rank is not None]
+        everything = detect(view, self.now)
+        self.flagged.members = {f.member for f in everything}
+        found = [f for f in everything if members[f.member].rank is not None]
         named = {f.member for f in found}
         for member_id in view.world:
             member = members.get(member_id)

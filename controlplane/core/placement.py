@@ -159,23 +159,25 @@ def place(
     index = {m: i for i, m in enumerate(members)}
     if len(index) != len(members):
         raise ValueError("a member appears twice in the world")
-    load = [0] * len(world)
     kept = _kept(
         world,
         index,
         redundancy=redundancy,
         previous=previous or {},
         substitute=substitute or {},
-        load=load,
     )
     loads: _Loads | None = None  # built on the first shard that needs a holder
     multi_rack = len({s.rack for s in world}) > 1
     shortfalls: list[str] = []
     holders: list[tuple[str, ...]] = []
-    for r, chosen in enumerate(kept):
+    for r, entry in enumerate(kept):
+        if isinstance(entry, tuple):
+            holders.append(entry)  # untouched: the same copies
+            continue
+        chosen = entry
         if len(chosen) < redundancy:
             if loads is None:
-                loads = _Loads(world, load)
+                loads = _Loads(world, _load(kept, index, len(world)))
             _fill(loads, r, chosen, redundancy, shortfalls)
         if redundancy >= 1 and chosen and not multi_rack:
             shortfalls.append(
@@ -185,6 +187,16 @@ def place(
     return Placement(tuple(members), tuple(holders), _note(shortfalls))
 
 
+def _load(
+    kept: Sequence[tuple[str, ...] | list[int]], index: Mapping[str, int], n: int
+) -> list[int]:
+    load = [0] * n
+    for entry in kept:
+        for holder in entry:
+            load[index[holder] if isinstance(holder, str) else holder] += 1
+    return load
+
+
 def _kept(
     world: Sequence[Slot],
     index: Mapping[str, int],
@@ -192,26 +204,40 @@ def _kept(
     redundancy: int,
     previous: Mapping[str, Sequence[str]],
     substitute: Mapping[str, str],
-    load: list[int],
-) -> list[list[int]]:
+) -> list[tuple[str, ...] | list[int]]:
     """Per rank, the previous holders that remain valid: in the world, not the owner, not on
     its node, and not leaving every copy in the owner's rack while other racks exist.
-    ``load`` counts what is kept."""
+
+    A shard nothing happened to (same owner, every holder still there, none renamed) keeps
+    its holders as they were (a tuple of names); the others get the indices kept (a list).
+    """
     if not previous or redundancy == 0:
         return [[] for _ in world]
     origin = {new: old for old, new in substitute.items()}
+    renamed = set(substitute)
+    present = set(index)
     nodes = [s.node for s in world]
     racks = [s.rack for s in world]
     multi_rack = len(set(racks)) > 1
-    out: list[list[int]] = []
+    out: list[tuple[str, ...] | list[int]] = []
     for r, owner in enumerate(world):
         name = owner.member
-        before = previous.get(origin.get(name, name), ())
+        was = origin.get(name)
+        before = previous.get(name if was is None else was, ())
+        if (
+            was is None
+            and len(before) == redundancy
+            and name not in before
+            and present.issuperset(before)
+            and renamed.isdisjoint(before)
+        ):
+            out.append(tuple(before))
+            continue
         node, rack = nodes[r], racks[r]
         chosen: list[int] = []
         elsewhere = False
         for held_by in before:
-            i = index.get(substitute.get(held_by, held_by) if substitute else held_by)
+            i = index.get(substitute.get(held_by, held_by))
             if i is None or i == r or nodes[i] == node or i in chosen:
                 continue
             if len(chosen) == redundancy:
@@ -220,8 +246,6 @@ def _kept(
             elsewhere = elsewhere or racks[i] != rack
         if multi_rack and chosen and not elsewhere:
             chosen.pop()  # the refill goes to another rack
-        for i in chosen:
-            load[i] += 1
         out.append(chosen)
     return out
 
