@@ -3,17 +3,19 @@
 ``members`` simulated members join one job and heartbeat at 1 Hz through NATS into the control
 plane (``elasticctl serve``, its own process, as deployed). Once the first generation runs and a
 backup is complete, faults are injected one after another, alternating a crash (the launcher
-reports ``member.exited``) and a hang (the member stops heartbeating). Each fault's latency is
-read from the log afterwards:
+reports ``member.exited``) and a hang (the member stops heartbeating). Each fault's latency
+runs
 
 - crash: from the moment the exit was reported (the ``member.exited`` envelope's
-  ``emitted_at``, taken just before it is published) to the commit of the decision batch
-  (``reallocation.issued`` ``recorded_at``);
+  ``emitted_at``, taken just before it is published);
 - hang: from the moment its heartbeat timeout expired (its last heartbeat's ``recorded_at``
-  plus the policy's timeout) to the same commit.
+  plus the policy's timeout);
 
-Both clocks are this machine's. The simulated world answers each reallocation with the first
-step of the new generation, so incidents resolve and the next fault opens a new one.
+to the moment the ``Reallocate`` command reached the members. Commands are published only
+after the decision committed, so this bounds "decision appended" from above and adds what
+members wait for besides (the fold, the publish). All clocks are this machine's. The
+simulated world answers each reallocation with the first step of the new generation, so
+incidents resolve and the next fault opens a new one.
 """
 
 from __future__ import annotations
@@ -72,6 +74,8 @@ class _World:
         self.silent: set[str] = set()
         self.step = 0
         self.commands: list[Start | Reallocate] = []
+        #: command_id -> when the command reached the members (this machine's clock).
+        self.arrivals: dict[str, float] = {}
         self.arrived = asyncio.Event()
 
     async def send(self, messages: list[Any]) -> None:
@@ -84,6 +88,7 @@ class _World:
         wanted = Reallocate if self.commands else Start
         if isinstance(command, wanted) and str(command.command_id) not in known:
             self.commands.append(command)
+            self.arrivals[str(command.command_id)] = time.time()
             self.arrived.set()
 
     async def next_command(self, count: int, wait_s: float = 120.0) -> Start | Reallocate:
@@ -137,7 +142,8 @@ async def _until_stored(database_url: str, job_id: str, backups: int) -> None:
 
 async def _scenario(
     url: str, database_url: str, job_id: str, *, members: int, faults: int, progress: bool
-) -> None:
+) -> dict[str, float]:
+    """Run the job and its faults; return when each command reached the members."""
     job = SimulatedJob(None, job_id, _layout(members, spares=max(2, faults // 2)))
     world = _World(url, job)
     nc = await nats.connect(url)
@@ -217,6 +223,7 @@ async def _scenario(
         if beating is not None:
             await beating
         await nc.close()
+    return world.arrivals
 
 
 def _joined(job: SimulatedJob, name: str, policy: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -232,21 +239,25 @@ def _joined(job: SimulatedJob, name: str, policy: dict[str, Any] | None = None) 
 
 @dataclass(frozen=True, slots=True)
 class _Latency:
-    """One fault, in milliseconds: trigger -> decision committed, and where it went."""
+    """One fault, in milliseconds: trigger -> the decision recorded and its command in the
+    members' hands, and where the time went."""
 
     kind: str
     total_ms: float
     #: Trigger -> the decider's turn began (the ``emitted_at`` of its decisions): ingest of
     #: the exit and waiting for a quiet turn, or waking after the timeout expired.
     to_turn_ms: float
-    #: The turn: decide, append, commit (``recorded_at`` is the commit's clock).
+    #: The turn: decide, append and commit, fold, publish, delivery to the members.
     turn_ms: float
     #: A crash's exit event, from published to committed by the ingest.
     ingest_ms: float | None = None
 
 
-def _latencies(store: PostgresEventStore, job_id: str) -> list[_Latency]:
-    """Each fault's trigger to the commit of the decision it caused."""
+def _latencies(
+    store: PostgresEventStore, job_id: str, arrivals: dict[str, float]
+) -> list[_Latency]:
+    """Each fault's trigger to its decision's command reaching the members (which is
+    after the decision's commit: commands are published only once recorded)."""
     log = store.read(job_id=job_id)
     by_position = {s.position: s for s in log}
     out = []
@@ -268,13 +279,13 @@ def _latencies(store: PostgresEventStore, job_id: str) -> list[_Latency]:
             assert evidence.at is not None
             trigger = evidence.at.timestamp() + HANG_TIMEOUT_S
         turn = decision.event.emitted_at.timestamp()
-        committed = decision.recorded_at.timestamp()
+        arrived = arrivals[str(decision.event.payload.command_id)]
         out.append(
             _Latency(
                 "crash" if payload.reason == "exited" else "hang",
-                (committed - trigger) * 1000,
+                (arrived - trigger) * 1000,
                 (turn - trigger) * 1000,
-                (committed - turn) * 1000,
+                (arrived - turn) * 1000,
                 ingest,
             )
         )
@@ -314,7 +325,7 @@ def run_decide_bench(*, members: int, faults: int, progress: bool = True) -> dic
         serve = subprocess.Popen([sys.executable, "-m", "controlplane", "serve"], env=env)
         job_id = f"bench-{uuid.uuid4().hex[:8]}"
         started = time.monotonic()
-        asyncio.run(
+        arrivals = asyncio.run(
             _scenario(
                 nats_url, database_url, job_id, members=members, faults=faults, progress=progress
             )
@@ -322,7 +333,7 @@ def run_decide_bench(*, members: int, faults: int, progress: bool = True) -> dic
         elapsed = time.monotonic() - started
         store = PostgresEventStore.from_url(database_url)
         try:
-            measured = _latencies(store, job_id)
+            measured = _latencies(store, job_id, arrivals)
             heartbeats = len(store.read(job_id=job_id, types=["member.heartbeat"]))
         finally:
             store.close()
