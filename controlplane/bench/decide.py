@@ -83,12 +83,13 @@ class _World:
             await loadgen.send(self.url, loadgen.frames(messages))
 
     async def on_command(self, msg: Any) -> None:
+        arrived = time.time()  # before parsing: the member has it now
         command = COMMAND_ADAPTER.validate_json(msg.data)
         known = {str(c.command_id) for c in self.commands}
         wanted = Reallocate if self.commands else Start
         if isinstance(command, wanted) and str(command.command_id) not in known:
             self.commands.append(command)
-            self.arrivals[str(command.command_id)] = time.time()
+            self.arrivals[str(command.command_id)] = arrived
             self.arrived.set()
 
     async def next_command(self, count: int, wait_s: float = 120.0) -> Start | Reallocate:

@@ -317,3 +317,20 @@ async def _beat(job: SimulatedJob, members: list[str]) -> None:
     while True:
         await job.heartbeat(members, 11)
         await asyncio.sleep(0.2)
+
+
+async def test_one_control_plane_decides_for_many_jobs(settings, pg_store, bus):
+    async with running_controlplane(settings) as cp:
+        jobs = {name: cluster(bus.jetstream(), name) for name in ("job-many-a", "job-many-b")}
+        listening = {name: await listen(bus, name) for name in jobs}
+        starts = {name: await start_job(jobs[name], listening[name]) for name in jobs}
+        assert all(s.generation == 1 for s in starts.values())
+        await jobs["job-many-a"].exited("w10")
+        [command] = await listening["job-many-a"].next(Reallocate)
+        assert command.job_id == "job-many-a" and "w10" not in command.world
+        await asyncio.sleep(0.5)
+        assert listening["job-many-b"].of(Reallocate) == []
+        assert cp.views["job-many-a"].state is JobState.RECOVERING
+        assert cp.views["job-many-b"].state is JobState.RUNNING
+        for name in jobs:
+            assert cp.views[name] == fold(None, pg_store.read(job_id=name))
