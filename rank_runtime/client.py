@@ -1,0 +1,344 @@
+"""The member's link to the control plane: events out, heartbeats, commands in.
+
+Training never waits on it. ``publish`` validates an event, numbers it and appends it to a
+bounded in-memory buffer, then returns; a background thread with its own event loop connects
+to NATS (retrying until it can), publishes the buffer to JetStream with ``Nats-Msg-Id`` set and
+keeps what the server did not acknowledge for the next try, so a lost connection delays events
+and never blocks or crashes the training loop. A second thread sends heartbeats on a timer,
+so a slow step does not silence them, while a stopped process (SIGSTOP) stops them with it.
+Commands (``elastic.cmd.<job>.all`` and ``.<member>``) arrive on a JetStream ordered consumer
+that starts with the last command of each subject, so a member that connects late still sees
+the command in force.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import json
+import logging
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js.api import DeliverPolicy
+from pydantic import BaseModel, ValidationError
+
+from rank_runtime.identity import Identity
+from schemas.commands import COMMAND_ADAPTER, Reallocate, Start, Stop
+from schemas.common import Phase
+from schemas.events import EVENT_ADAPTER
+
+log = logging.getLogger(__name__)
+
+MSG_ID_HEADER = "Nats-Msg-Id"
+EVENT_PREFIX = "elastic.evt"
+COMMAND_PREFIX = "elastic.cmd"
+#: Events sent per round before waiting for the server's acknowledgements.
+_WINDOW = 512
+
+
+@dataclass(slots=True)
+class ClientStats:
+    """What the client did since start."""
+
+    published: int = 0
+    acked: int = 0
+    #: Events dropped because the buffer was full (oldest first): the control plane records
+    #: the hole in this member's sequence as a gap.
+    dropped: int = 0
+    connects: int = 0
+    commands: int = 0
+
+
+class EventClient:
+    """Publishes this member's events and receives its commands. No I/O before ``start``."""
+
+    def __init__(
+        self,
+        identity: Identity,
+        *,
+        buffer_limit: int = 100_000,
+        ack_timeout_s: float = 5.0,
+    ) -> None:
+        self.identity = identity
+        self.incarnation = uuid.uuid4().hex[:16]
+        #: The generation this member believes current (stamped on every event).
+        self.generation = 0
+        #: What the heartbeat reports.
+        self.step = 0
+        self.phase = Phase.INIT
+        self.stats = ClientStats()
+        self._ack_timeout_s = ack_timeout_s
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._buffer: collections.deque[tuple[str, str, bytes]] = collections.deque(
+            maxlen=buffer_limit
+        )
+        self._commands: queue.Queue[Start | Reallocate | Stop] = queue.Queue()
+        self._seen_commands: set[str] = set()
+        self._thread: threading.Thread | None = None
+        self._heart: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+        self._closing = threading.Event()
+        self._connected = threading.Event()
+        self._started = threading.Event()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> EventClient:
+        """Start the background thread (it connects, and keeps reconnecting, on its own)."""
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, name=f"elastic-events-{self.identity.member}", daemon=True
+            )
+            self._thread.start()
+            self._started.wait(10)
+        return self
+
+    def start_heartbeats(self, interval_s: float) -> None:
+        """Send ``member.heartbeat`` every ``interval_s`` seconds from a thread of its own."""
+        if self._heart is not None:
+            return
+
+        def beat() -> None:
+            while not self._closing.wait(interval_s):
+                self.publish("member.heartbeat", {"step": self.step, "phase": self.phase.value})
+
+        self._heart = threading.Thread(
+            target=beat, name=f"elastic-heartbeat-{self.identity.member}", daemon=True
+        )
+        self._heart.start()
+
+    def wait_connected(self, timeout: float) -> bool:
+        """Block until connected to NATS (True) or ``timeout`` passes (False)."""
+        return self._connected.wait(timeout)
+
+    def close(self, flush_s: float = 5.0) -> None:
+        """Send what is buffered (for at most ``flush_s``), then stop the threads."""
+        deadline = time.monotonic() + flush_s
+        while self.pending() and time.monotonic() < deadline and self._connected.is_set():
+            time.sleep(0.01)
+        self._closing.set()
+        self._poke()
+        if self._thread is not None:
+            self._thread.join(max(1.0, deadline - time.monotonic() + 2.0))
+        if self._heart is not None:
+            self._heart.join(1.0)
+
+    # ------------------------------------------------------------------ events out
+
+    def publish(self, type_: str, payload: dict[str, Any] | BaseModel) -> str:
+        """Validate, number and buffer one event; return its event_id. Never blocks on I/O.
+
+        Raises ``ValueError`` when the event does not match its schema (a bug in the caller).
+        """
+        body = payload.model_dump(mode="json") if isinstance(payload, BaseModel) else payload
+        event_id = str(uuid.uuid4())
+        identity = self.identity
+        with self._lock:
+            self._seq += 1
+            envelope = {
+                "event_id": event_id,
+                "job_id": identity.job_id,
+                "type": type_,
+                "v": 1,
+                "source": identity.source,
+                "incarnation": self.incarnation,
+                "seq": self._seq,
+                "generation": self.generation,
+                "emitted_at": datetime.now(UTC).isoformat(),
+                "payload": body,
+            }
+            try:
+                EVENT_ADAPTER.validate_python(envelope, strict=False)
+            except ValidationError as exc:
+                self._seq -= 1
+                raise ValueError(f"invalid {type_} event: {exc}") from exc
+            subject = f"{EVENT_PREFIX}.{identity.job_id}.{identity.node}.{identity.member}.{type_}"
+            if len(self._buffer) == self._buffer.maxlen:
+                self.stats.dropped += 1
+            self._buffer.append((subject, event_id, json.dumps(envelope).encode()))
+            self.stats.published += 1
+        self._poke()
+        return event_id
+
+    def pending(self) -> int:
+        """Events buffered and not yet acknowledged by the server."""
+        with self._lock:
+            return len(self._buffer)
+
+    def _poke(self) -> None:
+        loop, wake = self._loop, self._wake
+        if loop is not None and wake is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop is shutting down
+                loop.call_soon_threadsafe(wake.set)
+
+    # ------------------------------------------------------------------ commands in
+
+    def next_command(self, timeout: float | None = None) -> Start | Reallocate | Stop | None:
+        """The next command not seen before, waiting up to ``timeout`` (None: don't wait)."""
+        try:
+            if timeout is None:
+                return self._commands.get_nowait()
+            return self._commands.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    async def _on_command(self, msg: Msg) -> None:
+        try:
+            command = COMMAND_ADAPTER.validate_json(msg.data)
+        except ValidationError as exc:
+            log.warning("ignoring a malformed command on %s: %s", msg.subject, exc)
+            return
+        key = str(command.command_id)
+        if key in self._seen_commands:
+            return  # re-published: applied once
+        self._seen_commands.add(key)
+        self.stats.commands += 1
+        self._commands.put(command)
+
+    # ------------------------------------------------------------------ the thread
+
+    def _run(self) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        try:
+            loop.run_until_complete(self._main())
+        finally:
+            self._loop = None
+            loop.close()
+
+    async def _main(self) -> None:
+        self._wake = asyncio.Event()
+        self._started.set()
+        backoff = 0.1
+        nc: Client | None = None
+        while not self._closing.is_set():
+            try:
+                nc = await self._connect()
+                break
+            except (nats.errors.NoServersError, OSError, TimeoutError) as exc:
+                log.debug("NATS not reachable yet (%s); events stay buffered", exc)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), backoff)
+                self._wake.clear()
+                backoff = min(backoff * 2, 2.0)
+        if nc is None:
+            return
+        try:
+            subscribed = False
+            while not self._closing.is_set():
+                if not subscribed:
+                    subscribed = await self._subscribe(nc)
+                await self._send(nc)
+                if self._closing.is_set():
+                    break
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), 0.5)
+                self._wake.clear()
+            await self._send(nc)  # a last flush
+        finally:
+            self._connected.clear()
+            with contextlib.suppress(Exception):
+                await nc.close()
+
+    async def _connect(self) -> Client:
+        identity = self.identity
+        auth: dict[str, Any] = {}
+        if identity.nats_creds:
+            auth["user_credentials"] = identity.nats_creds
+        elif identity.nats_user:
+            auth["user"] = identity.nats_user
+            auth["password"] = identity.nats_password or ""
+
+        async def disconnected() -> None:
+            self._connected.clear()
+
+        async def reconnected() -> None:
+            self._connected.set()
+            self.stats.connects += 1
+            self._poke()
+
+        async def error(exc: Exception) -> None:
+            log.debug("NATS: %s", exc)
+
+        nc = await nats.connect(
+            servers=[s.strip() for s in identity.nats_url.split(",")],
+            name=f"elastic-member-{identity.member}",
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.25,
+            connect_timeout=2,
+            disconnected_cb=disconnected,
+            reconnected_cb=reconnected,
+            error_cb=error,
+            **auth,
+        )
+        self._connected.set()
+        self.stats.connects += 1
+        return nc
+
+    async def _subscribe(self, nc: Client) -> bool:
+        """Follow this job's commands; False while the command stream does not exist yet."""
+        identity = self.identity
+        js = nc.jetstream()
+        try:
+            for target in ("all", identity.member):
+                await js.subscribe(
+                    f"{COMMAND_PREFIX}.{identity.job_id}.{target}",
+                    cb=self._on_command,
+                    ordered_consumer=True,
+                    deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
+                )
+        except (nats.js.errors.NotFoundError, nats.errors.Error, TimeoutError) as exc:
+            log.debug("no command stream yet (%s); trying again", exc)
+            return False
+        return True
+
+    async def _send(self, nc: Client) -> None:
+        """Publish the buffer in windows; keep what was not acknowledged."""
+        js = nc.jetstream()
+        while self._connected.is_set():
+            with self._lock:
+                batch = [self._buffer.popleft() for _ in range(min(_WINDOW, len(self._buffer)))]
+            if not batch:
+                return
+            futures = []
+            failed: list[tuple[str, str, bytes]] = []
+            for item in batch:
+                subject, event_id, data = item
+                try:
+                    ack = await js.publish_async(subject, data, headers={MSG_ID_HEADER: event_id})
+                    futures.append((item, ack))
+                except Exception as exc:
+                    log.debug("publish failed: %s", exc)
+                    failed.append(item)
+            if futures:
+                await asyncio.wait([f for _, f in futures], timeout=self._ack_timeout_s)
+            for item, future in futures:
+                if future.done() and not future.cancelled() and future.exception() is None:
+                    self.stats.acked += 1
+                else:
+                    future.cancel()
+                    failed.append(item)
+            if failed:
+                with self._lock:
+                    # First in line again; a retried event may land after later ones of this
+                    # member: the control plane accepts it into the gap it left. A full
+                    # buffer drops its newest to make room.
+                    limit = self._buffer.maxlen or 0
+                    self.stats.dropped += max(0, len(self._buffer) + len(failed) - limit)
+                    self._buffer.extendleft(reversed(failed))
+                await asyncio.sleep(0.1)
+                return

@@ -1,0 +1,91 @@
+"""Who this process is and where the control plane is: read from the launcher's environment."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from schemas.common import IDENT_PATTERN, Role
+
+JOB_ID_ENV = "ELASTIC_JOB_ID"
+NODE_ENV = "ELASTIC_NODE"
+RACK_ENV = "ELASTIC_RACK"
+MEMBER_ENV = "ELASTIC_MEMBER"
+ROLE_ENV = "ELASTIC_ROLE"
+NATS_URL_ENV = "ELASTIC_NATS_URL"
+NATS_USER_ENV = "ELASTIC_NATS_USER"
+NATS_PASSWORD_ENV = "ELASTIC_NATS_PASSWORD"
+NATS_CREDS_ENV = "ELASTIC_NATS_CREDS"
+POLICY_ENV = "ELASTIC_POLICY"
+
+_IDENT = re.compile(IDENT_PATTERN)
+
+
+class IdentityError(ValueError):
+    """The environment does not say who this process is."""
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """One member of one job: its names, its place in the topology, and the bus to talk on."""
+
+    job_id: str
+    node: str
+    rack: str
+    member: str
+    role: Role
+    nats_url: str
+    host: str = ""
+    nats_user: str | None = None
+    nats_password: str | None = None
+    nats_creds: str | None = None
+    #: The policy the launcher asks for, as JSON (the first member's registers the job).
+    policy_json: str | None = None
+
+    @property
+    def source(self) -> str:
+        """The envelope ``source`` this member publishes under."""
+        return f"{self.node}/{self.member}"
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Identity:
+        """Read the ``ELASTIC_*`` variables the launcher sets; name every one missing or bad."""
+        env = os.environ if env is None else env
+        missing = [
+            name for name in (JOB_ID_ENV, NODE_ENV, RACK_ENV, MEMBER_ENV) if not env.get(name)
+        ]
+        if missing:
+            raise IdentityError(
+                f"not started by a launcher: {', '.join(missing)} unset"
+                " (run the script with `elasticctl run`, or set them)"
+            )
+        bad = [
+            f"{name}={env[name]!r}"
+            for name in (JOB_ID_ENV, NODE_ENV, RACK_ENV, MEMBER_ENV)
+            if not _IDENT.match(env[name])
+        ]
+        if bad:
+            raise IdentityError(
+                f"not a valid name (letters, digits, '-', '_'; at most 64): {', '.join(bad)}"
+            )
+        role_text = env.get(ROLE_ENV, Role.WORKER.value)
+        try:
+            role = Role(role_text)
+        except ValueError:
+            raise IdentityError(f"{ROLE_ENV}={role_text!r}: expected worker or spare") from None
+        return cls(
+            job_id=env[JOB_ID_ENV],
+            node=env[NODE_ENV],
+            rack=env[RACK_ENV],
+            member=env[MEMBER_ENV],
+            role=role,
+            nats_url=env.get(NATS_URL_ENV, "nats://127.0.0.1:4222"),
+            host=socket.gethostname(),
+            nats_user=env.get(NATS_USER_ENV) or None,
+            nats_password=env.get(NATS_PASSWORD_ENV) or None,
+            nats_creds=env.get(NATS_CREDS_ENV) or None,
+            policy_json=env.get(POLICY_ENV) or None,
+        )

@@ -1,0 +1,198 @@
+"""The member's event client against real NATS and the control plane: events land in the log,
+heartbeats go on through a slow step and stop with a stopped process, an outage delays events
+without blocking the caller, and commands arrive once, even to a member that connects late."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+
+import nats
+import pytest
+
+from controlplane.bus import ensure_command_stream, ensure_stream
+from controlplane.devstack import NatsServer
+from controlplane.publish import MSG_ID_HEADER
+from controlplane.settings import Settings
+from rank_runtime.client import EventClient
+from rank_runtime.identity import Identity, IdentityError
+from schemas.commands import Stop
+from schemas.common import Phase, Role
+from tests.integration.helpers import running_controlplane, wait_until
+
+pytestmark = pytest.mark.usefixtures("clean_stream")
+
+
+def identity(job_id: str, nats_url: str, member: str = "m0") -> Identity:
+    return Identity(
+        job_id=job_id, node="node-a", rack="rack-a", member=member, role=Role.WORKER,
+        nats_url=nats_url, host="host-a",
+    )  # fmt: skip
+
+
+def joined() -> dict[str, object]:
+    return {"node": "node-a", "rack": "rack-a", "host": "host-a", "pid": os.getpid(),
+            "role": "worker", "device": "cpu"}  # fmt: skip
+
+
+def heartbeat_times(store, job_id: str) -> list[datetime]:  # type: ignore[no-untyped-def]
+    return [s.event.emitted_at for s in store.read(job_id=job_id, types=["member.heartbeat"])]
+
+
+async def test_events_reach_the_log_and_heartbeats_go_on_through_a_slow_step(settings, pg_store):
+    async with running_controlplane(settings):
+        client = EventClient(identity("job-client", settings.nats_url)).start()
+        try:
+            client.publish("member.joined", joined())
+            client.phase = Phase.TRAIN
+            client.start_heartbeats(0.1)
+            started = datetime.now(UTC)
+            await asyncio.to_thread(time.sleep, 1.5)  # one slow training step
+            ended = datetime.now(UTC)
+            client.publish("train.step", {"step": 1, "loss": 0.5, "step_seconds": 1.5,
+                                          "samples": 8})  # fmt: skip
+            await wait_until(
+                lambda: len(pg_store.read(job_id="job-client", types=["train.step"])) == 1,
+                10,
+                "the step to be stored",
+            )
+        finally:
+            client.close()
+    during = [t for t in heartbeat_times(pg_store, "job-client") if started <= t <= ended]
+    assert len(during) >= 10, during
+    gaps = [(b - a).total_seconds() for a, b in itertools.pairwise(during)]
+    assert max(gaps) < 0.5
+    assert client.stats.dropped == 0 and client.pending() == 0
+
+
+_MEMBER_SCRIPT = textwrap.dedent(
+    """
+    import sys, time
+    from rank_runtime.client import EventClient
+    from rank_runtime.identity import Identity
+    from schemas.common import Phase
+    client = EventClient(Identity.from_env()).start()
+    client.phase = Phase.TRAIN
+    client.start_heartbeats(0.1)
+    print("ready", flush=True)
+    while True:
+        time.sleep(1)
+    """
+)
+
+
+async def test_heartbeats_stop_while_the_process_is_stopped(settings, pg_store):
+    env = {
+        **os.environ,
+        "ELASTIC_JOB_ID": "job-sigstop",
+        "ELASTIC_NODE": "node-a",
+        "ELASTIC_RACK": "rack-a",
+        "ELASTIC_MEMBER": "m0",
+        "ELASTIC_NATS_URL": settings.nats_url,
+    }
+    async with running_controlplane(settings):
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _MEMBER_SCRIPT], env=env, stdout=subprocess.PIPE
+        )
+        try:
+            assert proc.stdout is not None
+            assert proc.stdout.readline().strip() == b"ready"
+            await wait_until(
+                lambda: len(heartbeat_times(pg_store, "job-sigstop")) >= 5, 20, "heartbeats"
+            )
+            proc.send_signal(signal.SIGSTOP)
+            stopped = datetime.now(UTC)
+            await asyncio.sleep(1.5)
+            resumed = datetime.now(UTC)  # before it runs again
+            proc.send_signal(signal.SIGCONT)
+            await wait_until(
+                lambda: any(t > resumed for t in heartbeat_times(pg_store, "job-sigstop")),
+                10,
+                "heartbeats after SIGCONT",
+            )
+        finally:
+            proc.kill()
+            proc.wait(10)
+            if proc.stdout is not None:
+                proc.stdout.close()
+    times = heartbeat_times(pg_store, "job-sigstop")
+    # Nothing was sent while stopped (allowing for one already on its way).
+    inside = [t for t in times if (stopped - t).total_seconds() < -0.2 and t < resumed]
+    assert inside == [], inside
+
+
+async def test_an_outage_delays_events_and_never_blocks_the_caller(tmp_path: Path):
+    server = NatsServer(tmp_path / "nats")  # not started yet: the member starts first
+    client = EventClient(identity("job-outage", server.url)).start()
+    try:
+        slowest = 0.0
+        for step in range(200):
+            began = time.perf_counter()
+            client.publish("member.heartbeat", {"step": step, "phase": "train"})
+            slowest = max(slowest, time.perf_counter() - began)
+        assert slowest < 0.05, f"a publish took {slowest:.3f}s while NATS was down"
+        assert client.pending() == 200
+        server.start()
+        nc = await nats.connect(server.url)
+        try:
+            await ensure_stream(nc.jetstream(), Settings())
+            await wait_until(lambda: client.pending() == 0, 20, "the buffer to flush")
+            info = await nc.jetstream().stream_info(Settings().stream)
+            assert info.state.messages == 200
+        finally:
+            await nc.close()
+    finally:
+        client.close()
+        server.stop()
+
+
+async def test_commands_arrive_once_even_to_a_member_that_connects_late(settings):
+    job_id = f"job-cmd-{uuid.uuid4().hex[:6]}"
+    nc = await nats.connect(settings.nats_url)
+    js = nc.jetstream()
+    await ensure_command_stream(js, settings)
+    stop = Stop(
+        command_id=uuid.uuid4(), job_id=job_id, decision_position=7,
+        issued_at=datetime.now(UTC), reason="test",
+    )  # fmt: skip
+    data = stop.model_dump_json().encode()
+    subject = f"elastic.cmd.{job_id}.all"
+    await js.publish(subject, data, headers={MSG_ID_HEADER: str(stop.command_id)})
+    client = EventClient(identity(job_id, settings.nats_url)).start()
+    try:
+        got = await asyncio.to_thread(client.next_command, 10.0)
+        assert got == stop  # the command in force, though sent before the member connected
+        await nc.publish(subject, data)  # a re-published copy
+        assert await asyncio.to_thread(client.next_command, 1.0) is None
+    finally:
+        client.close()
+        await nc.close()
+
+
+def test_identity_comes_from_the_launcher_s_environment():
+    env = {"ELASTIC_JOB_ID": "j1", "ELASTIC_NODE": "n1", "ELASTIC_RACK": "r1",
+           "ELASTIC_MEMBER": "m1", "ELASTIC_ROLE": "spare"}  # fmt: skip
+    got = Identity.from_env(env)
+    assert (got.source, got.role) == ("n1/m1", Role.SPARE)
+    with pytest.raises(IdentityError, match="ELASTIC_RACK, ELASTIC_MEMBER unset"):
+        Identity.from_env({"ELASTIC_JOB_ID": "j1", "ELASTIC_NODE": "n1"})
+    with pytest.raises(IdentityError, match=r"ELASTIC_NODE='a\.b'"):
+        Identity.from_env({**env, "ELASTIC_NODE": "a.b"})
+    with pytest.raises(IdentityError, match="worker or spare"):
+        Identity.from_env({**env, "ELASTIC_ROLE": "boss"})
+
+
+def test_an_invalid_event_is_refused_at_the_source():
+    client = EventClient(identity("job-x", "nats://127.0.0.1:1"))
+    with pytest.raises(ValueError, match=r"invalid member\.heartbeat"):
+        client.publish("member.heartbeat", {"step": -1, "phase": "train"})
+    assert client.pending() == 0
