@@ -1,0 +1,114 @@
+"""Fault injection: ``crash@STEP:rank=R``, ``hang@STEP:rank=R``, ``slow@STEP:rank=R:SECONDS``,
+and ``random:every=S[:seed=N]`` (the launcher kills a random member every S seconds).
+
+Step faults run inside the member when it finishes the step (``ELASTIC_FAULTS`` carries them
+from the launcher): a crash is ``SIGKILL`` of itself (nothing is flushed, like a real crash), a
+hang is ``SIGSTOP`` (the process stays, silent), a slow step sleeps. Each fires once per job:
+the member claims it first with an exclusive marker file in ``ELASTIC_FAULTS_STATE`` (the
+launcher's directory), so a rank that replays the step after a recovery does not fire it again.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from dataclasses import dataclass
+
+FAULTS_ENV = "ELASTIC_FAULTS"
+FAULTS_STATE_ENV = "ELASTIC_FAULTS_STATE"
+
+_STEP_FAULT = re.compile(
+    r"^(?P<kind>crash|hang|slow)@(?P<step>\d+):rank=(?P<rank>\d+)(?::(?P<seconds>\d+(\.\d+)?))?$"
+)
+_RANDOM = re.compile(r"^random:every=(?P<every>\d+(\.\d+)?)(?::seed=(?P<seed>\d+))?$")
+
+
+class FaultSpecError(ValueError):
+    """A fault specification that does not parse."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepFault:
+    """A fault a rank injects into itself when it finishes ``step``."""
+
+    kind: str
+    step: int
+    rank: int
+    seconds: float = 0.0
+
+    def __str__(self) -> str:
+        tail = f":{self.seconds:g}" if self.kind == "slow" else ""
+        return f"{self.kind}@{self.step}:rank={self.rank}{tail}"
+
+
+@dataclass(frozen=True, slots=True)
+class RandomFaults:
+    """The launcher kills a random member every ``every`` seconds (seeded)."""
+
+    every: float
+    seed: int = 0
+
+
+def parse(spec: str) -> StepFault | RandomFaults:
+    """Parse one ``--fault`` value; raise ``FaultSpecError`` saying what is expected."""
+    text = spec.strip()
+    if m := _STEP_FAULT.match(text):
+        kind = m["kind"]
+        seconds = float(m["seconds"]) if m["seconds"] else 0.0
+        if kind == "slow" and seconds <= 0:
+            raise FaultSpecError(f"{spec!r}: a slow step needs its seconds (slow@STEP:rank=R:S)")
+        if kind != "slow" and m["seconds"]:
+            raise FaultSpecError(f"{spec!r}: only a slow step takes seconds")
+        return StepFault(kind, int(m["step"]), int(m["rank"]), seconds)
+    if m := _RANDOM.match(text):
+        every = float(m["every"])
+        if every <= 0:
+            raise FaultSpecError(f"{spec!r}: every must be > 0 seconds")
+        return RandomFaults(every, int(m["seed"] or 0))
+    raise FaultSpecError(
+        f"{spec!r}: expected crash@STEP:rank=R, hang@STEP:rank=R, slow@STEP:rank=R:SECONDS"
+        " or random:every=SECONDS[:seed=N]"
+    )
+
+
+def encode(faults: list[StepFault]) -> str:
+    """The ``ELASTIC_FAULTS`` value carrying ``faults`` to the members."""
+    return ",".join(str(f) for f in faults)
+
+
+def from_env(env: dict[str, str] | None = None) -> list[StepFault]:
+    """The step faults the launcher passed to this member."""
+    text = (os.environ if env is None else env).get(FAULTS_ENV, "")
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        fault = parse(part)
+        if isinstance(fault, StepFault):
+            out.append(fault)
+    return out
+
+
+def claim(fault: StepFault, state_dir: str | None) -> bool:
+    """Take the right to fire ``fault`` (once per job); without a directory, always."""
+    if not state_dir:
+        return True
+    marker = os.path.join(state_dir, f"fired-{str(fault).replace(':', '_').replace('=', '-')}")
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+    except FileExistsError:
+        return False
+    return True
+
+
+def inject(faults: list[StepFault], step: int, rank: int, state_dir: str | None = None) -> None:
+    """Carry out the faults due at ``step`` for ``rank`` (a crash does not return)."""
+    for fault in faults:
+        if fault.step != step or fault.rank != rank or not claim(fault, state_dir):
+            continue
+        if fault.kind == "slow":
+            time.sleep(fault.seconds)
+        elif fault.kind == "hang":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        else:
+            os.kill(os.getpid(), signal.SIGKILL)
