@@ -30,6 +30,10 @@ class CommandBase(Strict):
     issued_at: AwareDatetime
 
 
+#: Member -> ``host:port`` of its peer store (where its backup copies are sent and fetched).
+Endpoints = Annotated[dict[str, ShortText], Field(max_length=65_536)]
+
+
 class Reallocate(CommandBase):
     """Re-form the world as ``generation`` and restore ``restore_step``."""
 
@@ -45,6 +49,7 @@ class Reallocate(CommandBase):
     #: ``placement[r]``: the members that hold copies of rank ``r``'s shard.
     placement: Placement = Field(default_factory=list)
     rendezvous: ShortText
+    endpoints: Endpoints = Field(default_factory=dict)
 
 
 class Start(CommandBase):
@@ -56,6 +61,7 @@ class Start(CommandBase):
     #: ``placement[r]``: the members that hold copies of rank ``r``'s shard.
     placement: Placement = Field(default_factory=list)
     rendezvous: ShortText
+    endpoints: Endpoints = Field(default_factory=dict)
 
 
 class Stop(CommandBase):

@@ -3,7 +3,7 @@
 A decision is recorded first and published second; what is owed is therefore a function of the
 log: the start of the first generation until every member of its world sent an event of that
 generation, the latest reallocation of an open incident until every member of its world acked
-it, and a stop while members of a stopped job are still alive. Publishing the same command again
+it, and a stop while members of a stopped or completed job are still alive. Publishing the same command again
 is harmless (members and JetStream de-duplicate by ``command_id``), so a service calls this after
 each decision and again after a restart.
 """
@@ -20,7 +20,8 @@ from schemas.common import JobState
 
 def owed(view: JobView) -> list[Start | Reallocate | Stop]:
     """Commands of ``view`` that some member may not have seen yet."""
-    if view.state is JobState.STOPPED:
+    if view.state in (JobState.STOPPED, JobState.COMPLETED):
+        # Members still alive (spares never needed, ranks that missed the end) are told.
         alive = any(m.status is MemberStatus.ACTIVE for m in view.members.values())
         change = view.history[-1] if view.history else None
         if not alive or change is None:
@@ -58,8 +59,14 @@ def owed(view: JobView) -> list[Start | Reallocate | Stop]:
             plan=list(decision.plan),
             placement=placement,
             rendezvous=decision.rendezvous,
+            endpoints=_endpoints(view, decision.world),
         )
     ]
+
+
+def _endpoints(view: JobView, world: tuple[str, ...]) -> dict[str, str]:
+    members = view.members
+    return {m: members[m].backup_endpoint for m in world if m in members}
 
 
 def _start(view: JobView) -> list[Start | Reallocate | Stop]:
@@ -82,5 +89,6 @@ def _start(view: JobView) -> list[Start | Reallocate | Stop]:
             world=list(view.world),
             placement=[list(h) for h in view.placement],
             rendezvous=view.rendezvous,
+            endpoints=_endpoints(view, view.world),
         )
     ]
