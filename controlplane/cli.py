@@ -116,6 +116,92 @@ def bench_ingest(
     typer.echo(json.dumps(result))
 
 
+@app.command(
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+)
+def run(
+    ctx: typer.Context,
+    script: Annotated[str, typer.Argument(help="The training script (its arguments follow).")],
+    *,
+    nproc: Annotated[int, typer.Option(min=1, help="Workers to start (the world size).")] = 1,
+    spares: Annotated[int, typer.Option(min=0, help="Warm spares to keep ready.")] = 0,
+    nodes: Annotated[int, typer.Option(min=1, help="Pretend nodes to lay members over.")] = 1,
+    racks: Annotated[int, typer.Option(min=1, help="Racks the nodes are spread over.")] = 1,
+    job_id: Annotated[str | None, typer.Option(help="Job id (default: a fresh one).")] = None,
+    fault: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="crash@STEP:rank=R, hang@STEP:rank=R, slow@STEP:rank=R:SECONDS or"
+            " random:every=SECONDS[:seed=N]; repeatable."
+        ),
+    ] = None,
+    policy: Annotated[
+        str | None,
+        typer.Option(help="Policy as key=value,... (e.g. backup_interval=5,redundancy=2)."),
+    ] = None,
+) -> None:
+    """Launch a training script's members on this machine and report what happens to them.
+
+    Each member runs SCRIPT with ELASTIC_JOB_ID, ELASTIC_NODE, ELASTIC_RACK, ELASTIC_MEMBER,
+    ELASTIC_ROLE, ELASTIC_NATS_URL and ELASTIC_POLICY set; the script uses rank_runtime.Elastic.
+    Every exit is reported to the control plane at once. Exits 0 when every member the
+    launcher did not kill itself exited 0.
+    """
+    from rank_runtime import launcher
+    from rank_runtime.faults import FaultSpecError
+    from schemas.events import JobPolicy
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+    settings = _settings()
+    try:
+        launcher.script_path(script)
+        values = _policy_values(policy) if policy else {}
+        values.setdefault("world_size", nproc)
+        min_world = values.get("min_world", 1)
+        values.setdefault("max_world", max(nproc, min_world if isinstance(min_world, int) else 1))
+        job_policy = JobPolicy.model_validate(values, strict=False)
+        result = launcher.run(
+            [script, *ctx.args],
+            nproc=nproc,
+            spares=spares,
+            nodes=nodes,
+            racks=racks,
+            job_id=job_id,
+            nats_url=settings.nats_url,
+            policy=job_policy,
+            fault_specs=fault or [],
+        )
+    except (FaultSpecError, FileNotFoundError, ValueError) as exc:
+        raise _fail(str(exc)) from exc
+    typer.echo(json.dumps({"job_id": result.job_id, "exits": result.exits,
+                           "killed": result.killed}))  # fmt: skip
+    if not result.ok:
+        raise typer.Exit(1)
+
+
+def _policy_values(text: str) -> dict[str, object]:
+    """``a=1,b=2.5`` -> {"a": 1, "b": 2.5}; JSON values (objects too) are accepted."""
+    parts, depth, current = [], 0, ""
+    for char in text:
+        depth += {"{": 1, "[": 1, "}": -1, "]": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += char
+    parts.append(current)
+    out: dict[str, object] = {}
+    for part in filter(None, (p.strip() for p in parts)):
+        key, sep, value = part.partition("=")
+        if not sep:
+            raise ValueError(f"policy entry {part!r}: expected key=value")
+        try:
+            out[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.strip()] = value
+    return out
+
+
 @bench_app.command("decide")
 def bench_decide(
     members: Annotated[int, typer.Option(min=2, help="Members heartbeating at 1 Hz.")] = 4096,
@@ -135,6 +221,42 @@ def bench_decide(
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     result = run_decide_bench(members=members, faults=faults, progress=not as_json)
+    typer.echo(json.dumps(result))
+
+
+@bench_app.command("backup")
+def bench_backup(
+    *,
+    params_mb: Annotated[
+        float, typer.Option("--params-mb", min=0.01, help="Model parameters, in MiB.")
+    ] = 4.0,
+    steps: Annotated[int, typer.Option(min=1, help="Training steps timed per variant.")] = 1000,
+    every: Annotated[int, typer.Option(min=1, help="Steps between two snapshots.")] = 10,
+    batch: Annotated[int, typer.Option(min=1, help="Samples per step.")] = 64,
+    replicas: Annotated[
+        int,
+        typer.Option(
+            min=0, help="Checksum and stream each snapshot this many times in the background."
+        ),
+    ] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print only the JSON result.")] = False,
+) -> None:
+    """Measure what a hot snapshot every N steps costs a training loop, and its copy speed.
+
+    A small MLP trains with Adam on synthetic data (one CPU thread; on the GPU when there is
+    one, snapshotting into pinned memory). Reports the step time with and without snapshots,
+    their ratio, and the snapshot's throughput against a plain tensor copy of the same bytes.
+    """
+    from rank_runtime.bench_backup import run_backup_bench
+
+    result = run_backup_bench(
+        params_mb=params_mb,
+        steps=steps,
+        every=every,
+        batch=batch,
+        replicas=replicas,
+        progress=not as_json,
+    )
     typer.echo(json.dumps(result))
 
 

@@ -70,8 +70,10 @@ class EventClient:
         *,
         buffer_limit: int = 100_000,
         ack_timeout_s: float = 5.0,
+        commands: bool = True,
     ) -> None:
         self.identity = identity
+        self._follow_commands = commands
         self.incarnation = uuid.uuid4().hex[:16]
         #: The generation this member believes current (stamped on every event).
         self.generation = 0
@@ -213,9 +215,16 @@ class EventClient:
 
     def _run(self) -> None:
         loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
         self._loop = loop
         try:
             loop.run_until_complete(self._main())
+            # The client's own tasks (ordered consumers' checks) end with the loop.
+            tasks = asyncio.all_tasks(loop)
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
         finally:
             self._loop = None
             loop.close()
@@ -238,7 +247,7 @@ class EventClient:
         if nc is None:
             return
         try:
-            subscribed = False
+            subscribed = not self._follow_commands
             while not self._closing.is_set():
                 if not subscribed:
                     subscribed = await self._subscribe(nc)

@@ -3,9 +3,9 @@
 A decision is recorded first and published second; what is owed is therefore a function of the
 log: the start of the first generation until every member of its world sent an event of that
 generation, the latest reallocation of an open incident until every member of its world acked
-it, and a stop while members of a stopped or completed job are still alive. Publishing the same command again
-is harmless (members and JetStream de-duplicate by ``command_id``), so a service calls this after
-each decision and again after a restart.
+it, and a stop while members of a stopped or completed job are still alive. Publishing the
+same command again is harmless (members and JetStream de-duplicate by ``command_id``), so a
+service calls this after each decision and again after a restart.
 """
 
 from __future__ import annotations

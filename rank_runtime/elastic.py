@@ -1,0 +1,286 @@
+"""The integration API for a training loop: join, form the world, report steps, back up.
+
+A few lines in an ordinary DDP loop::
+
+    elastic = Elastic()                      # reads the launcher's environment; no I/O
+    world = elastic.start()                  # joins, waits for its rank, forms the group
+    ...                                      # build the model, DDP, the optimizer
+    for step in range(elastic.resume_step + 1, steps + 1):
+        ...                                  # forward, backward, optimizer step
+        elastic.step_done(step, loss=loss.item(), samples=n, state=lambda: {...})
+    elastic.finish(step)
+
+``start`` returns None for a spare the job never needed (the job ended first). ``step_done``
+publishes ``train.step``, keeps the heartbeat's step current, takes the hot backup every
+``backup_interval`` steps (a copy into memory, ``backup.snapshot``) and hands it to a
+background thread that sends it to the holders the control plane placed it on (each holder
+verifies and publishes ``backup.replicated``); training does not wait for replication.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from controlplane.rendezvous import parse_endpoint
+from rank_runtime import faults
+from rank_runtime.client import EventClient
+from rank_runtime.identity import Identity
+from rank_runtime.replication import Held, PeerStore, ReplicationError, checksum, send
+from schemas.commands import Reallocate, Start, Stop
+from schemas.common import Phase, Role
+from schemas.events import JobPolicy
+
+log = logging.getLogger(__name__)
+
+#: Replications waiting for the background sender before the oldest is dropped.
+_REPLICATION_QUEUE = 4
+
+
+class JobStoppedError(RuntimeError):
+    """The control plane stopped the job."""
+
+
+@dataclass(frozen=True, slots=True)
+class World:
+    """One generation as this member sees it."""
+
+    generation: int
+    rank: int
+    size: int
+    members: tuple[str, ...]
+    #: ``placement[r]``: the members holding copies of rank ``r``'s shard.
+    placement: tuple[tuple[str, ...], ...]
+    endpoints: dict[str, str]
+    rendezvous: str
+
+
+class Elastic:
+    """This process's membership in an elastic job. The constructor does no I/O."""
+
+    def __init__(
+        self,
+        identity: Identity | None = None,
+        *,
+        policy: JobPolicy | None = None,
+        collective_timeout_s: float = 60.0,
+    ) -> None:
+        self.identity = identity if identity is not None else Identity.from_env()
+        if policy is None and self.identity.policy_json:
+            policy = JobPolicy.model_validate_json(self.identity.policy_json)
+        self._requested = policy
+        self.policy = policy if policy is not None else JobPolicy()
+        self.client = EventClient(self.identity)
+        self.peers = PeerStore(advertise=os.environ.get("ELASTIC_ADVERTISE", "127.0.0.1"))
+        self.world: World | None = None
+        #: The step training goes on from (0 for a fresh start).
+        self.resume_step = 0
+        self._faults = faults.from_env()
+        self._faults_state = os.environ.get(faults.FAULTS_STATE_ENV)
+        self._collective_timeout = timedelta(seconds=collective_timeout_s)
+        self._replicas: queue.Queue[tuple[int, int, bytes, str] | None] = queue.Queue(
+            _REPLICATION_QUEUE
+        )
+        self._replicator: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ start
+
+    def start(self, timeout_s: float = 600.0) -> World | None:
+        """Join the job and wait for a rank; None when the job ended before needing us."""
+        identity = self.identity
+        self.client.start()
+        self.peers.on_held = self._on_held
+        endpoint = self.peers.start()
+        joined: dict[str, Any] = {
+            "node": identity.node, "rack": identity.rack, "host": identity.host or "localhost",
+            "pid": os.getpid(), "role": identity.role.value, "device": "cpu",
+            "backup_endpoint": endpoint,
+        }  # fmt: skip
+        if self._requested is not None:
+            joined["policy"] = json.loads(self._requested.model_dump_json())
+        self.client.publish("member.joined", joined)
+        self.client.phase = Phase.WAITING if identity.role is Role.SPARE else Phase.INIT
+        self.client.start_heartbeats(self.policy.heartbeat_interval_s)
+        command = self._wait_for_world(timeout_s)
+        if command is None:
+            return None
+        self._form(command)
+        self._replicator = threading.Thread(
+            target=self._replicate, name="elastic-replicate", daemon=True
+        )
+        self._replicator.start()
+        return self.world
+
+    def _wait_for_world(self, timeout_s: float) -> Start | Reallocate | None:
+        deadline = time.monotonic() + timeout_s
+        member = self.identity.member
+        while time.monotonic() < deadline:
+            command = self.client.next_command(timeout=1.0)
+            if command is None:
+                continue
+            if isinstance(command, Stop):
+                log.info("the job ended before this member was needed: %s", command.reason)
+                return None
+            if member in command.world:
+                return command
+        raise TimeoutError(f"no generation named {member} within {timeout_s:g}s")
+
+    def _form(self, command: Start | Reallocate) -> None:
+        """Join the generation's process group through the control plane's rendezvous."""
+        import torch.distributed as dist
+
+        rank = command.world.index(self.identity.member)
+        endpoint = parse_endpoint(command.rendezvous)
+        client = dist.TCPStore(  # type: ignore[attr-defined]
+            endpoint.host, endpoint.port, is_master=False, timeout=self._collective_timeout
+        )
+        store = dist.PrefixStore(endpoint.prefix, client)  # type: ignore[attr-defined]
+        dist.init_process_group(
+            "gloo",
+            store=store,
+            rank=rank,
+            world_size=len(command.world),
+            timeout=self._collective_timeout,
+        )
+        self.client.generation = command.generation
+        self.world = World(
+            generation=command.generation,
+            rank=rank,
+            size=len(command.world),
+            members=tuple(command.world),
+            placement=tuple(tuple(h) for h in command.placement),
+            endpoints=dict(command.endpoints),
+            rendezvous=command.rendezvous,
+        )
+        self.client.phase = Phase.TRAIN
+        if isinstance(command, Reallocate):
+            self.resume_step = command.restore_step
+
+    # ------------------------------------------------------------------ the loop
+
+    def step_done(
+        self,
+        step: int,
+        *,
+        loss: float,
+        samples: int,
+        seconds: float = 0.0,
+        state: Callable[[], Any] | None = None,
+    ) -> None:
+        """Report a finished step; back up when due; carry out injected faults."""
+        world = self._world()
+        self.client.step = step
+        self.client.publish(
+            "train.step",
+            {"step": step, "loss": float(loss), "step_seconds": max(0.0, seconds),
+             "samples": samples},
+        )  # fmt: skip
+        if state is not None and step % self.policy.backup_interval == 0:
+            self.backup(step, state())
+        faults.inject(self._faults, step, world.rank, self._faults_state)
+
+    def backup(self, step: int, state: Any) -> None:
+        """Copy ``state`` (this rank's unique shard) into memory now; replicate it later."""
+        import torch
+
+        world = self._world()
+        self.client.phase = Phase.BACKUP
+        started = time.perf_counter()
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        data = buffer.getvalue()
+        digest = checksum(data)
+        self.peers.keep(Held(self.identity.member, world.rank, step, world.generation, digest,
+                             data))  # fmt: skip
+        self.client.publish(
+            "backup.snapshot",
+            {"step": step, "shard": world.rank, "nbytes": len(data), "checksum": digest,
+             "seconds": time.perf_counter() - started},
+        )  # fmt: skip
+        self.client.phase = Phase.TRAIN
+        item = (step, world.rank, data, digest)
+        try:
+            self._replicas.put_nowait(item)
+        except queue.Full:  # the sender lags: the newest backup matters most
+            dropped = self._replicas.get_nowait()
+            log.warning("replication lags; dropping the copy of step %s", dropped and dropped[0])
+            self._replicas.put_nowait(item)
+
+    def finish(self, step: int, loss: float | None = None) -> None:
+        """Report the end of training and leave (flushing events).
+
+        Every rank first finishes sending its last backup, then waits for the others (a
+        barrier), so no holder leaves while a peer still sends it a copy.
+        """
+        self._drain_replication()
+        try:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.barrier()
+        except Exception as exc:  # a broken group: leave anyway
+            log.warning("final barrier failed: %s", exc)
+        self.client.publish("train.completed", {"step": step, "loss": loss})
+        self.close()
+
+    def _drain_replication(self) -> None:
+        replicator, self._replicator = self._replicator, None
+        if replicator is not None:
+            self._replicas.put(None)
+            replicator.join(30)
+
+    def close(self) -> None:
+        """Stop replicating, flush events, tear down the process group."""
+        self._drain_replication()
+        self.client.close()
+        self.peers.close()
+        try:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception as exc:  # a broken group cannot always be torn down cleanly
+            log.debug("process group teardown: %s", exc)
+
+    # ------------------------------------------------------------------ replication
+
+    def _world(self) -> World:
+        if self.world is None:
+            raise RuntimeError("call start() first: this member has no rank yet")
+        return self.world
+
+    def _replicate(self) -> None:
+        while True:
+            item = self._replicas.get()
+            if item is None:
+                return
+            step, shard, data, digest = item
+            world = self._world()
+            holders = world.placement[shard] if shard < len(world.placement) else ()
+            for holder in holders:
+                endpoint = world.endpoints.get(holder)
+                if not endpoint:
+                    log.warning("no endpoint for holder %s of shard %d", holder, shard)
+                    continue
+                try:
+                    send(endpoint, owner=self.identity.member, shard=shard, step=step,
+                         generation=world.generation, data=data, digest=digest)  # fmt: skip
+                except ReplicationError as exc:
+                    log.warning("%s", exc)
+
+    def _on_held(self, copy: Held, seconds: float) -> None:
+        """A peer's shard arrived verified: say so (the holder publishes the replica)."""
+        self.client.publish(
+            "backup.replicated",
+            {"step": copy.step, "shard": copy.shard, "owner": copy.owner,
+             "nbytes": len(copy.data), "checksum": copy.checksum, "seconds": seconds},
+        )  # fmt: skip

@@ -1,0 +1,206 @@
+"""The local launcher: start a job's members on this machine, watch them, report their exits.
+
+``elasticctl run --nproc N --spares K [--nodes X --racks Y] train.py ARGS`` starts N workers
+and K warm spares as processes of ``train.py``, each with the environment that tells it who it
+is (``ELASTIC_JOB_ID``, ``_NODE``, ``_RACK``, ``_MEMBER``, ``_ROLE``, the NATS URL, the policy
+the job asks for, the faults to inject). ``--nodes``/``--racks`` lay the members out over
+pretend nodes and racks, so topology-aware placement can be exercised on one machine. The
+launcher reports every exit as ``member.exited`` at once (on behalf of the member: its source),
+kills a random worker every S seconds for ``--fault random:every=S``, forwards SIGINT/SIGTERM,
+and returns when every member has exited.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rank_runtime import faults
+from rank_runtime.client import EventClient
+from rank_runtime.identity import (
+    JOB_ID_ENV,
+    MEMBER_ENV,
+    NATS_URL_ENV,
+    NODE_ENV,
+    POLICY_ENV,
+    RACK_ENV,
+    ROLE_ENV,
+    Identity,
+)
+from schemas.common import Role
+from schemas.events import JobPolicy
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """Where one member runs and what it is."""
+
+    member: str
+    node: str
+    rack: str
+    role: Role
+
+
+def layout(nproc: int, spares: int, nodes: int, racks: int) -> list[Slot]:
+    """Workers then spares, dealt over ``nodes`` nodes (round robin); node ``j`` is in rack
+    ``j * racks // nodes`` (consecutive nodes share a rack)."""
+    if nodes < 1 or racks < 1 or racks > nodes:
+        raise ValueError("need 1 <= racks <= nodes")
+    out = []
+    for i in range(nproc + spares):
+        j = i % nodes
+        role = Role.WORKER if i < nproc else Role.SPARE
+        name = f"w{i}" if role is Role.WORKER else f"s{i - nproc}"
+        out.append(Slot(name, f"node{j}", f"rack{j * racks // nodes}", role))
+    return out
+
+
+@dataclass(slots=True)
+class Running:
+    """A member's process and what became of it."""
+
+    slot: Slot
+    process: subprocess.Popen[bytes]
+    reporter: EventClient
+    returncode: int | None = None
+    killed_by_launcher: bool = False
+
+
+@dataclass(slots=True)
+class LaunchResult:
+    """How the members ended."""
+
+    job_id: str
+    exits: dict[str, int] = field(default_factory=dict)
+    #: Members the launcher killed on purpose (``random`` faults).
+    killed: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """Every member the launcher did not kill exited cleanly."""
+        return all(code == 0 for m, code in self.exits.items() if m not in self.killed)
+
+
+def run(
+    script: Sequence[str],
+    *,
+    nproc: int,
+    spares: int = 0,
+    nodes: int = 1,
+    racks: int = 1,
+    job_id: str | None = None,
+    nats_url: str = "nats://127.0.0.1:4222",
+    policy: JobPolicy | None = None,
+    fault_specs: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+    python: str = sys.executable,
+) -> LaunchResult:
+    """Launch the job and wait for every member; see the module docstring."""
+    job_id = job_id or f"job-{uuid.uuid4().hex[:8]}"
+    policy = policy or JobPolicy(world_size=nproc, min_world=1, max_world=max(nproc, 1))
+    step_faults: list[faults.StepFault] = []
+    randoms: list[faults.RandomFaults] = []
+    for spec in fault_specs:
+        parsed = faults.parse(spec)
+        (step_faults if isinstance(parsed, faults.StepFault) else randoms).append(parsed)  # type: ignore[arg-type]
+    state = tempfile.mkdtemp(prefix=f"elastic-{job_id}-")
+    base = {
+        **(os.environ if env is None else env),
+        JOB_ID_ENV: job_id,
+        NATS_URL_ENV: nats_url,
+        POLICY_ENV: policy.model_dump_json(),
+        faults.FAULTS_ENV: faults.encode(step_faults),
+        faults.FAULTS_STATE_ENV: state,
+    }
+    members: list[Running] = []
+    stopping = False
+
+    def forward(signum: int, _frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+        for m in members:
+            if m.process.poll() is None:
+                m.process.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    result = LaunchResult(job_id)
+    try:
+        for slot in layout(nproc, spares, nodes, racks):
+            member_env = {
+                **base,
+                NODE_ENV: slot.node,
+                RACK_ENV: slot.rack,
+                MEMBER_ENV: slot.member,
+                ROLE_ENV: slot.role.value,
+            }
+            reporter = EventClient(
+                Identity(job_id, slot.node, slot.rack, slot.member, slot.role, nats_url),
+                commands=False,
+            ).start()
+            process = subprocess.Popen([python, *script], env=member_env)
+            members.append(Running(slot, process, reporter))
+            log.info("started %s (%s on %s/%s) as pid %d", slot.member, slot.role.value,
+                     slot.rack, slot.node, process.pid)  # fmt: skip
+        rng = random.Random(randoms[0].seed if randoms else 0)
+        next_kill = time.monotonic() + randoms[0].every if randoms else None
+        while any(m.returncode is None for m in members):
+            for m in members:
+                if m.returncode is None and (code := m.process.poll()) is not None:
+                    m.returncode = code
+                    _report_exit(m)
+            if next_kill is not None and not stopping and time.monotonic() >= next_kill:
+                victims = [m for m in members if m.returncode is None
+                           and m.slot.role is Role.WORKER]  # fmt: skip
+                if victims:
+                    victim = rng.choice(victims)
+                    log.info("injected fault: killing %s", victim.slot.member)
+                    victim.killed_by_launcher = True
+                    result.killed.append(victim.slot.member)
+                    victim.process.kill()
+                next_kill += randoms[0].every
+            time.sleep(0.02)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        for m in members:
+            if m.process.poll() is None:
+                m.process.kill()
+                m.process.wait()
+            m.reporter.close(flush_s=5.0)
+    result.exits = {m.slot.member: m.returncode if m.returncode is not None else -9
+                    for m in members}  # fmt: skip
+    return result
+
+
+def _report_exit(member: Running) -> None:
+    """Publish ``member.exited`` for a member whose process ended (its code or signal)."""
+    code = member.returncode
+    assert code is not None
+    payload: dict[str, object] = {"member": member.slot.member}
+    if code < 0:
+        payload["signal"] = -code
+    else:
+        payload["exit_code"] = code
+    member.reporter.publish("member.exited", payload)
+    log.info("%s exited (%s)", member.slot.member,
+             f"signal {-code}" if code < 0 else f"status {code}")  # fmt: skip
+
+
+def script_path(path: str) -> Path:
+    """The training script, checked to exist (a clear error rather than N failed children)."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"no training script at {path}")
+    return p

@@ -1,0 +1,143 @@
+"""The example trained by real processes under the launcher, with NATS, PostgreSQL and the
+control plane: replicated backups where the control plane placed them, heartbeats through a
+slow step, silence from a stopped rank."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from controlplane.settings import Settings
+from controlplane.store.postgres import PostgresEventStore
+from schemas.common import JobState
+from tests.integration.helpers import running_controlplane, wait_until
+
+pytestmark = pytest.mark.usefixtures("clean_stream")
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = str(ROOT / "examples" / "train.py")
+
+
+def launch(
+    settings: Settings, job_id: str, *, steps: int, faults: list[str], policy: str
+) -> subprocess.Popen[bytes]:
+    command = [
+        sys.executable, "-m", "controlplane", "run", "--nproc", "4", "--spares", "1",
+        "--nodes", "4", "--racks", "2", "--job-id", job_id, "--policy", policy,
+    ]  # fmt: skip
+    for fault in faults:
+        command += ["--fault", fault]
+    command += [EXAMPLE, "--steps", str(steps)]
+    env = {**os.environ, "ELASTIC_NATS_URL": settings.nats_url, "ELASTIC_LOG_LEVEL": "WARNING"}
+    return subprocess.Popen(command, env=env, cwd=ROOT)
+
+
+def of(store: PostgresEventStore, job_id: str, type_: str, member: str | None = None) -> list:  # type: ignore[type-arg]
+    events = store.read(job_id=job_id, types=[type_])
+    return [s for s in events if member is None or s.event.member == member]
+
+
+async def test_four_ranks_and_a_spare_train_with_backups_where_they_were_placed(settings, pg_store):
+    job_id = f"job-ex-{uuid.uuid4().hex[:6]}"
+    async with running_controlplane(settings) as cp:
+        proc = launch(
+            settings, job_id, steps=40, faults=["slow@12:rank=1:2"],
+            policy="backup_interval=10,redundancy=2,heartbeat_interval_s=0.2",
+        )  # fmt: skip
+        try:
+            await wait_until(lambda: proc.poll() is not None, 180, "the job to finish")
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        assert proc.returncode == 0
+        view = cp.views[job_id]
+        assert view.state is JobState.COMPLETED
+
+    [started] = [s.event.payload for s in of(pg_store, job_id, "generation.started")]
+    assert len(started.world) == 4 and "s0" not in started.world
+    assert pg_store.count_dead_letters() == 0, pg_store.dead_letters()[:3]
+    racks = {m.member_id: m.rack for m in view.members.values()}
+    got = sorted(
+        (s.event.payload.step, s.event.payload.shard, s.event.member)
+        for s in of(pg_store, job_id, "backup.replicated")
+    )
+    assert len(got) == 32, got  # 4 steps x 4 shards x 2 holders, the last one included
+    # Every backup step: every shard snapshotted and verified on exactly its placed holders.
+    for step in (10, 20, 30, 40):
+        snapshots = {
+            s.event.payload.shard: s.event.payload
+            for s in of(pg_store, job_id, "backup.snapshot")
+            if s.event.payload.step == step
+        }
+        assert sorted(snapshots) == [0, 1, 2, 3]
+        for shard, holders in enumerate(started.placement):
+            replicas = [
+                s for s in of(pg_store, job_id, "backup.replicated")
+                if s.event.payload.step == step and s.event.payload.shard == shard
+            ]  # fmt: skip
+            assert sorted(s.event.member for s in replicas) == sorted(holders)
+            assert all(r.event.payload.checksum == snapshots[shard].checksum for r in replicas)
+            owner = started.world[shard]
+            assert {racks[owner], *(racks[h] for h in holders)} == {"rack0", "rack1"}
+    # The control plane's catalog agrees: its newest steps are complete.
+    assert view.last_complete_backup == 40
+    assert all(view.backups[s].is_complete(2) for s in (30, 40))
+
+    # Training worked, on the same samples everywhere.
+    losses = [s.event.payload.loss for s in of(pg_store, job_id, "train.step", "w0")]
+    assert len(losses) == 40 and losses[-1] < losses[0] * 0.5
+
+    # Heartbeats went on through rank 1's slow step (2 s after step 12).
+    slow = started.world[1]
+    [after12] = [s for s in of(pg_store, job_id, "train.step", slow) if s.event.payload.step == 12]
+    [after13] = [s for s in of(pg_store, job_id, "train.step", slow) if s.event.payload.step == 13]
+    beats = [
+        s for s in of(pg_store, job_id, "member.heartbeat", slow)
+        if after12.event.emitted_at < s.event.emitted_at < after13.event.emitted_at
+    ]  # fmt: skip
+    assert (after13.event.emitted_at - after12.event.emitted_at).total_seconds() >= 2.0
+    assert len(beats) >= 6, len(beats)
+
+
+async def test_a_stopped_rank_falls_silent_and_is_detected(settings, pg_store):
+    job_id = f"job-hang-{uuid.uuid4().hex[:6]}"
+    policy = (
+        "backup_interval=10,redundancy=2,heartbeat_interval_s=0.2,"
+        'heartbeat_timeout_s={"init":30,"train":2,"waiting":10,"backup":10,"restore":10}'
+    )
+    async with running_controlplane(settings):
+        proc = launch(settings, job_id, steps=100000, faults=["hang@5:rank=2"], policy=policy)
+        try:
+            await wait_until(
+                lambda: of(pg_store, job_id, "fault.detected"), 120, "the hang to be detected"
+            )
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    started = of(pg_store, job_id, "generation.started")[0].event.payload
+    hung = started.world[2]
+    detected = of(pg_store, job_id, "fault.detected")[0]
+    assert detected.event.payload.members == [hung]
+    assert detected.event.payload.reason == "heartbeat_timeout"
+    # Its last sign of life came at step 5 (events after the SIGSTOP never left it) ...
+    steps = [s.event.payload.step for s in of(pg_store, job_id, "train.step", hung)]
+    assert max(steps) <= 5
+    last = max(s.event.emitted_at for s in of(pg_store, job_id, "member.heartbeat", hung))
+    assert (detected.recorded_at - last).total_seconds() > 2.0
+    # ... while the others' heartbeats went on in that silence.
+    for other in (m for m in started.world if m != hung):
+        beats = [
+            s for s in of(pg_store, job_id, "member.heartbeat", other)
+            if last < s.event.emitted_at < detected.recorded_at
+        ]  # fmt: skip
+        assert len(beats) >= 5, (other, len(beats))
