@@ -84,6 +84,7 @@ class EventClient:
         self._ack_timeout_s = ack_timeout_s
         self._lock = threading.Lock()
         self._seq = 0
+        self._in_flight = 0
         self._buffer: collections.deque[tuple[str, str, bytes]] = collections.deque(
             maxlen=buffer_limit
         )
@@ -177,9 +178,9 @@ class EventClient:
         return event_id
 
     def pending(self) -> int:
-        """Events buffered and not yet acknowledged by the server."""
+        """Events not yet acknowledged by the server (buffered or in flight)."""
         with self._lock:
-            return len(self._buffer)
+            return len(self._buffer) + self._in_flight
 
     def _poke(self) -> None:
         loop, wake = self._loop, self._wake
@@ -321,26 +322,14 @@ class EventClient:
         while self._connected.is_set():
             with self._lock:
                 batch = [self._buffer.popleft() for _ in range(min(_WINDOW, len(self._buffer)))]
+                self._in_flight = len(batch)
             if not batch:
                 return
-            futures = []
-            failed: list[tuple[str, str, bytes]] = []
-            for item in batch:
-                subject, event_id, data = item
-                try:
-                    ack = await js.publish_async(subject, data, headers={MSG_ID_HEADER: event_id})
-                    futures.append((item, ack))
-                except Exception as exc:
-                    log.debug("publish failed: %s", exc)
-                    failed.append(item)
-            if futures:
-                await asyncio.wait([f for _, f in futures], timeout=self._ack_timeout_s)
-            for item, future in futures:
-                if future.done() and not future.cancelled() and future.exception() is None:
-                    self.stats.acked += 1
-                else:
-                    future.cancel()
-                    failed.append(item)
+            try:
+                failed = await self._send_batch(js, batch)
+            finally:
+                with self._lock:
+                    self._in_flight = 0
             if failed:
                 with self._lock:
                     # First in line again; a retried event may land after later ones of this
@@ -351,3 +340,27 @@ class EventClient:
                     self._buffer.extendleft(reversed(failed))
                 await asyncio.sleep(0.1)
                 return
+
+    async def _send_batch(
+        self, js: Any, batch: list[tuple[str, str, bytes]]
+    ) -> list[tuple[str, str, bytes]]:
+        """Publish one window and wait for its acknowledgements; return what failed."""
+        futures = []
+        failed: list[tuple[str, str, bytes]] = []
+        for item in batch:
+            subject, event_id, data = item
+            try:
+                ack = await js.publish_async(subject, data, headers={MSG_ID_HEADER: event_id})
+                futures.append((item, ack))
+            except Exception as exc:
+                log.debug("publish failed: %s", exc)
+                failed.append(item)
+        if futures:
+            await asyncio.wait([f for _, f in futures], timeout=self._ack_timeout_s)
+        for item, future in futures:
+            if future.done() and not future.cancelled() and future.exception() is None:
+                self.stats.acked += 1
+            else:
+                future.cancel()
+                failed.append(item)
+        return failed
