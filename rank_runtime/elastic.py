@@ -12,14 +12,14 @@ A few lines in an ordinary DDP loop::
 
 ``start`` returns None for a spare the job never needed (the job ended first). ``step_done``
 publishes ``train.step``, keeps the heartbeat's step current, takes the hot backup every
-``backup_interval`` steps (a copy into memory, ``backup.snapshot``) and hands it to a
-background thread that sends it to the holders the control plane placed it on (each holder
+``backup_interval`` steps (a copy into preallocated, double-buffered memory: the only part on
+the training path) and hands it to a background thread that checksums it, publishes
+``backup.snapshot`` and sends it to the holders the control plane placed it on (each holder
 verifies and publishes ``backup.replicated``); training does not wait for replication.
 """
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import os
@@ -36,6 +36,7 @@ from rank_runtime import faults
 from rank_runtime.client import EventClient
 from rank_runtime.identity import Identity
 from rank_runtime.replication import Held, PeerStore, ReplicationError, checksum, send
+from rank_runtime.snapshot import HotSnapshot, SnapshotNotFound
 from schemas.commands import Reallocate, Start, Stop
 from schemas.common import Phase, Role
 from schemas.events import JobPolicy
@@ -87,9 +88,9 @@ class Elastic:
         self._faults = faults.from_env()
         self._faults_state = os.environ.get(faults.FAULTS_STATE_ENV)
         self._collective_timeout = timedelta(seconds=collective_timeout_s)
-        self._replicas: queue.Queue[tuple[int, int, bytes, str] | None] = queue.Queue(
-            _REPLICATION_QUEUE
-        )
+        #: This rank's own copies: two preallocated slots, the newest complete one whole.
+        self.hot = HotSnapshot()
+        self._replicas: queue.Queue[tuple[int, float] | None] = queue.Queue(_REPLICATION_QUEUE)
         self._replicator: threading.Thread | None = None
 
     # ------------------------------------------------------------------ start
@@ -189,31 +190,23 @@ class Elastic:
         faults.inject(self._faults, step, world.rank, self._faults_state)
 
     def backup(self, step: int, state: Any) -> None:
-        """Copy ``state`` (this rank's unique shard) into memory now; replicate it later."""
-        import torch
-
-        world = self._world()
+        """Copy ``state`` (this rank's unique shard) into preallocated memory now; checksum,
+        report and replicate it from the background thread."""
+        self._world()
         self.client.phase = Phase.BACKUP
-        started = time.perf_counter()
-        buffer = io.BytesIO()
-        torch.save(state, buffer)
-        data = buffer.getvalue()
-        digest = checksum(data)
-        self.peers.keep(Held(self.identity.member, world.rank, step, world.generation, digest,
-                             data))  # fmt: skip
-        self.client.publish(
-            "backup.snapshot",
-            {"step": step, "shard": world.rank, "nbytes": len(data), "checksum": digest,
-             "seconds": time.perf_counter() - started},
-        )  # fmt: skip
-        self.client.phase = Phase.TRAIN
-        item = (step, world.rank, data, digest)
         try:
-            self._replicas.put_nowait(item)
+            info = self.hot.take(step, state)
+        finally:
+            self.client.phase = Phase.TRAIN
+        if info is None:
+            log.warning("backup of step %d skipped: the previous one is still being sent", step)
+            return
+        try:
+            self._replicas.put_nowait((step, info.seconds))
         except queue.Full:  # the sender lags: the newest backup matters most
             dropped = self._replicas.get_nowait()
             log.warning("replication lags; dropping the copy of step %s", dropped and dropped[0])
-            self._replicas.put_nowait(item)
+            self._replicas.put_nowait((step, info.seconds))
 
     def finish(self, step: int, loss: float | None = None) -> None:
         """Report the end of training and leave (flushing events).
@@ -263,8 +256,19 @@ class Elastic:
             item = self._replicas.get()
             if item is None:
                 return
-            step, shard, data, digest = item
+            step, copy_seconds = item
             world = self._world()
+            shard = world.rank
+            try:
+                data = self.hot.to_bytes(step)
+            except SnapshotNotFound:
+                continue  # overwritten by two newer backups meanwhile
+            digest = checksum(data)
+            self.client.publish(
+                "backup.snapshot",
+                {"step": step, "shard": shard, "nbytes": len(data), "checksum": digest,
+                 "seconds": copy_seconds},
+            )  # fmt: skip
             holders = world.placement[shard] if shard < len(world.placement) else ()
             for holder in holders:
                 endpoint = world.endpoints.get(holder)
