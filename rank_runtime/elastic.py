@@ -26,7 +26,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -38,7 +38,7 @@ from rank_runtime.identity import Identity
 from rank_runtime.replication import Held, PeerStore, ReplicationError, checksum, send
 from rank_runtime.snapshot import HotSnapshot, SnapshotNotFound
 from schemas.commands import Reallocate, Start, Stop
-from schemas.common import Phase, Role
+from schemas.common import FaultKind, Phase, Role
 from schemas.events import JobPolicy
 
 log = logging.getLogger(__name__)
@@ -207,6 +207,16 @@ class Elastic:
             dropped = self._replicas.get_nowait()
             log.warning("replication lags; dropping the copy of step %s", dropped and dropped[0])
             self._replicas.put_nowait((step, info.seconds))
+
+    def report_fault(
+        self, kind: FaultKind, detail: str, *, step: int | None = None, suspects: Sequence[str] = ()
+    ) -> None:
+        """Tell the control plane what went wrong here (e.g. a collective lost ``suspects``)."""
+        self.client.publish(
+            "member.fault",
+            {"kind": kind.value, "detail": detail[:4096], "step": step,
+             "suspects": list(suspects)[:64]},
+        )  # fmt: skip
 
     def finish(self, step: int, loss: float | None = None) -> None:
         """Report the end of training and leave (flushing events).

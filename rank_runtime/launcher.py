@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -134,7 +135,11 @@ def run(
             if m.process.poll() is None:
                 m.process.send_signal(signum)
 
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    # Signals can only be caught in the main thread (a caller in another thread keeps its own).
+    main = threading.current_thread() is threading.main_thread()
+    previous = (
+        {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
+    )
     result = LaunchResult(job_id)
     try:
         for slot in layout(nproc, spares, nodes, racks):

@@ -1,0 +1,75 @@
+"""The launcher on its own: layout, exits reported at once, random faults, bad input."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from rank_runtime.launcher import layout, run
+from schemas.common import Role
+from tests.integration.helpers import wait_until
+
+pytestmark = pytest.mark.usefixtures("clean_stream")
+
+
+def test_layout_deals_members_over_nodes_and_racks():
+    slots = layout(nproc=4, spares=1, nodes=4, racks=2)
+    assert [(s.member, s.node, s.rack, s.role) for s in slots] == [
+        ("w0", "node0", "rack0", Role.WORKER),
+        ("w1", "node1", "rack0", Role.WORKER),
+        ("w2", "node2", "rack1", Role.WORKER),
+        ("w3", "node3", "rack1", Role.WORKER),
+        ("s0", "node0", "rack0", Role.SPARE),
+    ]
+    with pytest.raises(ValueError, match="racks <= nodes"):
+        layout(2, 0, nodes=1, racks=2)
+
+
+async def test_exits_are_reported_and_random_faults_kill_a_worker(settings, pg_store, tmp_path):
+    from tests.integration.helpers import running_controlplane
+
+    script = tmp_path / "member.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys, time
+        time.sleep(2.0)
+        sys.exit(3 if os.environ["ELASTIC_MEMBER"] == "w1" else 0)
+    """))  # fmt: skip
+    async with running_controlplane(settings):
+        import asyncio
+
+        result = await asyncio.to_thread(
+            run, [str(script)], nproc=3, job_id="job-launch", nats_url=settings.nats_url,
+            fault_specs=["random:every=0.5:seed=3"],
+        )  # fmt: skip
+        await wait_until(
+            lambda: len(pg_store.read(job_id="job-launch", types=["member.exited"])) == 3,
+            10,
+            "three exits reported",
+        )
+    assert len(result.killed) >= 1
+    exited = {
+        s.event.payload.member: s.event.payload
+        for s in pg_store.read(job_id="job-launch", types=["member.exited"])
+    }
+    for member in result.killed:
+        assert exited[member].signal == 9
+    if "w1" not in result.killed:
+        assert exited["w1"].exit_code == 3 and not result.ok
+
+
+def test_the_cli_refuses_a_bad_fault_and_a_missing_script(tmp_path):
+    script = tmp_path / "t.py"
+    script.write_text("pass\n")
+    bad = subprocess.run(
+        [sys.executable, "-m", "controlplane", "run", "--fault", "explode@1:rank=0", str(script)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "expected crash@STEP" in bad.stderr
+    missing = subprocess.run(
+        [sys.executable, "-m", "controlplane", "run", str(tmp_path / "nope.py")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert missing.returncode == 2 and "no training script" in missing.stderr
