@@ -34,6 +34,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=4096)
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="", help="rank 0 saves the final parameters here")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -42,18 +43,30 @@ def main() -> None:
     if world is None:  # a spare the job never needed
         return
     torch.manual_seed(args.seed)
-    model = DistributedDataParallel(
-        nn.Sequential(nn.Linear(args.features, args.hidden), nn.Tanh(), nn.Linear(args.hidden, 1))
-    )
-    optimizer = ZeroRedundancyOptimizer(
-        model.parameters(), optimizer_class=torch.optim.Adam, lr=args.lr
-    )
+    net = nn.Sequential(nn.Linear(args.features, args.hidden), nn.Tanh(), nn.Linear(args.hidden, 1))
     x, y = synthetic_regression(args.samples, args.features, seed=args.seed)
     sampler = StepSampler(len(x), args.global_batch, seed=args.seed)
 
+    def build() -> tuple[DistributedDataParallel, ZeroRedundancyOptimizer]:
+        """DDP and the ZeRO optimizer on the process group of the current generation."""
+        model = DistributedDataParallel(net)
+        optimizer = ZeroRedundancyOptimizer(
+            net.parameters(), optimizer_class=torch.optim.Adam, lr=args.lr
+        )
+        return model, optimizer
+
+    def load(state: dict[str, object] | None) -> None:
+        if state is not None:
+            net.load_state_dict(state["model"])  # type: ignore[arg-type]
+            optimizer.optim.load_state_dict(state["optimizer_shard"])  # type: ignore[arg-type]
+            torch.set_rng_state(state["rng"])  # type: ignore[arg-type]
+
+    model, optimizer = build()
+    load(elastic.restored)
+
     def state() -> dict[str, object]:
         return {
-            "model": model.module.state_dict(),
+            "model": net.state_dict(),
             "optimizer_shard": optimizer.optim.state_dict(),
             "rng": torch.get_rng_state(),
             "sampler": sampler.state_dict(),
@@ -61,20 +74,31 @@ def main() -> None:
 
     loss_value = float("nan")
     step = elastic.resume_step
-    for step in range(elastic.resume_step + 1, args.steps + 1):
+    while step < args.steps:
+        step += 1
+        world = elastic.world
+        assert world is not None
         started = time.perf_counter()
-        index = torch.tensor(sampler.shard(step, world.rank, world.size), dtype=torch.long)
-        sampler.step = step
-        prediction = model(x[index])
-        per_sample = ((prediction - y[index]) ** 2).sum()
-        # Sum over this rank's samples, scaled so DDP's average is the global batch's mean.
-        loss = per_sample * (world.size / args.global_batch)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        total = per_sample.detach().clone()
-        dist.all_reduce(total)
+        try:
+            index = torch.tensor(sampler.shard(step, world.rank, world.size), dtype=torch.long)
+            prediction = model(x[index])
+            per_sample = ((prediction - y[index]) ** 2).sum()
+            # Sum over this rank's samples, scaled so DDP's average is the global batch's mean.
+            loss = per_sample * (world.size / args.global_batch)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            total = per_sample.detach().clone()
+            dist.all_reduce(total)
+        except RuntimeError as exc:  # a peer died mid-collective: the control plane decides
+            del model, optimizer  # they hold the broken group
+            elastic.recover(exc, step)
+            model, optimizer = build()
+            load(elastic.restored)
+            step = elastic.resume_step
+            continue
         loss_value = total.item() / args.global_batch
+        sampler.step = step
         elastic.step_done(
             step,
             loss=loss_value,
@@ -82,6 +106,8 @@ def main() -> None:
             seconds=time.perf_counter() - started,
             state=state,
         )
+    if args.out and world.rank == 0:
+        torch.save(net.state_dict(), args.out)
     elastic.finish(step, loss_value)
 
 

@@ -35,10 +35,10 @@ from controlplane.rendezvous import parse_endpoint
 from rank_runtime import faults
 from rank_runtime.client import EventClient
 from rank_runtime.identity import Identity
-from rank_runtime.replication import Held, PeerStore, ReplicationError, checksum, send
-from rank_runtime.snapshot import HotSnapshot, SnapshotNotFound
+from rank_runtime.replication import Held, PeerStore, ReplicationError, checksum, fetch, send
+from rank_runtime.snapshot import HotSnapshot, SnapshotNotFound, from_bytes
 from schemas.commands import Reallocate, Start, Stop
-from schemas.common import FaultKind, Phase, Role
+from schemas.common import FaultKind, Phase, ReallocationMode, RestoreFrom, Role
 from schemas.events import JobPolicy
 
 log = logging.getLogger(__name__)
@@ -85,6 +85,8 @@ class Elastic:
         self.world: World | None = None
         #: The step training goes on from (0 for a fresh start).
         self.resume_step = 0
+        #: The state to load before going on from ``resume_step`` (None: the initial state).
+        self.restored: Any = None
         self._faults = faults.from_env()
         self._faults_state = os.environ.get(faults.FAULTS_STATE_ENV)
         self._collective_timeout = timedelta(seconds=collective_timeout_s)
@@ -114,26 +116,124 @@ class Elastic:
         command = self._wait_for_world(timeout_s)
         if command is None:
             return None
-        self._form(command)
-        self._replicator = threading.Thread(
-            target=self._replicate, name="elastic-replicate", daemon=True
-        )
-        self._replicator.start()
+        if isinstance(command, Reallocate):
+            self._rejoin(command)  # a spare taking a rank: its state comes from peers
+        else:
+            self._form(command)
+        if self._replicator is None:
+            self._replicator = threading.Thread(
+                target=self._replicate, name="elastic-replicate", daemon=True
+            )
+            self._replicator.start()
         return self.world
 
     def _wait_for_world(self, timeout_s: float) -> Start | Reallocate | None:
         deadline = time.monotonic() + timeout_s
         member = self.identity.member
+        current = self.world.generation if self.world is not None else 0
         while time.monotonic() < deadline:
             command = self.client.next_command(timeout=1.0)
             if command is None:
                 continue
             if isinstance(command, Stop):
-                log.info("the job ended before this member was needed: %s", command.reason)
+                log.info("the job ended: %s", command.reason)
                 return None
-            if member in command.world:
+            if command.generation > current and member in command.world:
                 return command
+            if command.generation > current and self.world is not None:
+                # A newer world without this member of the old one: it was dropped (found
+                # hung, say). A spare just keeps waiting.
+                raise JobStoppedError(f"generation {command.generation} goes on without {member}")
         raise TimeoutError(f"no generation named {member} within {timeout_s:g}s")
+
+    # ------------------------------------------------------------------ recovery
+
+    def recover(self, error: BaseException, step: int, timeout_s: float = 300.0) -> None:
+        """After a collective failed: report it, wait for the control plane's decision, join
+        the new generation and fetch the state to restore (``restored``, ``resume_step``).
+
+        Raises ``JobStoppedError`` when the job stops or goes on without this member.
+        """
+        log.warning("step %d failed (%s); waiting for the control plane", step, error)
+        self.report_fault(FaultKind.COLLECTIVE_ERROR, f"{type(error).__name__}: {error}", step=step)
+        self.client.phase = Phase.WAITING
+        # Leave the broken group now: closing its connections fails the collectives that
+        # peers still wait in, so every survivor gets here in milliseconds, not at the
+        # collective timeout. (The caller drops its DDP and optimizer first: they hold it.)
+        self._leave_group()
+        self._drain_replication()
+        command = self._wait_for_world(timeout_s)
+        if command is None:
+            raise JobStoppedError("the job stopped while this member waited to recover")
+        if not isinstance(command, Reallocate):
+            raise JobStoppedError(f"expected a reallocation, got {command.kind}")
+        self._rejoin(command)
+
+    def _rejoin(self, command: Reallocate) -> None:
+        """Ack ``command``, leave the broken group, form the new one, restore its step."""
+        self.client.publish("command.acked", {"command_id": str(command.command_id)})
+        self._leave_group()
+        self.client.phase = Phase.RESTORE
+        self._form(command)
+        self.client.phase = Phase.RESTORE
+        started = time.perf_counter()
+        restored, nbytes, sources = self._restore(command)
+        world = self._world()
+        self.client.generation = command.generation
+        self.restored = restored
+        self.resume_step = command.restore_step
+        self.client.step = command.restore_step
+        self.client.publish(
+            "restore.completed",
+            {"generation": command.generation, "step": command.restore_step, "bytes": nbytes,
+             "seconds": time.perf_counter() - started, "sources": sources},
+        )  # fmt: skip
+        self.client.publish(
+            "train.resumed", {"generation": command.generation, "step": command.restore_step}
+        )
+        self.client.phase = Phase.TRAIN
+        if self._replicator is None:
+            self._replicator = threading.Thread(
+                target=self._replicate, name="elastic-replicate", daemon=True
+            )
+            self._replicator.start()
+        log.info("generation %d: rank %d of %d from step %d", world.generation, world.rank,
+                 world.size, command.restore_step)  # fmt: skip
+
+    @staticmethod
+    def _leave_group() -> None:
+        import gc
+
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception as exc:  # the old group is broken; it only has to go
+                log.debug("tearing down the old group: %s", exc)
+        gc.collect()  # DDP reducers in reference cycles keep the group's sockets open
+
+    def _restore(self, command: Reallocate) -> tuple[Any, int, dict[str, str]]:
+        """This rank's state at the restore step: own memory, else fetched from the plan's
+        holder. Returns (state or None for the initial state, bytes, shard -> source)."""
+        if command.restore_from is RestoreFrom.INITIAL:
+            return None, 0, {}
+        if command.restore_from is not RestoreFrom.MEMORY:
+            raise JobStoppedError(f"restoring from {command.restore_from.value} is not supported")
+        if command.mode is not ReallocationMode.REPLACE:
+            raise JobStoppedError(f"{command.mode.value}: only replace restores are supported")
+        world = self._world()
+        shard = world.rank
+        source = command.plan[shard] if shard < len(command.plan) else self.identity.member
+        if source == self.identity.member:
+            try:
+                restored = self.hot.get(command.restore_step)
+                return restored.state, self.hot.nbytes(command.restore_step), {str(shard): source}
+            except SnapshotNotFound:
+                log.warning("step %d is not in memory here; fetching it", command.restore_step)
+        endpoint = command.endpoints.get(source, "")
+        data = fetch(endpoint, owner=None, shard=shard, step=command.restore_step)
+        return from_bytes(data).state, len(data), {str(shard): source}
 
     def _form(self, command: Start | Reallocate) -> None:
         """Join the generation's process group through the control plane's rendezvous."""
@@ -163,8 +263,6 @@ class Elastic:
             rendezvous=command.rendezvous,
         )
         self.client.phase = Phase.TRAIN
-        if isinstance(command, Reallocate):
-            self.resume_step = command.restore_step
 
     # ------------------------------------------------------------------ the loop
 

@@ -100,10 +100,15 @@ class PeerStore:
         with self._lock:
             self._held.clear()
 
-    def held(self, owner: str, shard: int, step: int) -> Held | None:
-        """The verified copy of ``owner``'s ``shard`` at ``step``, if held."""
+    def held(self, owner: str | None, shard: int, step: int) -> Held | None:
+        """The verified copy of ``owner``'s ``shard`` at ``step`` (any owner's: None)."""
         with self._lock:
-            return self._held.get((owner, shard), {}).get(step)
+            if owner is not None:
+                return self._held.get((owner, shard), {}).get(step)
+            for (_, held_shard), steps in self._held.items():
+                if held_shard == shard and step in steps:
+                    return steps[step]
+            return None
 
     def nbytes(self) -> int:
         """Bytes held for others."""
@@ -157,7 +162,9 @@ class PeerStore:
             self.on_held(copy, time.perf_counter() - started)
 
     def _get(self, header: dict[str, Any], wfile: Any) -> None:
-        copy = self.held(str(header["owner"]), int(header["shard"]), int(header["step"]))
+        owner = header.get("owner")
+        copy = self.held(None if owner is None else str(owner), int(header["shard"]),
+                         int(header["step"]))  # fmt: skip
         if copy is None:
             _answer(wfile, {"ok": False, "error": "not held"})
             return
@@ -204,8 +211,10 @@ def send(
         raise ReplicationError(f"{endpoint} refused shard {shard}: {answer.get('error')}")
 
 
-def fetch(endpoint: str, *, owner: str, shard: int, step: int, timeout: float = 30.0) -> bytes:
-    """Take back a verified copy from the peer at ``endpoint``."""
+def fetch(
+    endpoint: str, *, owner: str | None, shard: int, step: int, timeout: float = 30.0
+) -> bytes:
+    """Take back a verified copy from the peer at ``endpoint`` (``owner`` None: whoever's)."""
     header = {"op": "get", "owner": owner, "shard": shard, "step": step}
     try:
         with _connect(endpoint, timeout) as sock, sock.makefile("rwb") as stream:
