@@ -38,6 +38,7 @@ from rank_runtime.identity import (
     ROLE_ENV,
     Identity,
 )
+from schemas.commands import Reallocate, Stop
 from schemas.common import Role
 from schemas.events import JobPolicy
 
@@ -85,7 +86,7 @@ class LaunchResult:
 
     job_id: str
     exits: dict[str, int] = field(default_factory=dict)
-    #: Members the launcher killed on purpose (``random`` faults).
+    #: Members the launcher killed on purpose (``random`` faults, fencing).
     killed: list[str] = field(default_factory=list)
 
     @property
@@ -158,6 +159,13 @@ def run(
             members.append(Running(slot, process, reporter))
             log.info("started %s (%s on %s/%s) as pid %d", slot.member, slot.role.value,
                      slot.rack, slot.node, process.pid)  # fmt: skip
+        # Follows the job's commands to fence: a member a newer generation leaves out (found
+        # hung, say) is killed, which also fails the collectives its peers are blocked in.
+        watcher = EventClient(
+            Identity(job_id, "launcher", "launcher", f"launcher-{uuid.uuid4().hex[:8]}",
+                     Role.WORKER, nats_url),
+        ).start()  # fmt: skip
+        in_world: set[str] = set()
         rng = random.Random(randoms[0].seed if randoms else 0)
         next_kill = time.monotonic() + randoms[0].every if randoms else None
         while any(m.returncode is None for m in members):
@@ -172,11 +180,13 @@ def run(
                     victim = rng.choice(victims)
                     log.info("injected fault: killing %s", victim.slot.member)
                     victim.killed_by_launcher = True
-                    result.killed.append(victim.slot.member)
                     victim.process.kill()
                 next_kill += randoms[0].every
+            _fence(watcher, members, in_world)
             time.sleep(0.02)
     finally:
+        if "watcher" in locals():
+            watcher.close(flush_s=0.0)
         for s, handler in previous.items():
             signal.signal(s, handler)
         for m in members:
@@ -186,7 +196,25 @@ def run(
             m.reporter.close(flush_s=5.0)
     result.exits = {m.slot.member: m.returncode if m.returncode is not None else -9
                     for m in members}  # fmt: skip
+    result.killed = [m.slot.member for m in members if m.killed_by_launcher]
     return result
+
+
+def _fence(watcher: EventClient, members: list[Running], in_world: set[str]) -> None:
+    """Kill members a newer generation left out; remember who is in the world."""
+    while (command := watcher.next_command()) is not None:
+        if isinstance(command, Stop):
+            continue
+        world = set(command.world)
+        if isinstance(command, Reallocate):
+            for m in members:
+                name = m.slot.member
+                if name in in_world and name not in world and m.process.poll() is None:
+                    log.info("fencing %s: generation %d goes on without it", name,
+                             command.generation)  # fmt: skip
+                    m.killed_by_launcher = True
+                    m.process.kill()
+        in_world |= world
 
 
 def _report_exit(member: Running) -> None:

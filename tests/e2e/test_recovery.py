@@ -22,7 +22,10 @@ pytestmark = pytest.mark.usefixtures("clean_stream")
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = str(ROOT / "examples" / "train.py")
-POLICY = "backup_interval=10,redundancy=2,heartbeat_interval_s=0.2"
+POLICY = (
+    "backup_interval=10,redundancy=2,heartbeat_interval_s=0.2,"
+    'heartbeat_timeout_s={"init":30,"train":2,"waiting":10,"backup":10,"restore":10}'
+)
 
 
 def launch(
@@ -50,15 +53,34 @@ async def run_job(settings: Settings, cp_views, job_id: str, out: Path, faults: 
     return proc.returncode
 
 
-async def test_a_killed_rank_is_replaced_and_the_run_matches_a_fault_free_one(
-    settings, pg_store, tmp_path
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):  # type: ignore[no-untyped-def]
+    """Where the fault-free run's final parameters are written (by the first test)."""
+    return tmp_path_factory.mktemp("reference") / "clean.pt"
+
+
+@pytest.mark.parametrize(
+    ("fault", "reason", "status"),
+    [
+        # The rank's own SIGKILL: the launcher reports a member that failed (status 1).
+        ("crash@25:rank=1", "exited", 1),
+        ("crash@25:rank=0", "exited", 1),  # rank 0 is an ordinary rank: it hosts nothing
+        # SIGSTOP: found by heartbeats; the launcher fences it (kills it on purpose, so 0),
+        # which also releases the peers blocked in a collective with it.
+        ("hang@25:rank=2", "heartbeat_timeout", 0),
+    ],
+    ids=["kill-9", "kill-9-rank-0", "sigstop"],
+)
+async def test_a_lost_rank_is_replaced_and_the_run_matches_a_fault_free_one(  # noqa: PLR0917
+    settings, pg_store, tmp_path, reference, fault, reason, status
 ):
-    clean_out, faulty_out = tmp_path / "clean.pt", tmp_path / "faulty.pt"
+    faulty_out = tmp_path / "faulty.pt"
     faulty = f"job-rec-{uuid.uuid4().hex[:6]}"
     async with running_controlplane(settings) as cp:
-        assert await run_job(settings, cp.views, f"job-ref-{uuid.uuid4().hex[:6]}", clean_out,
-                             []) == 0  # fmt: skip
-        code = await run_job(settings, cp.views, faulty, faulty_out, ["crash@25:rank=1"])
+        if not reference.exists():
+            ref_job = f"job-ref-{uuid.uuid4().hex[:6]}"
+            assert await run_job(settings, cp.views, ref_job, reference, []) == 0
+        code = await run_job(settings, cp.views, faulty, faulty_out, [fault])
         view = cp.views[faulty]
     assert view.state is JobState.COMPLETED, [(h.to_state, h.reason) for h in view.history]
     [incident] = view.incidents.values()
@@ -67,11 +89,12 @@ async def test_a_killed_rank_is_replaced_and_the_run_matches_a_fault_free_one(
     assert all(v is not None for v in line.phases.values()), line.phases
     assert line.steps_lost is not None and line.steps_lost <= 10
     assert line.downtime_s is not None and line.downtime_s < 30, line.phases
-    print(f"recovery: downtime {line.downtime_s:.2f}s, phases {line.phases}")
+    print(f"{fault}: downtime {line.downtime_s:.2f}s, phases {line.phases}")
+    detected = [s.event.payload for s in pg_store.read(job_id=faulty, types=["fault.detected"])]
+    assert [d.reason for d in detected] == [reason]
     [decision] = incident.decisions
     assert decision.mode == "replace" and "s0" in decision.world and decision.restore_step == 20
-    # The killed rank's own exit (SIGKILL) makes the launcher's status 1; the job completed.
-    assert code == 1
-    clean, recovered = torch.load(clean_out), torch.load(faulty_out)
+    assert code == status
+    clean, recovered = torch.load(reference), torch.load(faulty_out)
     for name, tensor in clean.items():
         assert torch.allclose(recovered[name], tensor, rtol=1e-5, atol=0), name
