@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from rank_runtime.data import StepSampler, synthetic_regression
 from rank_runtime.elastic import Elastic
+from rank_runtime.zero import consolidate, shard_state
 
 
 def main() -> None:
@@ -55,20 +57,23 @@ def main() -> None:
         )
         return model, optimizer
 
-    def load(state: dict[str, object] | None) -> None:
-        if state is not None:
-            net.load_state_dict(state["model"])  # type: ignore[arg-type]
-            optimizer.optim.load_state_dict(state["optimizer_shard"])  # type: ignore[arg-type]
-            torch.set_rng_state(state["rng"])  # type: ignore[arg-type]
+    def load(shards: dict[int, dict[str, Any]]) -> None:
+        """Restore from the shards the control plane's plan named: this rank's own after a
+        replacement, all of them after a shrink (the optimizer state is re-partitioned)."""
+        if not shards:
+            return  # the initial state
+        any_shard = next(iter(shards.values()))
+        net.load_state_dict(any_shard["model"])  # the model is replicated: any copy will do
+        optimizer.load_state_dict(consolidate([s["zero"] for s in shards.values()], optimizer))
 
     model, optimizer = build()
-    load(elastic.restored)
+    load(elastic.restored_shards)
 
     def state() -> dict[str, object]:
+        """This rank's state for its hot backup; its ZeRO shard is what only it has."""
         return {
             "model": net.state_dict(),
-            "optimizer_shard": optimizer.optim.state_dict(),
-            "rng": torch.get_rng_state(),
+            "zero": shard_state(optimizer),
             "sampler": sampler.state_dict(),
         }
 
@@ -94,7 +99,7 @@ def main() -> None:
             del model, optimizer  # they hold the broken group
             elastic.recover(exc, step)
             model, optimizer = build()
-            load(elastic.restored)
+            load(elastic.restored_shards)
             step = elastic.resume_step
             continue
         loss_value = total.item() / args.global_batch
@@ -107,7 +112,7 @@ def main() -> None:
             state=state,
         )
     if args.out and world.rank == 0:
-        torch.save(net.state_dict(), args.out)
+        torch.save({"params": net.state_dict(), "loss": loss_value}, args.out)
     elastic.finish(step, loss_value)
 
 

@@ -85,8 +85,14 @@ class Elastic:
         self.world: World | None = None
         #: The step training goes on from (0 for a fresh start).
         self.resume_step = 0
-        #: The state to load before going on from ``resume_step`` (None: the initial state).
+        #: The state to load before going on from ``resume_step`` (None: the initial state):
+        #: this rank's shard after a replacement.
         self.restored: Any = None
+        #: Every shard restored, by its rank in the backup's generation: this rank's after a
+        #: replacement, all of them after a shrink or a growth (for re-partitioning).
+        self.restored_shards: dict[int, Any] = {}
+        #: This member's rank when its newest backups were taken (its shard number there).
+        self._backup_shard: int | None = None
         self._faults = faults.from_env()
         self._faults_state = os.environ.get(faults.FAULTS_STATE_ENV)
         self._collective_timeout = timedelta(seconds=collective_timeout_s)
@@ -102,6 +108,7 @@ class Elastic:
         identity = self.identity
         self.client.start()
         self.peers.on_held = self._on_held
+        self.peers.own = self._own_copy
         endpoint = self.peers.start()
         joined: dict[str, Any] = {
             "node": identity.node, "rack": identity.rack, "host": identity.host or "localhost",
@@ -177,10 +184,11 @@ class Elastic:
         self._form(command)
         self.client.phase = Phase.RESTORE
         started = time.perf_counter()
-        restored, nbytes, sources = self._restore(command)
+        shards, nbytes, sources = self._restore(command)
         world = self._world()
         self.client.generation = command.generation
-        self.restored = restored
+        self.restored_shards = shards
+        self.restored = shards.get(world.rank) if command.mode is ReallocationMode.REPLACE else None
         self.resume_step = command.restore_step
         self.client.step = command.restore_step
         self.client.publish(
@@ -213,27 +221,42 @@ class Elastic:
                 log.debug("tearing down the old group: %s", exc)
         gc.collect()  # DDP reducers in reference cycles keep the group's sockets open
 
-    def _restore(self, command: Reallocate) -> tuple[Any, int, dict[str, str]]:
-        """This rank's state at the restore step: own memory, else fetched from the plan's
-        holder. Returns (state or None for the initial state, bytes, shard -> source)."""
+    def _restore(self, command: Reallocate) -> tuple[dict[int, Any], int, dict[str, str]]:
+        """The shards to restore: this rank's after a replacement, every shard after a shrink
+        or a growth. Each from this member's memory when it took it, else from the plan's
+        source. Returns (shard -> state, bytes, shard -> source)."""
         if command.restore_from is RestoreFrom.INITIAL:
-            return None, 0, {}
+            return {}, 0, {}
         if command.restore_from is not RestoreFrom.MEMORY:
             raise JobStoppedError(f"restoring from {command.restore_from.value} is not supported")
-        if command.mode is not ReallocationMode.REPLACE:
-            raise JobStoppedError(f"{command.mode.value}: only replace restores are supported")
         world = self._world()
-        shard = world.rank
-        source = command.plan[shard] if shard < len(command.plan) else self.identity.member
-        if source == self.identity.member:
-            try:
-                restored = self.hot.get(command.restore_step)
-                return restored.state, self.hot.nbytes(command.restore_step), {str(shard): source}
-            except SnapshotNotFound:
-                log.warning("step %d is not in memory here; fetching it", command.restore_step)
-        endpoint = command.endpoints.get(source, "")
-        data = fetch(endpoint, owner=None, shard=shard, step=command.restore_step)
-        return from_bytes(data).state, len(data), {str(shard): source}
+        wanted = (
+            [world.rank] if command.mode is ReallocationMode.REPLACE else range(len(command.plan))
+        )
+        shards: dict[int, Any] = {}
+        sources: dict[str, str] = {}
+        nbytes = 0
+        for shard in wanted:
+            source = command.plan[shard] if shard < len(command.plan) else self.identity.member
+            data = self._own_copy(shard, command.restore_step)
+            if data is None:
+                endpoint = command.endpoints.get(source, "")
+                data = fetch(endpoint, owner=None, shard=shard, step=command.restore_step)
+            else:
+                source = self.identity.member
+            shards[shard] = from_bytes(data).state
+            sources[str(shard)] = source
+            nbytes += len(data)
+        return shards, nbytes, sources
+
+    def _own_copy(self, shard: int, step: int) -> bytes | None:
+        """This member's own backup of ``shard`` at ``step``, if it took it."""
+        if shard != self._backup_shard:
+            return None
+        try:
+            return self.hot.to_bytes(step)
+        except SnapshotNotFound:
+            return None
 
     def _form(self, command: Start | Reallocate) -> None:
         """Join the generation's process group through the control plane's rendezvous."""
@@ -296,6 +319,7 @@ class Elastic:
             info = self.hot.take(step, state)
         finally:
             self.client.phase = Phase.TRAIN
+        self._backup_shard = self._world().rank
         if info is None:
             log.warning("backup of step %d skipped: the previous one is still being sent", step)
             return

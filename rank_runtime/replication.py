@@ -64,6 +64,8 @@ class PeerStore:
         self._server: socketserver.ThreadingTCPServer | None = None
         self._thread: threading.Thread | None = None
         self.on_held: OnHeld | None = None
+        #: The member's own shard, served like a held copy: (shard, step) -> bytes or None.
+        self.own: Callable[[int, int], bytes | None] | None = None
 
     @property
     def endpoint(self) -> str:
@@ -163,13 +165,16 @@ class PeerStore:
 
     def _get(self, header: dict[str, Any], wfile: Any) -> None:
         owner = header.get("owner")
-        copy = self.held(None if owner is None else str(owner), int(header["shard"]),
-                         int(header["step"]))  # fmt: skip
-        if copy is None:
+        shard, step = int(header["shard"]), int(header["step"])
+        copy = self.held(None if owner is None else str(owner), shard, step)
+        data = copy.data if copy is not None else None
+        if data is None and self.own is not None:
+            data = self.own(shard, step)
+        if data is None:
             _answer(wfile, {"ok": False, "error": "not held"})
             return
-        _answer(wfile, {"ok": True, "nbytes": len(copy.data), "checksum": copy.checksum})
-        wfile.write(copy.data)
+        _answer(wfile, {"ok": True, "nbytes": len(data), "checksum": checksum(data)})
+        wfile.write(data)
         wfile.flush()
 
 

@@ -29,10 +29,10 @@ POLICY = (
 
 
 def launch(
-    settings: Settings, job_id: str, out: Path, faults: list[str]
+    settings: Settings, job_id: str, out: Path, faults: list[str], *, spares: int = 1
 ) -> subprocess.Popen[bytes]:
     command = [
-        sys.executable, "-m", "controlplane", "run", "--nproc", "4", "--spares", "1",
+        sys.executable, "-m", "controlplane", "run", "--nproc", "4", "--spares", str(spares),
         "--nodes", "4", "--racks", "2", "--job-id", job_id, "--policy", POLICY,
     ]  # fmt: skip
     for fault in faults:
@@ -42,8 +42,10 @@ def launch(
     return subprocess.Popen(command, env=env, cwd=ROOT)
 
 
-async def run_job(settings: Settings, cp_views, job_id: str, out: Path, faults: list[str]):  # type: ignore[no-untyped-def]
-    proc = launch(settings, job_id, out, faults)
+async def run_job(
+    settings: Settings, job_id: str, out: Path, faults: list[str], *, spares: int = 1
+) -> int | None:
+    proc = launch(settings, job_id, out, faults, spares=spares)
     try:
         await wait_until(lambda: proc.poll() is not None, 240, f"job {job_id} to finish")
     finally:
@@ -79,8 +81,8 @@ async def test_a_lost_rank_is_replaced_and_the_run_matches_a_fault_free_one(  # 
     async with running_controlplane(settings) as cp:
         if not reference.exists():
             ref_job = f"job-ref-{uuid.uuid4().hex[:6]}"
-            assert await run_job(settings, cp.views, ref_job, reference, []) == 0
-        code = await run_job(settings, cp.views, faulty, faulty_out, [fault])
+            assert await run_job(settings, ref_job, reference, []) == 0
+        code = await run_job(settings, faulty, faulty_out, [fault])
         view = cp.views[faulty]
     assert view.state is JobState.COMPLETED, [(h.to_state, h.reason) for h in view.history]
     [incident] = view.incidents.values()
@@ -95,6 +97,28 @@ async def test_a_lost_rank_is_replaced_and_the_run_matches_a_fault_free_one(  # 
     [decision] = incident.decisions
     assert decision.mode == "replace" and "s0" in decision.world and decision.restore_step == 20
     assert code == status
-    clean, recovered = torch.load(reference), torch.load(faulty_out)
+    clean, recovered = torch.load(reference)["params"], torch.load(faulty_out)["params"]
     for name, tensor in clean.items():
         assert torch.allclose(recovered[name], tensor, rtol=1e-5, atol=0), name
+
+
+async def test_without_a_spare_the_world_shrinks_and_ends_near_the_fault_free_loss(
+    settings, pg_store, tmp_path, reference
+):
+    faulty_out = tmp_path / "shrunk.pt"
+    faulty = f"job-shrink-{uuid.uuid4().hex[:6]}"
+    async with running_controlplane(settings) as cp:
+        if not reference.exists():
+            ref_job = f"job-ref-{uuid.uuid4().hex[:6]}"
+            assert await run_job(settings, ref_job, reference, []) == 0
+        code = await run_job(settings, faulty, faulty_out, ["crash@25:rank=1"],
+                             spares=0)  # fmt: skip
+        view = cp.views[faulty]
+    assert view.state is JobState.COMPLETED, [(h.to_state, h.reason) for h in view.history]
+    [incident] = view.incidents.values()
+    [decision] = incident.decisions
+    assert decision.mode == "shrink" and len(decision.world) == 3
+    assert timeline(incident).outcome == "recovered"
+    assert code == 1
+    clean, shrunk = torch.load(reference)["loss"], torch.load(faulty_out)["loss"]
+    assert abs(shrunk - clean) <= 0.01 * abs(clean), (shrunk, clean)
