@@ -134,38 +134,41 @@ async def connect(
 
 async def ensure_stream(js: JetStreamContext, settings: Settings) -> None:
     """Create the events stream, or bring an existing one to this configuration."""
-    config = StreamConfig(
-        name=settings.stream,
-        subjects=[EVENTS_WILDCARD],
-        storage=StorageType.FILE,
-        max_age=settings.stream_max_age_s,
-        duplicate_window=settings.stream_duplicate_window_s,
+    await _ensure(
+        js,
+        StreamConfig(
+            name=settings.stream,
+            subjects=[EVENTS_WILDCARD],
+            storage=StorageType.FILE,
+            max_age=settings.stream_max_age_s,
+            duplicate_window=settings.stream_duplicate_window_s,
+        ),
     )
-    try:
-        await js.stream_info(settings.stream)
-    except nats.js.errors.NotFoundError:
-        await js.add_stream(config)
-        log.info("created stream %s", settings.stream)
-        return
-    await js.update_stream(config)
 
 
 async def ensure_command_stream(js: JetStreamContext, settings: Settings) -> None:
     """Create the commands stream (the last few commands per subject are kept, so a member
     that subscribes late still gets the command in force)."""
-    config = StreamConfig(
-        name=settings.command_stream,
-        subjects=[f"{COMMAND_PREFIX}.>"],
-        storage=StorageType.FILE,
-        max_msgs_per_subject=settings.command_history,
-        max_age=settings.stream_max_age_s,
-        duplicate_window=settings.stream_duplicate_window_s,
+    await _ensure(
+        js,
+        StreamConfig(
+            name=settings.command_stream,
+            subjects=[f"{COMMAND_PREFIX}.>"],
+            storage=StorageType.FILE,
+            max_msgs_per_subject=settings.command_history,
+            max_age=settings.stream_max_age_s,
+            duplicate_window=settings.stream_duplicate_window_s,
+        ),
     )
+
+
+async def _ensure(js: JetStreamContext, config: StreamConfig) -> None:
+    assert config.name is not None
     try:
-        await js.stream_info(settings.command_stream)
+        await js.stream_info(config.name)
     except nats.js.errors.NotFoundError:
         await js.add_stream(config)
-        log.info("created stream %s", settings.command_stream)
+        log.info("created stream %s", config.name)
         return
     await js.update_stream(config)
 

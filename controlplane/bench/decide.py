@@ -22,15 +22,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import nats
@@ -38,11 +34,10 @@ import psycopg
 
 from controlplane.bench import loadgen
 from controlplane.bench.members import SimMember, SimulatedJob
+from controlplane.bench.stack import serving, stack
 from controlplane.bus import ensure_stream
-from controlplane.devstack import NatsServer, PostgresServer
-from controlplane.settings import DATABASE_URL_ENV, NATS_URL_ENV, Settings, libpq_url
-from controlplane.store import migrate
-from controlplane.store.postgres import PostgresEventStore, make_engine
+from controlplane.settings import Settings, libpq_url
+from controlplane.store.postgres import PostgresEventStore
 from controlplane.subjects import command_subject
 from schemas.commands import COMMAND_ADAPTER, Reallocate, Start
 
@@ -301,78 +296,53 @@ def _percentile(values: list[float], q: float) -> float:
 
 def run_decide_bench(*, members: int, faults: int, progress: bool = True) -> dict[str, Any]:
     """Run the benchmark and return its figures."""
-    nats_url = os.environ.get(NATS_URL_ENV)
-    database_url = os.environ.get(DATABASE_URL_ENV)
-    tmp = tempfile.TemporaryDirectory(prefix="elastic-bench-")
-    servers: list[Any] = []
-    serve: subprocess.Popen[bytes] | None = None
-    try:
-        if nats_url is None:
-            servers.append(NatsServer(Path(tmp.name) / "nats").start())
-            nats_url = servers[-1].url
-        if database_url is None:
-            servers.append(PostgresServer(Path(tmp.name) / "postgres").start())
-            database_url = servers[-1].url
-        engine = make_engine(database_url, pool_size=1)
-        migrate.upgrade(engine)
-        engine.dispose()
-        env = {
-            **os.environ,
-            NATS_URL_ENV: nats_url,
-            DATABASE_URL_ENV: database_url,
-            "ELASTIC_LOG_LEVEL": "WARNING",
-            "ELASTIC_RENDEZVOUS_PORT": "0",
-        }
-        serve = subprocess.Popen([sys.executable, "-m", "controlplane", "serve"], env=env)
+    with stack() as services, serving(services, ELASTIC_RENDEZVOUS_PORT="0"):
         job_id = f"bench-{uuid.uuid4().hex[:8]}"
         started = time.monotonic()
         arrivals = asyncio.run(
             _scenario(
-                nats_url, database_url, job_id, members=members, faults=faults, progress=progress
+                services.nats_url,
+                services.database_url,
+                job_id,
+                members=members,
+                faults=faults,
+                progress=progress,
             )
         )
         elapsed = time.monotonic() - started
-        store = PostgresEventStore.from_url(database_url)
+        store = PostgresEventStore.from_url(services.database_url)
         try:
             measured = _latencies(store, job_id, arrivals)
             heartbeats = len(store.read(job_id=job_id, types=["member.heartbeat"]))
         finally:
             store.close()
-        latencies = [m.total_ms for m in measured]
+    latencies = [m.total_ms for m in measured]
 
-        def median(kind: str, part: str) -> float | None:
-            values = [getattr(m, part) for m in measured if m.kind == kind]
-            return round(statistics.median(values), 1) if values else None
+    def median(kind: str, part: str) -> float | None:
+        values = [getattr(m, part) for m in measured if m.kind == kind]
+        return round(statistics.median(values), 1) if values else None
 
-        return {
-            "members": members,
-            "faults": faults,
-            "decisions": len(latencies),
-            "p50_ms": round(statistics.median(latencies), 1),
-            "p99_ms": round(_percentile(latencies, 0.99), 1),
-            "max_ms": round(max(latencies), 1),
-            "latencies_ms": [round(x, 1) for x in latencies],
-            # Per fault: [trigger -> turn, turn -> commit], and for a crash the exit's own
-            # trip (published -> committed by the ingest) inside the first.
-            "legs_ms": [
-                [round(m.to_turn_ms, 1), round(m.turn_ms, 1)]
-                + ([round(m.ingest_ms, 1)] if m.ingest_ms is not None else [])
-                for m in measured
-            ],
-            # Medians of the two legs, per kind of fault (see _Latency).
-            "crash_to_turn_ms": median("crash", "to_turn_ms"),
-            "crash_turn_ms": median("crash", "turn_ms"),
-            "hang_to_turn_ms": median("hang", "to_turn_ms"),
-            "hang_turn_ms": median("hang", "turn_ms"),
-            "heartbeats_per_s": round(heartbeats / elapsed, 1),
-            "seconds": round(elapsed, 1),
-            "nats_url": "embedded" if os.environ.get(NATS_URL_ENV) is None else "external",
-            "database": "embedded" if os.environ.get(DATABASE_URL_ENV) is None else "external",
-        }
-    finally:
-        if serve is not None:
-            serve.terminate()
-            serve.wait(30)
-        for server in servers:
-            server.stop()
-        tmp.cleanup()
+    return {
+        "members": members,
+        "faults": faults,
+        "decisions": len(latencies),
+        "p50_ms": round(statistics.median(latencies), 1),
+        "p99_ms": round(_percentile(latencies, 0.99), 1),
+        "max_ms": round(max(latencies), 1),
+        "latencies_ms": [round(x, 1) for x in latencies],
+        # Per fault: [trigger -> turn, turn -> commit], and for a crash the exit's own
+        # trip (published -> committed by the ingest) inside the first.
+        "legs_ms": [
+            [round(m.to_turn_ms, 1), round(m.turn_ms, 1)]
+            + ([round(m.ingest_ms, 1)] if m.ingest_ms is not None else [])
+            for m in measured
+        ],
+        # Medians of the two legs, per kind of fault (see _Latency).
+        "crash_to_turn_ms": median("crash", "to_turn_ms"),
+        "crash_turn_ms": median("crash", "turn_ms"),
+        "hang_to_turn_ms": median("hang", "to_turn_ms"),
+        "hang_turn_ms": median("hang", "turn_ms"),
+        "heartbeats_per_s": round(heartbeats / elapsed, 1),
+        "seconds": round(elapsed, 1),
+        **services.where,
+    }

@@ -13,10 +13,8 @@ import asyncio
 import os
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 import nats
@@ -24,13 +22,12 @@ import psycopg
 
 from controlplane.app import tune_gc
 from controlplane.bench import loadgen
+from controlplane.bench.stack import serving, stack
 from controlplane.bus import ensure_stream
 from controlplane.core.fold import fold
-from controlplane.devstack import NatsServer, PostgresServer
 from controlplane.publish import Outgoing
-from controlplane.settings import DATABASE_URL_ENV, NATS_URL_ENV, Settings, libpq_url
-from controlplane.store import migrate
-from controlplane.store.postgres import PostgresEventStore, make_engine
+from controlplane.settings import Settings, libpq_url
+from controlplane.store.postgres import PostgresEventStore
 from controlplane.synth import SyntheticJob
 
 
@@ -39,9 +36,12 @@ def _progress(message: str) -> None:
 
 
 def _count(database_url: str, job_id: str) -> tuple[int, int]:
+    """(events, distinct event ids) the members of ``job_id`` have in the log."""
     with psycopg.connect(libpq_url(database_url)) as conn:
         row = conn.execute(
-            "SELECT count(*), count(DISTINCT event_id) FROM events WHERE job_id = %s", (job_id,)
+            "SELECT count(*), count(DISTINCT event_id) FROM events"
+            " WHERE job_id = %s AND source <> 'controlplane'",
+            (job_id,),
         ).fetchone()
     assert row is not None
     return int(row[0]), int(row[1])
@@ -99,22 +99,8 @@ def run_ingest_bench(
     *, events: int, members: int = 64, prefill: bool = False, progress: bool = True
 ) -> dict[str, Any]:
     """Run the benchmark and return its figures."""
-    nats_url = os.environ.get(NATS_URL_ENV)
-    database_url = os.environ.get(DATABASE_URL_ENV)
-    tmp = tempfile.TemporaryDirectory(prefix="elastic-bench-")
-    servers: list[Any] = []
-    serve: subprocess.Popen[bytes] | None = None
-    try:
-        if nats_url is None:
-            servers.append(NatsServer(Path(tmp.name) / "nats").start())
-            nats_url = servers[-1].url
-        if database_url is None:
-            servers.append(PostgresServer(Path(tmp.name) / "postgres").start())
-            database_url = servers[-1].url
-        engine = make_engine(database_url, pool_size=1)
-        migrate.upgrade(engine)
-        engine.dispose()
-
+    with stack() as services:
+        nats_url, database_url = services.nats_url, services.database_url
         job = SyntheticJob(f"bench-{uuid.uuid4().hex[:8]}", members=members, seed=1)
         if progress:
             _progress(f"generating {events:,} events from {members} members")
@@ -124,83 +110,70 @@ def run_ingest_bench(
             messages.append(Outgoing(subject, data, envelope["event_id"]))
 
         settings = Settings()
-        env = {
-            **os.environ,
-            NATS_URL_ENV: nats_url,
-            DATABASE_URL_ENV: database_url,
-            "ELASTIC_LOG_LEVEL": "WARNING",
-        }
         store = PostgresEventStore.from_url(database_url)
         start_position = store.last_position()
         encoded = loadgen.frames(messages)
-        command = [sys.executable, "-m", "controlplane", "serve"]
         if prefill:
             # Fill the stream first, then measure the control plane draining it.
             asyncio.run(_ensure_stream(nats_url, settings))
             if progress:
                 _progress(f"publishing {events:,} events before the control plane starts")
             refused = asyncio.run(loadgen.send(nats_url, encoded))
-            serve = subprocess.Popen(command, env=env)
-            groups = _groups(serve, servers)
-            while store.last_position() == start_position:
-                time.sleep(0.005)
-            started, cpu_before = time.monotonic(), _cpu_seconds(groups)
-            measured = events - (store.last_position() - start_position)
-            published = started
-        else:
-            serve = subprocess.Popen(command, env=env)
-            asyncio.run(_consumer_ready(nats_url, settings))
+        with serving(services) as serve:
+            groups = _groups(serve, services.servers)
+            if prefill:
+                while store.last_position() == start_position:
+                    time.sleep(0.005)
+                started, cpu_before = time.monotonic(), _cpu_seconds(groups)
+                measured = events - (store.last_position() - start_position)
+                published = started
+            else:
+                asyncio.run(_consumer_ready(nats_url, settings))
+                if progress:
+                    _progress(f"publishing {events:,} events")
+                cpu_before = _cpu_seconds(groups)
+                started = time.monotonic()
+                refused = asyncio.run(loadgen.send(nats_url, encoded))
+                published = time.monotonic()
+                measured = events
             if progress:
-                _progress(f"publishing {events:,} events")
-            groups = _groups(serve, servers)
-            cpu_before = _cpu_seconds(groups)
-            started = time.monotonic()
-            refused = asyncio.run(loadgen.send(nats_url, encoded))
-            published = time.monotonic()
-            measured = events
-        if progress:
-            _progress("waiting for the last commit")
-        deadline = time.monotonic() + max(60.0, events / 1000)
-        # The head position is one row: polling it costs the database nothing.
-        while store.last_position() - start_position < events and time.monotonic() < deadline:
-            time.sleep(0.01)
-        committed = time.monotonic()
-        cpu_after = _cpu_seconds(groups)
+                _progress("waiting for the last commit")
+            deadline = time.monotonic() + max(60.0, events / 1000)
+            # The head position is one row: polling it costs the database nothing. The
+            # decider's own events move it too, so the members' are counted at the end.
+            while store.last_position() - start_position < events and time.monotonic() < deadline:
+                time.sleep(0.01)
+            while _count(database_url, job.job_id)[1] < events and time.monotonic() < deadline:
+                time.sleep(0.01)
+            committed = time.monotonic()
+            cpu_after = _cpu_seconds(groups)
         count, distinct = _count(database_url, job.job_id)
 
         stored = list(store.iter_events(job_id=job.job_id, after=start_position))
         store.close()
-        tune_gc()  # as the service runs its fold
-        fold_times = []
-        for _ in range(3):
-            fold_started = time.perf_counter()
-            view = fold(None, stored)
-            fold_times.append(time.perf_counter() - fold_started)
-        fold_s = sorted(fold_times)[1]
-        return {
-            "events": events,
-            "members": members,
-            "events_per_s": round(measured / (committed - started), 1),
-            "prefilled": prefill,
-            "publish_s": round(published - started, 3),
-            "commit_s": round(committed - started, 3),
-            "lost": events - distinct,
-            "publish_refused": refused,
-            "duplicated": count - distinct,
-            "fold_events_per_s": round(len(stored) / fold_s, 1),
-            "fold_members": len(view.members),
-            # Where the machine's time went, per event, from first publish to last commit.
-            "cpu_us_per_event": {
-                name: round((cpu_after[name] - cpu_before.get(name, 0.0)) / measured * 1e6, 1)
-                for name in cpu_after
-            },
-            "nats_url": "embedded" if os.environ.get(NATS_URL_ENV) is None else "external",
-            "database": "embedded" if os.environ.get(DATABASE_URL_ENV) is None else "external",
-        }
-    finally:
-        if serve is not None:
-            serve.terminate()
-            serve.wait(30)
-        for server in servers:
-            server.stop()
-        tmp.cleanup()
+    tune_gc()  # as the service runs its fold
+    fold_times = []
+    for _ in range(3):
+        fold_started = time.perf_counter()
+        view = fold(None, stored)
+        fold_times.append(time.perf_counter() - fold_started)
+    fold_s = sorted(fold_times)[1]
+    return {
+        "events": events,
+        "members": members,
+        "events_per_s": round(measured / (committed - started), 1),
+        "prefilled": prefill,
+        "publish_s": round(published - started, 3),
+        "commit_s": round(committed - started, 3),
+        "lost": events - distinct,
+        "publish_refused": refused,
+        "duplicated": count - distinct,
+        "fold_events_per_s": round(len(stored) / fold_s, 1),
+        "fold_members": len(view.members),
+        # Where the machine's time went, per event, from first publish to last commit.
+        "cpu_us_per_event": {
+            name: round((cpu_after[name] - cpu_before.get(name, 0.0)) / measured * 1e6, 1)
+            for name in cpu_after
+        },
+        **services.where,
+    }
