@@ -92,16 +92,20 @@ class FastClient(Client):
         handler(subject, reply, data, headers)
 
 
+def auth_options(creds: str | None, user: str | None, password: str | None) -> dict[str, Any]:
+    """nats-py connect options for a credentials file, else a user and password."""
+    if creds:
+        return {"user_credentials": creds}
+    if user:
+        return {"user": user, "password": password or ""}
+    return {}
+
+
 async def connect(
     settings: Settings, *, name: str = "elastic-controlplane", **options: Any
 ) -> FastClient:
     """Connect with reconnection forever; raise ``BusUnavailable`` if the first connect fails."""
-    auth: dict[str, Any] = {}
-    if settings.nats_creds:
-        auth["user_credentials"] = settings.nats_creds
-    elif settings.nats_user:
-        auth["user"] = settings.nats_user
-        auth["password"] = settings.nats_password or ""
+    auth = auth_options(settings.nats_creds, settings.nats_user, settings.nats_password)
 
     async def _disconnected() -> None:
         if not nc.is_closed:  # closing on purpose disconnects too

@@ -18,7 +18,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from nats.js import JetStreamContext
@@ -56,8 +56,6 @@ class DeciderStats:
     batches: int = 0
     decisions: int = 0
     conflicts: int = 0
-    #: Seconds each turn that appended something took, from its clock reading to the fold.
-    append_s: list[float] = field(default_factory=list)
     commands_published: int = 0
 
 
@@ -150,7 +148,6 @@ class Decider:
         """Decide for every job, record, fold, publish (run inside a quiet turn)."""
         self.stats.turns += 1
         now = self._clock()
-        started = time.perf_counter()
         for job_id, view in list(self._views().items()):
             if view.state in TERMINAL:
                 continue
@@ -162,7 +159,6 @@ class Decider:
             if not await self._record(job_id, view, decided, now):
                 continue
             done = time.perf_counter()
-            self.stats.append_s.append(done - started)
             if done - began > SLOW_TURN_S:
                 log.warning(
                     "slow decision for %s: decide %.0f ms, record %.0f ms (%d events)",

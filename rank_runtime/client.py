@@ -34,6 +34,9 @@ from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy
 from pydantic import BaseModel, ValidationError
 
+from controlplane.bus import auth_options
+from controlplane.publish import MSG_ID_HEADER
+from controlplane.subjects import BROADCAST, command_subject, event_subject
 from rank_runtime.identity import Identity
 from schemas.commands import COMMAND_ADAPTER, Reallocate, Start, Stop
 from schemas.common import Phase
@@ -41,9 +44,6 @@ from schemas.events import EVENT_ADAPTER
 
 log = logging.getLogger(__name__)
 
-MSG_ID_HEADER = "Nats-Msg-Id"
-EVENT_PREFIX = "elastic.evt"
-COMMAND_PREFIX = "elastic.cmd"
 #: Events sent per round before waiting for the server's acknowledgements.
 _WINDOW = 512
 
@@ -169,7 +169,7 @@ class EventClient:
             except ValidationError as exc:
                 self._seq -= 1
                 raise ValueError(f"invalid {type_} event: {exc}") from exc
-            subject = f"{EVENT_PREFIX}.{identity.job_id}.{identity.node}.{identity.member}.{type_}"
+            subject = event_subject(identity.job_id, identity.node, identity.member, type_)
             if len(self._buffer) == self._buffer.maxlen:
                 self.stats.dropped += 1
             self._buffer.append((subject, event_id, json.dumps(envelope).encode()))
@@ -266,12 +266,7 @@ class EventClient:
 
     async def _connect(self) -> Client:
         identity = self.identity
-        auth: dict[str, Any] = {}
-        if identity.nats_creds:
-            auth["user_credentials"] = identity.nats_creds
-        elif identity.nats_user:
-            auth["user"] = identity.nats_user
-            auth["password"] = identity.nats_password or ""
+        auth = auth_options(identity.nats_creds, identity.nats_user, identity.nats_password)
 
         async def disconnected() -> None:
             self._connected.clear()
@@ -304,9 +299,9 @@ class EventClient:
         identity = self.identity
         js = nc.jetstream()
         try:
-            for target in ("all", identity.member):
+            for target in (BROADCAST, identity.member):
                 await js.subscribe(
-                    f"{COMMAND_PREFIX}.{identity.job_id}.{target}",
+                    command_subject(identity.job_id, target),
                     cb=self._on_command,
                     ordered_consumer=True,
                     deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,

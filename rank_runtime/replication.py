@@ -159,9 +159,10 @@ class PeerStore:
             data=data,
         )
         self.keep(copy)
-        _answer(wfile, {"ok": True})
+        # Reported before the sender hears back, so "sent" implies "reported" (no race).
         if self.on_held is not None:
             self.on_held(copy, time.perf_counter() - started)
+        _answer(wfile, {"ok": True})
 
     def _get(self, header: dict[str, Any], wfile: Any) -> None:
         owner = header.get("owner")

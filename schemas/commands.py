@@ -34,34 +34,33 @@ class CommandBase(Strict):
 Endpoints = Annotated[dict[str, ShortText], Field(max_length=65_536)]
 
 
-class Reallocate(CommandBase):
+class WorldCommand(CommandBase):
+    """Fields of a command that forms a generation: ``world[r]`` runs rank ``r``."""
+
+    generation: NonNegInt
+    world: Members
+    #: ``placement[r]``: the members that hold copies of rank ``r``'s shard.
+    placement: Placement = Field(default_factory=list)
+    rendezvous: ShortText
+    endpoints: Endpoints = Field(default_factory=dict)
+
+
+class Reallocate(WorldCommand):
     """Re-form the world as ``generation`` and restore ``restore_step``."""
 
     kind: Literal["reallocate"] = "reallocate"
     incident_id: UUID
-    generation: NonNegInt
     mode: ReallocationMode
-    world: Members
     restore_step: Step
     restore_from: RestoreFrom
     #: ``plan[s]``: the member to take shard ``s`` of the restore step from.
     plan: Members
-    #: ``placement[r]``: the members that hold copies of rank ``r``'s shard.
-    placement: Placement = Field(default_factory=list)
-    rendezvous: ShortText
-    endpoints: Endpoints = Field(default_factory=dict)
 
 
-class Start(CommandBase):
-    """Form the first generation: ``world[r]`` runs rank ``r``."""
+class Start(WorldCommand):
+    """Form the first generation."""
 
     kind: Literal["start"] = "start"
-    generation: NonNegInt
-    world: Members
-    #: ``placement[r]``: the members that hold copies of rank ``r``'s shard.
-    placement: Placement = Field(default_factory=list)
-    rendezvous: ShortText
-    endpoints: Endpoints = Field(default_factory=dict)
 
 
 class Stop(CommandBase):

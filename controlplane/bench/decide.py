@@ -162,8 +162,8 @@ async def _scenario(
         if progress:
             _progress(f"{len(job.members)} members join")
         names = list(job.members)
-        first = job.envelope(names[0], "member.joined", _joined(job, names[0], policy))
-        await world.send([first] + [job.envelope(m, "member.joined", _joined(job, m)) for m in
+        first = job.envelope(names[0], "member.joined", job.joined(names[0], policy))
+        await world.send([first] + [job.envelope(m, "member.joined", job.joined(m)) for m in
                                     names[1:]])  # fmt: skip
         beating = asyncio.create_task(world.heartbeats(stop))
         start = await world.next_command(1)
@@ -220,17 +220,6 @@ async def _scenario(
             await beating
         await nc.close()
     return world.arrivals
-
-
-def _joined(job: SimulatedJob, name: str, policy: dict[str, Any] | None = None) -> dict[str, Any]:
-    m = job.members[name]
-    payload: dict[str, Any] = {
-        "node": m.node, "rack": m.rack, "host": f"host-{m.node}", "pid": 1, "role": m.role,
-        "device": "cpu", "backup_endpoint": f"{m.node}:7000",
-    }  # fmt: skip
-    if policy is not None:
-        payload["policy"] = policy
-    return payload
 
 
 @dataclass(frozen=True, slots=True)

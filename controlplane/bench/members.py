@@ -74,18 +74,21 @@ class SimulatedJob:
             return
         await publish_all(self.js, messages)
 
+    def joined(self, name: str, policy: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The ``member.joined`` payload of ``name`` (with the policy it asks for, if any)."""
+        m = self.members[name]
+        payload: dict[str, Any] = {
+            "node": m.node, "rack": m.rack, "host": f"host-{m.node}", "pid": 1,
+            "role": m.role, "device": "cpu", "backup_endpoint": f"{m.node}:7000",
+        }  # fmt: skip
+        if policy is not None:
+            payload["policy"] = policy
+        return payload
+
     async def join(self, members: Iterable[str], policy: dict[str, Any] | None = None) -> None:
-        out = []
-        for name in members:
-            m = self.members[name]
-            payload: dict[str, Any] = {
-                "node": m.node, "rack": m.rack, "host": f"host-{m.node}", "pid": 1,
-                "role": m.role, "device": "cpu", "backup_endpoint": f"{m.node}:7000",
-            }  # fmt: skip
-            if policy is not None:
-                payload["policy"] = policy
-            out.append(self.envelope(name, "member.joined", payload))
-        await self.send(out)
+        await self.send(
+            [self.envelope(n, "member.joined", self.joined(n, policy)) for n in members]
+        )
 
     async def heartbeat(self, members: Iterable[str], step: int, phase: str = "train") -> None:
         await self.send(
