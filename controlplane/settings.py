@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field, PositiveFloat, PositiveInt
+from pydantic import Field, NonNegativeFloat, PositiveFloat, PositiveInt, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ENV_PREFIX = "ELASTIC_"
@@ -71,6 +71,22 @@ class Settings(BaseSettings):
         29400, ge=0, le=65535, description="Port of the rendezvous store (0: any free port)"
     )
     log_level: str = Field("INFO", description="Python logging level")
+    api_host: str = Field("127.0.0.1", description="Address `elasticctl api` listens on")
+    api_port: int = Field(8080, ge=0, le=65535, description="Port `elasticctl api` listens on")
+    api_tokens: SecretStr | None = Field(
+        None,
+        description="Bearer tokens of the REST API and of /metrics, as TOKEN:SCOPE[+SCOPE...]"
+        " entries separated by commas (scope `read` reads); unset: no authentication",
+    )
+    api_refresh_s: NonNegativeFloat = Field(
+        0.05, description="Longest the API answers from its job views before checking the log"
+    )
+    metrics_host: str = Field(
+        "127.0.0.1", description="Address the control plane's Prometheus exporter listens on"
+    )
+    metrics_port: int = Field(
+        0, ge=0, le=65535, description="Port of the control plane's Prometheus exporter (0: off)"
+    )
 
 
 def sqlalchemy_url(database_url: str) -> str:

@@ -27,8 +27,9 @@ from rank_runtime.elastic import Elastic
 from rank_runtime.zero import consolidate, shard_state
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+def arguments(description: str | None) -> argparse.ArgumentParser:
+    """The model, data and run options (shared with ``train_torchrun.py``, the baseline)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--global-batch", type=int, default=64)
     parser.add_argument("--features", type=int, default=16)
@@ -37,17 +38,28 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="", help="rank 0 saves the final parameters here")
-    args = parser.parse_args()
+    return parser
+
+
+def problem(
+    args: argparse.Namespace,
+) -> tuple[nn.Module, torch.Tensor, torch.Tensor, StepSampler]:
+    """The model (seeded), the dataset and the step sampler of a run."""
+    torch.manual_seed(args.seed)
+    net = nn.Sequential(nn.Linear(args.features, args.hidden), nn.Tanh(), nn.Linear(args.hidden, 1))
+    x, y = synthetic_regression(args.samples, args.features, seed=args.seed)
+    return net, x, y, StepSampler(len(x), args.global_batch, seed=args.seed)
+
+
+def main() -> None:
+    args = arguments(__doc__).parse_args()
     torch.set_num_threads(1)
 
     elastic = Elastic()
     world = elastic.start()
     if world is None:  # a spare the job never needed
         return
-    torch.manual_seed(args.seed)
-    net = nn.Sequential(nn.Linear(args.features, args.hidden), nn.Tanh(), nn.Linear(args.hidden, 1))
-    x, y = synthetic_regression(args.samples, args.features, seed=args.seed)
-    sampler = StepSampler(len(x), args.global_batch, seed=args.seed)
+    net, x, y, sampler = problem(args)
 
     def build() -> tuple[DistributedDataParallel, ZeroRedundancyOptimizer]:
         """DDP and the ZeRO optimizer on the process group of the current generation."""
@@ -57,7 +69,7 @@ def main() -> None:
         )
         return model, optimizer
 
-    def load(shards: dict[int, dict[str, Any]]) -> None:
+    def load(optimizer: ZeroRedundancyOptimizer, shards: dict[int, dict[str, Any]]) -> None:
         """Restore from the shards the control plane's plan named: this rank's own after a
         replacement, all of them after a shrink (the optimizer state is re-partitioned)."""
         if not shards:
@@ -66,48 +78,58 @@ def main() -> None:
         net.load_state_dict(any_shard["model"])  # the model is replicated: any copy will do
         optimizer.load_state_dict(consolidate([s["zero"] for s in shards.values()], optimizer))
 
-    model, optimizer = build()
-    load(elastic.restored_shards)
+    model: DistributedDataParallel | None = None
+    optimizer: ZeroRedundancyOptimizer | None = None
 
     def state() -> dict[str, object]:
         """This rank's state for its hot backup; its ZeRO shard is what only it has."""
+        assert optimizer is not None
         return {
             "model": net.state_dict(),
             "zero": shard_state(optimizer),
             "sampler": sampler.state_dict(),
         }
 
+    def train_step(
+        model: DistributedDataParallel, optimizer: ZeroRedundancyOptimizer, step: int, world: Any
+    ) -> tuple[float, int]:
+        """One step on this rank's part of the global batch; the global mean loss and the
+        samples used. Its tensors die with its frame (recovery drops the traceback)."""
+        index = torch.tensor(sampler.shard(step, world.rank, world.size), dtype=torch.long)
+        per_sample = ((model(x[index]) - y[index]) ** 2).sum()
+        # Sum over this rank's samples, scaled so DDP's average is the global batch's mean.
+        loss = per_sample * (world.size / args.global_batch)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        total = per_sample.detach().clone()
+        dist.all_reduce(total)
+        return total.item() / args.global_batch, len(index)
+
     loss_value = float("nan")
     step = elastic.resume_step
     while step < args.steps:
-        step += 1
         world = elastic.world
         assert world is not None
         started = time.perf_counter()
         try:
-            index = torch.tensor(sampler.shard(step, world.rank, world.size), dtype=torch.long)
-            prediction = model(x[index])
-            per_sample = ((prediction - y[index]) ** 2).sum()
-            # Sum over this rank's samples, scaled so DDP's average is the global batch's mean.
-            loss = per_sample * (world.size / args.global_batch)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            total = per_sample.detach().clone()
-            dist.all_reduce(total)
+            if model is None or optimizer is None:
+                # Building DDP and ZeRO talks to every rank: a peer lost now is recovered
+                # like one lost mid-step.
+                model, optimizer = build()
+                load(optimizer, elastic.restored_shards)
+            loss_value, samples = train_step(model, optimizer, step + 1, world)
         except RuntimeError as exc:  # a peer died mid-collective: the control plane decides
-            del model, optimizer  # they hold the broken group
-            elastic.recover(exc, step)
-            model, optimizer = build()
-            load(elastic.restored_shards)
+            model = optimizer = None  # they hold the broken group
+            elastic.recover(exc, step + 1)
             step = elastic.resume_step
             continue
-        loss_value = total.item() / args.global_batch
+        step += 1
         sampler.step = step
         elastic.step_done(
             step,
             loss=loss_value,
-            samples=len(index),
+            samples=samples,
             seconds=time.perf_counter() - started,
             state=state,
         )

@@ -20,6 +20,8 @@ verifies and publishes ``backup.replicated``); training does not wait for replic
 
 from __future__ import annotations
 
+import gc
+import importlib
 import json
 import logging
 import os
@@ -32,7 +34,7 @@ from datetime import timedelta
 from typing import Any
 
 from controlplane.rendezvous import parse_endpoint
-from rank_runtime import faults
+from rank_runtime import checkpoint, faults
 from rank_runtime.client import EventClient
 from rank_runtime.identity import Identity
 from rank_runtime.replication import Held, PeerStore, ReplicationError, checksum, fetch, send
@@ -45,10 +47,46 @@ log = logging.getLogger(__name__)
 
 #: Replications waiting for the background sender before the oldest is dropped.
 _REPLICATION_QUEUE = 4
+#: How often a member waiting at a rendezvous looks for a newer command.
+_ARRIVAL_POLL_S = 0.05
+
+
+#: What the first DDP (or FSDP) construction in a process imports — ``torch._dynamo`` alone
+#: takes seconds. Every member imports them before it joins, so a warm spare called in to
+#: take a rank builds its model as fast as the survivors do.
+WARM_IMPORTS = ("torch.distributed", "torch.nn.parallel", "torch._dynamo")
+
+
+def _warm_up() -> None:
+    started = time.perf_counter()
+    for name in WARM_IMPORTS:
+        importlib.import_module(name)
+    # What exists now lives as long as the process: full collections (recovery runs one to
+    # drop the broken group) skip it, which makes them several times shorter.
+    gc.freeze()
+    log.debug("warmed up in %.2fs", time.perf_counter() - started)
 
 
 class JobStoppedError(RuntimeError):
     """The control plane stopped the job."""
+
+
+class _Superseded(Exception):  # control flow, not an error
+    """A newer command overtook the one this member was carrying out (None: one that leaves
+    this spare out, so it waits again)."""
+
+    def __init__(self, command: Start | Reallocate | None) -> None:
+        super().__init__(f"generation {command.generation}" if command else "left out")
+        self.command = command
+
+
+def _suspects(error: BaseException, command: Reallocate) -> list[str]:
+    """The members a failed restore could not reach (named by their endpoint in the error);
+    none when the source answered (it lacked the copy, say): it is alive."""
+    if not isinstance(error.__cause__, OSError):
+        return []
+    text = str(error)
+    return sorted({m for m, e in command.endpoints.items() if e and e in text})[:64]
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,12 +138,16 @@ class Elastic:
         self.hot = HotSnapshot()
         self._replicas: queue.Queue[tuple[int, float] | None] = queue.Queue(_REPLICATION_QUEUE)
         self._replicator: threading.Thread | None = None
+        #: Where cold checkpoints go (a directory every member can read); None: nowhere.
+        self.checkpoint_dir = os.environ.get(checkpoint.CHECKPOINT_DIR_ENV) or None
+        self._cold: checkpoint.ColdWriter | None = None
 
     # ------------------------------------------------------------------ start
 
     def start(self, timeout_s: float = 600.0) -> World | None:
         """Join the job and wait for a rank; None when the job ended before needing us."""
         identity = self.identity
+        _warm_up()
         self.client.start()
         self.peers.on_held = self._on_held
         self.peers.own = self._own_copy
@@ -120,13 +162,15 @@ class Elastic:
         self.client.publish("member.joined", joined)
         self.client.phase = Phase.WAITING if identity.role is Role.SPARE else Phase.INIT
         self.client.start_heartbeats(self.policy.heartbeat_interval_s)
+        if self.checkpoint_dir and self.policy.checkpoint_every > 0:
+            self._cold = checkpoint.ColdWriter(
+                self.checkpoint_dir, identity.job_id, self._on_checkpoint
+            )
         command = self._wait_for_world(timeout_s)
         if command is None:
             return None
-        if isinstance(command, Reallocate):
-            self._rejoin(command)  # a spare taking a rank: its state comes from peers
-        else:
-            self._form(command)
+        if not self._enter(command, timeout_s):  # a spare taking a rank: state from peers
+            return None
         if self._replicator is None:
             self._replicator = threading.Thread(
                 target=self._replicate, name="elastic-replicate", daemon=True
@@ -145,13 +189,59 @@ class Elastic:
             if isinstance(command, Stop):
                 log.info("the job ended: %s", command.reason)
                 return None
-            if command.generation > current and member in command.world:
+            if self._judge(command, current) is not None:
                 return command
-            if command.generation > current and self.world is not None:
-                # A newer world without this member of the old one: it was dropped (found
-                # hung, say). A spare just keeps waiting.
-                raise JobStoppedError(f"generation {command.generation} goes on without {member}")
         raise TimeoutError(f"no generation named {member} within {timeout_s:g}s")
+
+    def _judge(self, command: Start | Reallocate, current: int) -> Start | Reallocate | None:
+        """``command`` when it is a generation newer than ``current`` that names this member;
+        None when it is not for this member to act on. Raises ``JobStoppedError`` when a newer
+        world goes on without a member that had a rank (it was dropped, found hung say); a
+        spare just keeps waiting."""
+        if command.generation <= current:
+            return None
+        if self.identity.member in command.world:
+            return command
+        if self.world is not None:
+            raise JobStoppedError(
+                f"generation {command.generation} goes on without {self.identity.member}"
+            )
+        return None
+
+    def _enter(self, command: Start | Reallocate, timeout_s: float) -> bool:
+        """Join ``command``'s generation (and restore, for a reallocation); when a newer
+        command overtakes it midway (another fault during the recovery, a lost holder), follow
+        the newer one instead. False when the job ended while this spare, left out by a newer
+        decision, waited again."""
+        while True:
+            try:
+                if isinstance(command, Reallocate):
+                    self._rejoin(command)
+                else:
+                    self._form(command)
+                return True
+            except _Superseded as newer:
+                overtaking = newer.command
+                log.warning("generation %d overtaken (%s)", command.generation, newer)
+                if overtaking is None:
+                    overtaking = self._wait_for_world(timeout_s)
+                    if overtaking is None:
+                        return False
+                command = overtaking
+
+    def _newer(self, generation: int, timeout: float) -> Start | Reallocate | None:
+        """A command newer than ``generation`` naming this member, if one arrives within
+        ``timeout``; ``JobStoppedError`` when the job stops or goes on without it
+        (``_Superseded(None)`` for a spare, which waits again)."""
+        command = self.client.next_command(timeout=timeout)
+        if command is None:
+            return None
+        if isinstance(command, Stop):
+            raise JobStoppedError(f"the job stopped: {command.reason}")
+        judged = self._judge(command, generation)
+        if judged is None and command.generation > generation and self.world is None:
+            raise _Superseded(None)
+        return judged
 
     # ------------------------------------------------------------------ recovery
 
@@ -164,27 +254,41 @@ class Elastic:
         log.warning("step %d failed (%s); waiting for the control plane", step, error)
         self.report_fault(FaultKind.COLLECTIVE_ERROR, f"{type(error).__name__}: {error}", step=step)
         self.client.phase = Phase.WAITING
+        # The traceback keeps the failed step's frames, their tensors and, through the
+        # autograd graph's hooks, DDP and the broken group alive: drop it.
+        error.__traceback__ = None
         # Leave the broken group now: closing its connections fails the collectives that
         # peers still wait in, so every survivor gets here in milliseconds, not at the
         # collective timeout. (The caller drops its DDP and optimizer first: they hold it.)
         self._leave_group()
-        self._drain_replication()
         command = self._wait_for_world(timeout_s)
         if command is None:
             raise JobStoppedError("the job stopped while this member waited to recover")
         if not isinstance(command, Reallocate):
             raise JobStoppedError(f"expected a reallocation, got {command.kind}")
-        self._rejoin(command)
+        if self.world is not None:
+            faults.inject(self._faults, faults.RECOVER, self.world.rank, self._faults_state)
+        if not self._enter(command, timeout_s):
+            raise JobStoppedError("the job stopped while this member recovered")
 
     def _rejoin(self, command: Reallocate) -> None:
         """Ack ``command``, leave the broken group, form the new one, restore its step."""
         self.client.publish("command.acked", {"command_id": str(command.command_id)})
         self._leave_group()
+        self._drain_replication()  # its queued copies belong to the old world
         self.client.phase = Phase.RESTORE
         self._form(command)
         self.client.phase = Phase.RESTORE
         started = time.perf_counter()
-        shards, nbytes, sources = self._restore(command)
+        try:
+            shards, nbytes, sources = self._restore(command)
+        except (ReplicationError, checkpoint.CheckpointError) as exc:
+            # A holder died (or a file is missing): say so, and follow the control plane's
+            # next decision, which plans around what is lost.
+            self.report_fault(FaultKind.RESTORE_FAILED, str(exc), step=command.restore_step,
+                              suspects=_suspects(exc, command))  # fmt: skip
+            self._leave_group()
+            raise _Superseded(self._await_newer(command.generation)) from exc
         world = self._world()
         self.client.generation = command.generation
         self.restored_shards = shards
@@ -210,15 +314,14 @@ class Elastic:
 
     @staticmethod
     def _leave_group() -> None:
-        import gc
-
         import torch.distributed as dist
 
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception as exc:  # the old group is broken; it only has to go
-                log.debug("tearing down the old group: %s", exc)
+        if not dist.is_initialized():
+            return
+        try:
+            dist.destroy_process_group()
+        except Exception as exc:  # the old group is broken; it only has to go
+            log.debug("tearing down the old group: %s", exc)
         gc.collect()  # DDP reducers in reference cycles keep the group's sockets open
 
     def _restore(self, command: Reallocate) -> tuple[dict[int, Any], int, dict[str, str]]:
@@ -227,6 +330,8 @@ class Elastic:
         source. Returns (shard -> state, bytes, shard -> source)."""
         if command.restore_from is RestoreFrom.INITIAL:
             return {}, 0, {}
+        if command.restore_from is RestoreFrom.CHECKPOINT:
+            return self._restore_cold(command)
         if command.restore_from is not RestoreFrom.MEMORY:
             raise JobStoppedError(f"restoring from {command.restore_from.value} is not supported")
         world = self._world()
@@ -249,6 +354,45 @@ class Elastic:
             nbytes += len(data)
         return shards, nbytes, sources
 
+    def _restore_cold(self, command: Reallocate) -> tuple[dict[int, Any], int, dict[str, str]]:
+        """The shards of the cold checkpoint at the restore step: this rank's own memory when
+        it still holds that step, else the checkpoint directory."""
+        if not self.checkpoint_dir:
+            raise JobStoppedError(
+                f"the job restores the step {command.restore_step} checkpoint, but this member"
+                f" has no checkpoint directory ({checkpoint.CHECKPOINT_DIR_ENV})"
+            )
+        world = self._world()
+        step = command.restore_step
+        if command.mode is ReallocationMode.REPLACE:
+            wanted: list[int] = [world.rank]
+        else:
+            wanted = checkpoint.shards_at(self.checkpoint_dir, self.identity.job_id, step)
+        shards: dict[int, Any] = {}
+        sources: dict[str, str] = {}
+        nbytes = 0
+        for shard in wanted:
+            data = self._own_copy(shard, step)
+            if data is not None:
+                shards[shard] = from_bytes(data).state
+                sources[str(shard)] = self.identity.member
+                nbytes += len(data)
+                continue
+            path, shards[shard] = checkpoint.read(
+                self.checkpoint_dir, self.identity.job_id, step, shard
+            )
+            sources[str(shard)] = "checkpoint"
+            nbytes += path.stat().st_size
+        return shards, nbytes, sources
+
+    def _on_checkpoint(self, saved: checkpoint.Saved) -> None:
+        self.client.publish(
+            "checkpoint.saved",
+            {"step": saved.step, "shard": saved.shard, "shards": saved.shards,
+             "path": saved.path, "nbytes": saved.nbytes, "checksum": saved.checksum,
+             "seconds": saved.seconds},
+        )  # fmt: skip
+
     def _own_copy(self, shard: int, step: int) -> bytes | None:
         """This member's own backup of ``shard`` at ``step``, if it took it."""
         if shard != self._backup_shard:
@@ -268,6 +412,7 @@ class Elastic:
             endpoint.host, endpoint.port, is_master=False, timeout=self._collective_timeout
         )
         store = dist.PrefixStore(endpoint.prefix, client)  # type: ignore[attr-defined]
+        self._arrive(store, rank, command)
         dist.init_process_group(
             "gloo",
             store=store,
@@ -286,6 +431,33 @@ class Elastic:
             rendezvous=command.rendezvous,
         )
         self.client.phase = Phase.TRAIN
+
+    def _arrive(self, store: Any, rank: int, command: Start | Reallocate) -> None:
+        """Wait until every rank of the generation reached its rendezvous, watching for a
+        newer command meanwhile: a member that dies before it arrives is replaced by a newer
+        decision, which this member then follows (``_Superseded``) instead of waiting in
+        ``init_process_group`` until the collective timeout."""
+        store.set(f"arrived/{rank}", self.identity.member)
+        keys = [f"arrived/{r}" for r in range(len(command.world))]
+        deadline = time.monotonic() + self._collective_timeout.total_seconds()
+        while not store.check(keys):
+            newer = self._newer(command.generation, timeout=_ARRIVAL_POLL_S)
+            if newer is not None:
+                raise _Superseded(newer)
+            if time.monotonic() > deadline:
+                raise JobStoppedError(
+                    f"generation {command.generation}: not every rank arrived within"
+                    f" {self._collective_timeout.total_seconds():g}s and no newer decision came"
+                )
+
+    def _await_newer(self, generation: int, timeout_s: float = 300.0) -> Start | Reallocate:
+        """Wait for the decision that replaces ``generation``."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            newer = self._newer(generation, timeout=1.0)
+            if newer is not None:
+                return newer
+        raise JobStoppedError(f"no decision replaced generation {generation} in {timeout_s:g}s")
 
     # ------------------------------------------------------------------ the loop
 
@@ -323,6 +495,11 @@ class Elastic:
         if info is None:
             log.warning("backup of step %d skipped: the previous one is still being sent", step)
             return
+        if self._cold is not None and checkpoint.is_due(
+            step, self.policy.backup_interval, self.policy.checkpoint_every
+        ):
+            world = self._world()
+            self._cold.submit(step, world.rank, world.size, lambda: self.hot.get(step).state)
         try:
             self._replicas.put_nowait((step, info.seconds))
         except queue.Full:  # the sender lags: the newest backup matters most
@@ -366,6 +543,8 @@ class Elastic:
     def close(self) -> None:
         """Stop replicating, flush events, tear down the process group."""
         self._drain_replication()
+        if self._cold is not None:
+            self._cold.close()
         self.client.close()
         self.peers.close()
         try:

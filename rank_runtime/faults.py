@@ -1,5 +1,10 @@
 """Fault injection: ``crash@STEP:rank=R``, ``hang@STEP:rank=R``, ``slow@STEP:rank=R:SECONDS``,
-and ``random:every=S[:seed=N]`` (the launcher kills a random member every S seconds).
+``crash@recover:rank=R`` and ``random:every=S[:seed=N]`` (the launcher kills a random member
+every S seconds).
+
+``crash@recover:rank=R`` fires in the member that had rank R when it receives a reallocation,
+before it acks: a second fault while the job recovers (and, when that member holds a copy the
+plan restores from, the loss of a holder during the restore).
 
 Step faults run inside the member when it finishes the step (``ELASTIC_FAULTS`` carries them
 from the launcher): a crash is ``SIGKILL`` of itself (nothing is flushed, like a real crash), a
@@ -18,9 +23,12 @@ from dataclasses import dataclass
 
 FAULTS_ENV = "ELASTIC_FAULTS"
 FAULTS_STATE_ENV = "ELASTIC_FAULTS_STATE"
+#: The ``step`` of a fault that fires on a reallocation rather than after a step.
+RECOVER = -1
 
 _STEP_FAULT = re.compile(
-    r"^(?P<kind>crash|hang|slow)@(?P<step>\d+):rank=(?P<rank>\d+)(?::(?P<seconds>\d+(\.\d+)?))?$"
+    r"^(?P<kind>crash|hang|slow)@(?P<step>\d+|recover):rank=(?P<rank>\d+)"
+    r"(?::(?P<seconds>\d+(\.\d+)?))?$"
 )
 _RANDOM = re.compile(r"^random:every=(?P<every>\d+(\.\d+)?)(?::seed=(?P<seed>\d+))?$")
 
@@ -31,7 +39,8 @@ class FaultSpecError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class StepFault:
-    """A fault a rank injects into itself when it finishes ``step``."""
+    """A fault a rank injects into itself when it finishes ``step`` (``RECOVER``: when it
+    receives a reallocation)."""
 
     kind: str
     step: int
@@ -40,7 +49,8 @@ class StepFault:
 
     def __str__(self) -> str:
         tail = f":{self.seconds:g}" if self.kind == "slow" else ""
-        return f"{self.kind}@{self.step}:rank={self.rank}{tail}"
+        when = "recover" if self.step == RECOVER else str(self.step)
+        return f"{self.kind}@{when}:rank={self.rank}{tail}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,15 +71,18 @@ def parse(spec: str) -> StepFault | RandomFaults:
             raise FaultSpecError(f"{spec!r}: a slow step needs its seconds (slow@STEP:rank=R:S)")
         if kind != "slow" and m["seconds"]:
             raise FaultSpecError(f"{spec!r}: only a slow step takes seconds")
-        return StepFault(kind, int(m["step"]), int(m["rank"]), seconds)
+        if m["step"] == "recover" and kind != "crash":
+            raise FaultSpecError(f"{spec!r}: only a crash can fire on recovery")
+        step = RECOVER if m["step"] == "recover" else int(m["step"])
+        return StepFault(kind, step, int(m["rank"]), seconds)
     if m := _RANDOM.match(text):
         every = float(m["every"])
         if every <= 0:
             raise FaultSpecError(f"{spec!r}: every must be > 0 seconds")
         return RandomFaults(every, int(m["seed"] or 0))
     raise FaultSpecError(
-        f"{spec!r}: expected crash@STEP:rank=R, hang@STEP:rank=R, slow@STEP:rank=R:SECONDS"
-        " or random:every=SECONDS[:seed=N]"
+        f"{spec!r}: expected crash@STEP:rank=R, hang@STEP:rank=R, slow@STEP:rank=R:SECONDS,"
+        " crash@recover:rank=R or random:every=SECONDS[:seed=N]"
     )
 
 
@@ -102,7 +115,8 @@ def claim(fault: StepFault, state_dir: str | None) -> bool:
 
 
 def inject(faults: list[StepFault], step: int, rank: int, state_dir: str | None = None) -> None:
-    """Carry out the faults due at ``step`` for ``rank`` (a crash does not return)."""
+    """Carry out the faults due at ``step`` (``RECOVER`` on a reallocation) for ``rank`` (a
+    crash does not return)."""
     for fault in faults:
         if fault.step != step or fault.rank != rank or not claim(fault, state_dir):
             continue

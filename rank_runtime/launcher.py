@@ -7,14 +7,17 @@ the job asks for, the faults to inject). ``--nodes``/``--racks`` lay the members
 pretend nodes and racks, so topology-aware placement can be exercised on one machine. The
 launcher reports every exit as ``member.exited`` at once (on behalf of the member: its source),
 kills a random worker every S seconds for ``--fault random:every=S``, forwards SIGINT/SIGTERM,
-and returns when every member has exited.
+and returns when every member has exited. ``--checkpoint-dir`` is where members write cold
+checkpoints (``ELASTIC_CHECKPOINT_DIR``; the policy's ``checkpoint_every`` says how often).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,12 +29,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rank_runtime import faults
+from rank_runtime import checkpoint, faults
 from rank_runtime.client import EventClient
 from rank_runtime.identity import (
     JOB_ID_ENV,
     MEMBER_ENV,
+    NATS_CREDS_ENV,
+    NATS_PASSWORD_ENV,
     NATS_URL_ENV,
+    NATS_USER_ENV,
     NODE_ENV,
     POLICY_ENV,
     RACK_ENV,
@@ -108,6 +114,7 @@ def run(
     fault_specs: Sequence[str] = (),
     env: dict[str, str] | None = None,
     python: str = sys.executable,
+    checkpoint_dir: str | None = None,
 ) -> LaunchResult:
     """Launch the job and wait for every member; see the module docstring."""
     job_id = job_id or f"job-{uuid.uuid4().hex[:8]}"
@@ -126,6 +133,16 @@ def run(
         faults.FAULTS_ENV: faults.encode(step_faults),
         faults.FAULTS_STATE_ENV: state,
     }
+    if checkpoint_dir:
+        base[checkpoint.CHECKPOINT_DIR_ENV] = str(Path(checkpoint_dir).resolve())
+    # The launcher's own connections (exit reports, the fencing watcher) use the members'
+    # NATS credentials.
+    auth = Identity(
+        job_id, "launcher", "launcher", "launcher", Role.WORKER, nats_url,
+        nats_user=base.get(NATS_USER_ENV) or None,
+        nats_password=base.get(NATS_PASSWORD_ENV) or None,
+        nats_creds=base.get(NATS_CREDS_ENV) or None,
+    )  # fmt: skip
     members: list[Running] = []
     stopping = False
 
@@ -152,7 +169,9 @@ def run(
                 ROLE_ENV: slot.role.value,
             }
             reporter = EventClient(
-                Identity(job_id, slot.node, slot.rack, slot.member, slot.role, nats_url),
+                dataclasses.replace(
+                    auth, node=slot.node, rack=slot.rack, member=slot.member, role=slot.role
+                ),
                 commands=False,
             ).start()
             process = subprocess.Popen([python, *script], env=member_env)
@@ -162,8 +181,7 @@ def run(
         # Follows the job's commands to fence: a member a newer generation leaves out (found
         # hung, say) is killed, which also fails the collectives its peers are blocked in.
         watcher = EventClient(
-            Identity(job_id, "launcher", "launcher", f"launcher-{uuid.uuid4().hex[:8]}",
-                     Role.WORKER, nats_url),
+            dataclasses.replace(auth, member=f"launcher-{uuid.uuid4().hex[:8]}"),
         ).start()  # fmt: skip
         in_world: set[str] = set()
         rng = random.Random(randoms[0].seed if randoms else 0)
@@ -194,6 +212,7 @@ def run(
                 m.process.kill()
                 m.process.wait()
             m.reporter.close(flush_s=5.0)
+        shutil.rmtree(state, ignore_errors=True)  # the fault markers: every member is gone
     result.exits = {m.slot.member: m.returncode if m.returncode is not None else -9
                     for m in members}  # fmt: skip
     result.killed = [m.slot.member for m in members if m.killed_by_launcher]

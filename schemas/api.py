@@ -75,6 +75,8 @@ class EventOut(ApiModel):
     type: str
     v: int
     source: str
+    #: One run of the producing process; ``seq`` counts within it.
+    incarnation: str = ""
     seq: int
     generation: int
     emitted_at: datetime

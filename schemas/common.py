@@ -85,6 +85,8 @@ class FaultKind(StrEnum):
     OOM = "oom"
     NAN_LOSS = "nan_loss"
     TIMEOUT = "timeout"
+    #: Restoring after a reallocation failed: the plan's source could not be reached.
+    RESTORE_FAILED = "restore_failed"
     OTHER = "other"
 
 

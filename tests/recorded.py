@@ -4,7 +4,7 @@
 at their times, the decider run between them, its decisions in the same log): 4 workers on
 2 racks and 1 spare, steps with a falling loss and a backup every 5 steps; at t=20 w01 is
 killed (replaced by the spare), at t≈40 w10 stops heartbeating (hang; no spare left, so the
-world shrinks to 3); the job completes at step 60. Deterministic: same events, ids and times
+world shrinks to 3); the job completes at step 90. Deterministic: same events, ids and times
 on every call.
 """
 
@@ -20,7 +20,7 @@ JOB = "job-recorded"
 HANG_TIMEOUT_S = 4.0
 CRASH_AT_S = 20.0
 HANG_LAST_HEARTBEAT_S = 40.0
-LAST_STEP = 60
+LAST_STEP = 90
 BACKUP_INTERVAL = 5
 
 

@@ -177,3 +177,62 @@ class EventStoreContract:
         ids = [s.event.event_id for s in store.read()]
         assert len(ids) == len(set(ids)) == total
         assert uuid.UUID(ids[0]).version == 4
+
+    # ------------------------------------------------------------------ import (export files)
+
+    def test_import_keeps_recorded_at_and_takes_the_next_positions(self, store):
+        from datetime import timedelta
+
+        from controlplane.core.records import StoredEvent
+        from tests.factories import T0
+
+        ev = Events()
+        exported = [
+            StoredEvent(
+                10 + i, T0 + timedelta(seconds=i, microseconds=123), ev.heartbeat("m0", step=i)
+            )
+            for i in range(3)
+        ]
+        result = store.import_events(exported)
+        assert [s.position for s in result.stored] == [1, 2, 3]
+        got = store.read()
+        assert [s.position for s in got] == [1, 2, 3]
+        assert [s.recorded_at for s in got] == [s.recorded_at for s in exported]
+        assert [s.event for s in got] == [s.event for s in exported]
+        # After ordinary appends, an import goes on from the head, times still its own.
+        store.append([ev.heartbeat("m1")])
+        late = StoredEvent(1, T0 - timedelta(days=1), ev.heartbeat("m0", step=9))
+        [stored] = store.import_events([late]).stored
+        assert stored.position == 5 and stored.recorded_at == late.recorded_at
+        assert store.read(after=4)[0].recorded_at == T0 - timedelta(days=1)
+
+    def test_importing_twice_stores_nothing_twice(self, store):
+        from controlplane.core.records import StoredEvent
+        from tests.factories import T0
+
+        ev = Events()
+        exported = [StoredEvent(i, T0, ev.heartbeat("m0", step=i)) for i in range(1, 5)]
+        store.import_events(exported[:2])
+        again = store.import_events(exported)  # overlaps: two known, two new
+        assert again.duplicates == 2 and len(again.stored) == 2
+        third = store.import_events(exported)
+        assert third.duplicates == 4 and third.stored == []
+        assert [s.event.event_id for s in store.read()] == [s.event.event_id for s in exported]
+        assert store.count_dead_letters() == 0
+
+    def test_import_applies_the_sequence_rules(self, store):
+        """A log where a late event filled its gap imports the same way: kept, gap recorded."""
+        from controlplane.core.records import StoredEvent
+        from tests.factories import T0
+
+        ev = Events()
+        first, lost, third = (ev.heartbeat("m0", seq=s) for s in (1, 2, 3))
+        result = store.import_events(
+            [StoredEvent(p, T0, e) for p, e in ((1, first), (2, third), (3, lost))]
+        )
+        assert [s.event.seq for s in result.stored] == [1, 3, 2]
+        assert result.late == 1 and [g.missing for g in result.gaps] == [1]
+        impostor = ev.heartbeat("m0", seq=2)  # another event under a taken seq: refused
+        refused = store.import_events([StoredEvent(4, T0, impostor)])
+        assert refused.stored == [] and len(refused.rejected) == 1
+        assert store.count_dead_letters() == 1

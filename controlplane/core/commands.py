@@ -6,33 +6,58 @@ generation, the latest reallocation of an open incident until every member of it
 it, and a stop while members of a stopped or completed job are still alive. Publishing the
 same command again is harmless (members and JetStream de-duplicate by ``command_id``), so a
 service calls this after each decision and again after a restart.
+
+``owing`` gives the ids of what is owed and builds each command only when asked: a command of a
+4,096-rank world (its world, placement, plan and endpoints) costs milliseconds to build and
+encode, and a service that sent it a moment ago does not need it again yet.
 """
 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from controlplane.core.decide import decision_id
-from controlplane.core.view import JobView, MemberStatus
+from controlplane.core.view import Decision, JobView, MemberStatus
 from schemas.commands import Reallocate, Start, Stop
 from schemas.common import JobState
 
+Command = Start | Reallocate | Stop
 
-def owed(view: JobView) -> list[Start | Reallocate | Stop]:
+
+@dataclass(frozen=True, slots=True)
+class Owed:
+    """A command owed: its id, and how to build it (pure, from the view it was owed by)."""
+
+    command_id: str
+    build: Callable[[], Command]
+
+
+def owed(view: JobView) -> list[Command]:
     """Commands of ``view`` that some member may not have seen yet."""
+    return [o.build() for o in owing(view)]
+
+
+def owing(view: JobView) -> list[Owed]:
+    """The commands ``owed`` returns, each built only when its ``build`` is called."""
     if view.state in (JobState.STOPPED, JobState.COMPLETED):
         # Members still alive (spares never needed, ranks that missed the end) are told.
         alive = any(m.status is MemberStatus.ACTIVE for m in view.members.values())
         change = view.history[-1] if view.history else None
         if not alive or change is None:
             return []
+        stop_id = decision_id(view.job_id, "stop-command")
         return [
-            Stop(
-                command_id=uuid.UUID(decision_id(view.job_id, "stop-command")),
-                job_id=view.job_id,
-                decision_position=change.position,
-                issued_at=change.at,
-                reason=change.reason,
+            Owed(
+                stop_id,
+                lambda: Stop(
+                    command_id=uuid.UUID(stop_id),
+                    job_id=view.job_id,
+                    decision_position=change.position,
+                    issued_at=change.at,
+                    reason=change.reason,
+                ),
             )
         ]
     if view.open_incident is None:
@@ -41,27 +66,30 @@ def owed(view: JobView) -> list[Start | Reallocate | Stop]:
     if not incident.decisions:
         return []
     decision = incident.decisions[-1]
-    if all(m in decision.acked for m in decision.world):
+    acked = decision.acked
+    if all(m in acked for m in decision.world):
         return []
+    return [Owed(decision.command_id, lambda: _reallocate(view, incident.incident_id, decision))]
+
+
+def _reallocate(view: JobView, incident_id: str, decision: Decision) -> Reallocate:
     placement = [list(h) for h in view.placement] if view.generation == decision.generation else []
-    return [
-        Reallocate.model_construct(
-            command_id=uuid.UUID(decision.command_id),
-            job_id=view.job_id,
-            decision_position=decision.position,
-            issued_at=decision.at,
-            incident_id=uuid.UUID(incident.incident_id),
-            generation=decision.generation,
-            mode=decision.mode,
-            world=list(decision.world),
-            restore_step=decision.restore_step,
-            restore_from=decision.restore_from,
-            plan=list(decision.plan),
-            placement=placement,
-            rendezvous=decision.rendezvous,
-            endpoints=_endpoints(view, decision.world),
-        )
-    ]
+    return Reallocate.model_construct(
+        command_id=uuid.UUID(decision.command_id),
+        job_id=view.job_id,
+        decision_position=decision.position,
+        issued_at=decision.at,
+        incident_id=uuid.UUID(incident_id),
+        generation=decision.generation,
+        mode=decision.mode,
+        world=list(decision.world),
+        restore_step=decision.restore_step,
+        restore_from=decision.restore_from,
+        plan=list(decision.plan),
+        placement=placement,
+        rendezvous=decision.rendezvous,
+        endpoints=_endpoints(view, decision.world),
+    )
 
 
 def _endpoints(view: JobView, world: tuple[str, ...]) -> dict[str, str]:
@@ -69,7 +97,7 @@ def _endpoints(view: JobView, world: tuple[str, ...]) -> dict[str, str]:
     return {m: members[m].backup_endpoint for m in world if m in members}
 
 
-def _start(view: JobView) -> list[Start | Reallocate | Stop]:
+def _start(view: JobView) -> list[Owed]:
     """The current generation, while a member of its world has not shown it knows it."""
     mark = view.generation_mark
     if view.state is not JobState.RUNNING or mark is None:
@@ -79,16 +107,20 @@ def _start(view: JobView) -> list[Start | Reallocate | Stop]:
     members = view.members
     if all(m in members and members[m].generation >= view.generation for m in view.world):
         return []
+    start_id = decision_id(view.job_id, f"start/{view.generation}")
     return [
-        Start.model_construct(
-            command_id=uuid.UUID(decision_id(view.job_id, f"start/{view.generation}")),
-            job_id=view.job_id,
-            decision_position=mark.position,
-            issued_at=mark.at,
-            generation=view.generation,
-            world=list(view.world),
-            placement=[list(h) for h in view.placement],
-            rendezvous=view.rendezvous,
-            endpoints=_endpoints(view, view.world),
+        Owed(
+            start_id,
+            lambda: Start.model_construct(
+                command_id=uuid.UUID(start_id),
+                job_id=view.job_id,
+                decision_position=mark.position,
+                issued_at=mark.at,
+                generation=view.generation,
+                world=list(view.world),
+                placement=[list(h) for h in view.placement],
+                rendezvous=view.rendezvous,
+                endpoints=_endpoints(view, view.world),
+            ),
         )
     ]

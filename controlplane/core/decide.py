@@ -280,7 +280,7 @@ class _Round:
 
     def _slots(self, members: Iterable[str]) -> list[Slot]:
         ms = self.view.members
-        return [Slot(m, ms[m].node, ms[m].rack) for m in members]
+        return [Slot(m, (member := ms[m]).node, member.rack) for m in members]
 
     def _rendezvous(self, generation: int) -> str:
         base = self.context.rendezvous.rstrip("/")

@@ -18,7 +18,12 @@ from schemas.common import FaultKind, FaultReason, Phase
 #: Faults a member reports about itself: it cannot go on.
 SELF_FAULTS = frozenset({FaultKind.EXCEPTION, FaultKind.OOM, FaultKind.NAN_LOSS, FaultKind.OTHER})
 #: Faults a member reports about peers (named as suspects).
-PEER_FAULTS = frozenset({FaultKind.COLLECTIVE_ERROR, FaultKind.TIMEOUT})
+PEER_FAULTS = frozenset({FaultKind.COLLECTIVE_ERROR, FaultKind.TIMEOUT, FaultKind.RESTORE_FAILED})
+_WHERE: dict[str, str] = {
+    FaultKind.COLLECTIVE_ERROR: "in a collective",
+    FaultKind.TIMEOUT: "in a collective",
+    FaultKind.RESTORE_FAILED: "while restoring from it",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,9 +115,8 @@ def detect(view: JobView, now: datetime) -> list[Finding]:
                     Finding(
                         suspect_id,
                         FaultReason.REPORTED,
-                        f"{reporter.member_id} lost {suspect_id} in a collective: {report.detail}"[
-                            :4096
-                        ],
+                        f"{reporter.member_id} lost {suspect_id} {_WHERE[report.kind]}:"
+                        f" {report.detail}"[:4096],
                         ((reporter.member_id, "member.fault", report.position, report.at),),
                     ),
                 )

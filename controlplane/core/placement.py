@@ -23,14 +23,15 @@ from __future__ import annotations
 import heapq
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 #: Shortfalls spelled out in a placement note before the rest are only counted.
 _NOTE_DETAILS = 8
 
 
-@dataclass(frozen=True, slots=True)
-class Slot:
-    """A member of the world and where it runs."""
+class Slot(NamedTuple):
+    """A member of the world and where it runs (a tuple: a world of them is built on every
+    decision, and a tuple costs about half what a frozen dataclass does to make)."""
 
     member: str
     node: str
@@ -155,19 +156,23 @@ def place(
     """
     if redundancy < 0:
         raise ValueError("redundancy must be >= 0")
-    members = [s.member for s in world]
+    # Columns of the world, transposed in C (a world is a sequence of tuples).
+    members, nodes, racks = (list(c) for c in zip(*world, strict=True)) if world else ([], [], [])
     index = {m: i for i, m in enumerate(members)}
     if len(index) != len(members):
         raise ValueError("a member appears twice in the world")
+    multi_rack = len(set(racks)) > 1
     kept = _kept(
-        world,
+        members,
+        nodes,
+        racks,
         index,
         redundancy=redundancy,
         previous=previous or {},
         substitute=substitute or {},
+        multi_rack=multi_rack,
     )
     loads: _Loads | None = None  # built on the first shard that needs a holder
-    multi_rack = len({s.rack for s in world}) > 1
     shortfalls: list[str] = []
     holders: list[tuple[str, ...]] = []
     for r, entry in enumerate(kept):
@@ -198,12 +203,15 @@ def _load(
 
 
 def _kept(
-    world: Sequence[Slot],
+    members: Sequence[str],
+    nodes: Sequence[str],
+    racks: Sequence[str],
     index: Mapping[str, int],
     *,
     redundancy: int,
     previous: Mapping[str, Sequence[str]],
     substitute: Mapping[str, str],
+    multi_rack: bool,
 ) -> list[tuple[str, ...] | list[int]]:
     """Per rank, the previous holders that remain valid: in the world, not the owner, not on
     its node, and not leaving every copy in the owner's rack while other racks exist.
@@ -212,18 +220,17 @@ def _kept(
     its holders as they were (a tuple of names); the others get the indices kept (a list).
     """
     if not previous or redundancy == 0:
-        return [[] for _ in world]
+        return [[] for _ in members]
     origin = {new: old for old, new in substitute.items()}
     renamed = set(substitute)
     present = set(index)
-    nodes = [s.node for s in world]
-    racks = [s.rack for s in world]
-    multi_rack = len(set(racks)) > 1
     out: list[tuple[str, ...] | list[int]] = []
-    for r, owner in enumerate(world):
-        name = owner.member
+    append = out.append
+    empty: tuple[str, ...] = ()
+    # The common case first, and cheap: one lookup and three set tests per rank.
+    for r, name in enumerate(members):
         was = origin.get(name)
-        before = previous.get(name if was is None else was, ())
+        before = previous.get(name if was is None else was, empty)
         if (
             was is None
             and len(before) == redundancy
@@ -231,7 +238,7 @@ def _kept(
             and present.issuperset(before)
             and renamed.isdisjoint(before)
         ):
-            out.append(tuple(before))
+            append(before if isinstance(before, tuple) else tuple(before))
             continue
         node, rack = nodes[r], racks[r]
         chosen: list[int] = []
@@ -246,7 +253,7 @@ def _kept(
             elsewhere = elsewhere or racks[i] != rack
         if multi_rack and chosen and not elsewhere:
             chosen.pop()  # the refill goes to another rack
-        out.append(chosen)
+        append(chosen)
     return out
 
 

@@ -5,19 +5,36 @@ records as the decisions' ``emitted_at``, and appends them as one batch behind t
 (optimistic concurrency makes sure nothing came in between). So for each recorded batch of
 decisions, the view folded from every earlier event of the job, and ``decide`` at the batch's
 ``emitted_at``, must give the same events, ids included. Pure: the log is an argument.
+
+``counterfactual(log, overrides)`` asks what the decider would have decided under another
+policy (see the comment above it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import heapq
+import itertools
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timedelta
 from typing import Any
 
-from controlplane.core.decide import Context, Decided, decide
+from controlplane.core.decide import Context, Decided, decide, envelope, next_deadline
 from controlplane.core.fold import fold
 from controlplane.core.records import StoredEvent
-from controlplane.core.view import JobView
-from schemas.common import CONTROLPLANE_SOURCE
+from controlplane.core.timeline import timeline
+from controlplane.core.view import Incident, JobView
+from schemas.common import CONTROLPLANE_SOURCE, Phase
+from schemas.events import (
+    EnvelopeBase,
+    FaultDetected,
+    GenerationStarted,
+    JobPolicy,
+    JobRegistered,
+    MemberJoined,
+    ReallocationIssued,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,3 +119,432 @@ def _comparable_recorded(batch: Sequence[StoredEvent]) -> list[tuple[str, str, A
 
 def _comparable_decided(batch: Sequence[Decided]) -> list[tuple[str, str, Any]]:
     return [(d.event_id, d.type, d.payload.model_dump(mode="json")) for d in batch]
+
+
+# --------------------------------------------------------------------------- counterfactual
+#
+# What would the decider have decided under another policy? The recorded decisions are
+# dropped and the decider runs over the members' events alone, as the service runs it: after
+# each batch of member events (events recorded at one time, at that time) and just after each
+# of its deadlines (``next_deadline`` + ``DEADLINE_TICK``, as the service wakes), with the
+# job's policy changed by the overrides.
+#
+# The members' events are what they did under the recorded decisions. Each belongs to the
+# generation whose decision it answers: its envelope's generation, the one it restores or
+# resumes, the one of the command it acks. Those of a generation g the recording started are
+# replayed relative to when the counterfactual starts generation g: shifted by (its start -
+# the recorded start), and not at all when it never does. The others (generation 0: joins,
+# what came before the first start) are replayed at their recorded times. So a decision
+# taken 3 s later is answered 3 s later, and the members of a world that waits for that
+# decision are silent in between. This is exact up to the first decision that differs;
+# after it, it is a model: the members answer as they answered the recorded decision of the
+# same generation (the same command id: ids derive from the generation), whatever the
+# counterfactual decided.
+
+#: The counterfactual decider runs this long after a deadline, as the service wakes (at the
+#: deadline itself detection finds nothing: it compares "silent > timeout").
+DEADLINE_TICK = timedelta(milliseconds=1)
+#: Shorthand override: ``heartbeat_timeout=X`` sets the train phase's heartbeat timeout (the
+#: phase a training rank is in; the others keep theirs), ``heartbeat_timeout.PHASE=X`` one
+#: phase's (init, train, backup, restore, waiting).
+HEARTBEAT_TIMEOUT = "heartbeat_timeout"
+_COUNTERFACTUAL_INCARNATION = "counterfactual"
+
+
+class PolicyError(ValueError):
+    """Overrides that do not make a valid policy (an unknown key, a bad value)."""
+
+
+def policy_keys() -> list[str]:
+    """Every key ``override_policy`` accepts."""
+    phases = [f"{HEARTBEAT_TIMEOUT}.{p.value}" for p in Phase]
+    return [*JobPolicy.model_fields, HEARTBEAT_TIMEOUT, *phases]
+
+
+def override_policy(policy: JobPolicy, overrides: Mapping[str, object]) -> JobPolicy:
+    """``policy`` with the fields in ``overrides`` replaced, validated as a ``JobPolicy``.
+
+    Keys are the policy's fields (``redundancy``, ``recovery_deadline_s``, …;
+    ``heartbeat_timeout_s`` replaces the whole per-phase map, where a phase left out falls
+    back to ``train``), plus ``heartbeat_timeout`` (the train phase's timeout) and
+    ``heartbeat_timeout.PHASE`` (one phase's), applied after the fields. Values are what JSON
+    gives (numbers, strings, objects); an unknown key or a bad value raises ``PolicyError``.
+    """
+    data = policy.model_dump(mode="json", by_alias=True)
+    phases: dict[str, object] = {}
+    known = set(JobPolicy.model_fields)
+    for key, value in overrides.items():
+        name, dot, phase = key.partition(".")
+        if name == HEARTBEAT_TIMEOUT:
+            phase = phase if dot else Phase.TRAIN.value
+            if phase not in {p.value for p in Phase}:
+                raise PolicyError(
+                    f"unknown phase {phase!r} in {key!r}: one of"
+                    f" {', '.join(p.value for p in Phase)}"
+                )
+            phases[phase] = value
+        elif dot or name not in known:
+            raise PolicyError(
+                f"unknown policy key {key!r}: the keys are {', '.join(policy_keys())}"
+            )
+        else:
+            data[name] = value
+    if phases:
+        timeouts = data.get("heartbeat_timeout_s")
+        data["heartbeat_timeout_s"] = {
+            **(timeouts if isinstance(timeouts, dict) else {}),
+            **phases,
+        }
+    try:
+        text = json.dumps(data, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise PolicyError(f"policy: {exc}") from None
+    try:
+        return JobPolicy.model_validate_json(text)
+    except ValueError as exc:  # pydantic's ValidationError (the core does not import pydantic)
+        errors = exc.errors(include_url=False) if hasattr(exc, "errors") else []
+        if not errors:
+            raise PolicyError(f"policy: {exc}") from None
+        first = errors[0]
+        where = ".".join(str(p) for p in first["loc"]) or "policy"
+        more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
+        raise PolicyError(f"policy {where}: {first['msg']}{more}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class IncidentFacts:
+    """What a side-by-side comparison shows of one incident (times of the log it is from)."""
+
+    incident_id: str
+    kind: str
+    members: tuple[str, ...]
+    #: Why it was detected: the ``reason`` of each of its ``fault.detected``, in order.
+    reasons: tuple[str, ...]
+    #: The earliest evidence (the fault itself), else the detection.
+    fault_at: datetime
+    detected_at: datetime
+    decided_at: datetime | None
+    #: The last decision: mode, generation, world, restore step and its source.
+    mode: str | None
+    generation: int | None
+    world: tuple[str, ...]
+    restore_step: int | None
+    restore_from: str | None
+    first_step_at: datetime | None
+    downtime_s: float | None
+    steps_lost: int | None
+    outcome: str | None
+    decisions: int
+
+    @property
+    def decision(self) -> str | None:
+        """The last decision in words, e.g. ``shrink to 3 (gen 3), restore step 75 (memory)``."""
+        if self.mode is None:
+            return None
+        return (
+            f"{self.mode} to {len(self.world)} (gen {self.generation}), restore step"
+            f" {self.restore_step} ({self.restore_from})"
+        )
+
+
+def incident_facts(incident: Incident, reasons: Sequence[str] = ()) -> IncidentFacts:
+    """The facts of one incident of a folded view."""
+    line = timeline(incident)
+    fault, detected = line.points["fault"], line.points["detected"]
+    first_step = line.points["first_step"]
+    decision = incident.decisions[-1] if incident.decisions else None
+    assert fault is not None and detected is not None
+    return IncidentFacts(
+        incident_id=incident.incident_id,
+        kind=incident.kind,
+        members=tuple(incident.members),
+        reasons=tuple(reasons),
+        fault_at=fault.at,
+        detected_at=detected.at,
+        decided_at=decision.at if decision is not None else None,
+        mode=decision.mode.value if decision is not None else None,
+        generation=decision.generation if decision is not None else None,
+        world=decision.world if decision is not None else (),
+        restore_step=decision.restore_step if decision is not None else None,
+        restore_from=decision.restore_from.value if decision is not None else None,
+        first_step_at=first_step.at if first_step is not None else None,
+        downtime_s=incident.downtime_s if incident.downtime_s is not None else line.downtime_s,
+        steps_lost=incident.steps_lost if incident.steps_lost is not None else line.steps_lost,
+        outcome=incident.outcome,
+        decisions=len(incident.decisions),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Counterfactual:
+    """The recorded job and the same job re-decided under another policy."""
+
+    job_id: str
+    overrides: Mapping[str, object]
+    #: The policy the recording registered (None: it registered none).
+    recorded_policy: JobPolicy | None
+    #: The policy the counterfactual decider registered.
+    policy: JobPolicy
+    recorded: JobView
+    replayed: JobView
+    recorded_incidents: tuple[IncidentFacts, ...]
+    incidents: tuple[IncidentFacts, ...]
+    #: The counterfactual decisions (positions of the counterfactual log).
+    decisions: tuple[StoredEvent, ...]
+    #: Member events replayed, and those never replayed: they answered recorded decisions
+    #: (of a generation) that the counterfactual never made.
+    member_events: int
+    unplayed: int
+    notes: tuple[str, ...] = ()
+
+    def pairs(self) -> list[tuple[IncidentFacts | None, IncidentFacts | None]]:
+        """Recorded and counterfactual incidents side by side, the n-th with the n-th."""
+        return list(itertools.zip_longest(self.recorded_incidents, self.incidents))
+
+
+@dataclass(order=True, slots=True)
+class _Due:
+    """A member event due at ``at`` in the counterfactual (``order``: its recorded position)."""
+
+    at: datetime
+    order: int
+    stored: StoredEvent = field(compare=False)
+
+
+def _script_generation(event: EnvelopeBase, commands: Mapping[str, int]) -> int:
+    """The generation whose decision ``event`` answers (0: none): its envelope's generation,
+    the one its payload restores or resumes, or the one of the command it acks."""
+    generation = event.generation
+    payload = event.payload
+    if event.type in ("restore.completed", "train.resumed"):
+        generation = max(generation, payload.generation)
+    elif event.type == "command.acked":
+        generation = max(generation, commands.get(str(payload.command_id), 0))
+    return generation
+
+
+class _Replay:
+    """The counterfactual's log, view and clock, with member events due by time."""
+
+    def __init__(
+        self,
+        *,
+        job_id: str,
+        policy: JobPolicy,
+        context: Context,
+        tick: timedelta,
+        scripts: dict[int, list[StoredEvent]],
+        recorded_starts: Mapping[int, datetime],
+    ) -> None:
+        self.job_id = job_id
+        self.policy = policy
+        self.context = context
+        self.tick = tick
+        self.scripts = scripts
+        self.recorded_starts = recorded_starts
+        self.due: list[_Due] = []
+        self.view: JobView | None = None
+        self.position = 0
+        self.seq = 0
+        self.clock: datetime | None = None
+        self.decisions: list[StoredEvent] = []
+        self.reasons: dict[str, list[str]] = {}
+        self.played = 0
+
+    def schedule(self, at: datetime, stored: StoredEvent) -> None:
+        heapq.heappush(self.due, _Due(at, stored.position, stored))
+
+    def _started(self, generation: int, at: datetime) -> None:
+        """The counterfactual started ``generation`` at ``at``: its script is now due."""
+        script = self.scripts.pop(generation, None)
+        if not script:
+            return
+        shift = at - self.recorded_starts[generation]
+        for stored in script:
+            # Never before the decision it answers (an event recorded ahead of its start).
+            self.schedule(max(stored.recorded_at + shift, at), stored)
+
+    def pending_scripts(self) -> bool:
+        """Recorded decisions of generations the counterfactual has not reached yet."""
+        current = self.view.generation if self.view is not None else 0
+        return any(g > current for g in self.scripts)
+
+    def fold(self, events: Sequence[EnvelopeBase], at: datetime) -> None:
+        stored = []
+        for event in events:
+            self.position += 1
+            stored.append(StoredEvent(self.position, at, event))
+        self.view = fold(self.view, stored)
+        self.clock = at
+
+    def decide(self, at: datetime) -> bool:
+        """Run the decider at ``at`` and record what it decides; True when it decided."""
+        view = self.view
+        if view is None:
+            return False
+        if view.policy is None and view.requested_policy != self.policy:
+            # The decider registers the policy the members asked for: ask for this one.
+            view = self.view = replace(view, requested_policy=self.policy)
+        decided = decide(view, at, self.context)
+        self.clock = at
+        if not decided:
+            return False
+        events = []
+        for d in decided:
+            self.seq += 1
+            events.append(envelope(self.job_id, d, at, self.seq, _COUNTERFACTUAL_INCARNATION))
+        first = self.position + 1
+        self.fold(events, at)
+        assert self.view is not None
+        for i, event in enumerate(events):
+            self.decisions.append(StoredEvent(first + i, at, event))
+            payload = event.payload
+            if isinstance(payload, FaultDetected):
+                self.reasons.setdefault(str(payload.incident_id), []).append(payload.reason.value)
+            elif isinstance(payload, GenerationStarted):
+                self._started(payload.generation, at)
+        return True
+
+    def deadlines(self, before: datetime | None, horizon: datetime) -> None:
+        """Run the decider just after each deadline due before ``before`` (None: after the
+        last member event: up to ``horizon``, or on while recorded decisions wait for the
+        counterfactual to make them); stop early when a decision makes member events due."""
+        while self.view is not None:
+            deadline = next_deadline(self.view)
+            if deadline is None:
+                return
+            at = max(deadline, self.clock or deadline) + self.tick
+            if before is not None and at >= before:
+                return
+            if before is None and at > horizon and not self.pending_scripts():
+                return
+            queued = len(self.due)
+            if not self.decide(at):
+                return  # a deadline is a lower bound: nothing more until the next event
+            if len(self.due) != queued:
+                return
+
+    def run(self, horizon: datetime) -> None:
+        while True:
+            before = self.due[0].at if self.due else None
+            queued = len(self.due)
+            self.deadlines(before, horizon)
+            if len(self.due) != queued:
+                continue  # a decision made member events due: maybe before ``before``
+            if not self.due:
+                return
+            at = self.due[0].at
+            batch = []
+            while self.due and self.due[0].at == at:
+                batch.append(heapq.heappop(self.due).stored.event)
+            self.played += len(batch)
+            self.fold(batch, at)
+            self.decide(at)
+
+
+def counterfactual(
+    log: Sequence[StoredEvent],
+    overrides: Mapping[str, object],
+    *,
+    context: Context | None = None,
+    tick: timedelta = DEADLINE_TICK,
+) -> Counterfactual:
+    """Re-decide one job's log (in position order) under its policy changed by ``overrides``
+    (see ``override_policy``), from the members' events alone; see the comment above."""
+    if not log:
+        raise ValueError("counterfactual of an empty log")
+    job_id = log[0].event.job_id
+    recorded_starts: dict[int, datetime] = {}
+    commands: dict[str, int] = {}
+    recorded_policy: JobPolicy | None = None
+    recorded_reasons: dict[str, list[str]] = {}
+    for stored in log:
+        event = stored.event
+        if event.job_id != job_id:
+            raise ValueError(f"the log holds jobs {job_id!r} and {event.job_id!r}: pick one")
+        if event.source != CONTROLPLANE_SOURCE:
+            continue
+        payload = event.payload
+        if isinstance(payload, GenerationStarted):
+            recorded_starts.setdefault(payload.generation, stored.recorded_at)
+        elif isinstance(payload, ReallocationIssued):
+            commands[str(payload.command_id)] = payload.generation
+        elif isinstance(payload, JobRegistered) and recorded_policy is None:
+            recorded_policy = payload.policy
+        elif isinstance(payload, FaultDetected):
+            recorded_reasons.setdefault(str(payload.incident_id), []).append(payload.reason.value)
+
+    members = [s for s in log if s.event.source != CONTROLPLANE_SOURCE]
+    notes: list[str] = []
+    requested = next(
+        (
+            s.event.payload.policy
+            for s in members
+            if isinstance(s.event.payload, MemberJoined) and s.event.payload.policy is not None
+        ),
+        None,
+    )
+    base = recorded_policy or requested or JobPolicy()
+    if recorded_policy is not None and requested is not None and recorded_policy != requested:
+        notes.append("the recorded registration's policy differs from the one the members"
+                     " asked for; the counterfactual starts from the recorded one")  # fmt: skip
+    if recorded_policy is None:
+        notes.append("the log has no job.registered: the counterfactual starts from the"
+                     " policy the members asked for, else the defaults")  # fmt: skip
+    policy = override_policy(base, overrides)
+    if context is None:
+        context = _first_context(log) or Context()
+
+    scripts: dict[int, list[StoredEvent]] = {}
+    replay = _Replay(
+        job_id=job_id,
+        policy=policy,
+        context=context,
+        tick=tick,
+        scripts=scripts,
+        recorded_starts=recorded_starts,
+    )
+    for stored in members:
+        generation = _script_generation(stored.event, commands)
+        if generation in recorded_starts:
+            scripts.setdefault(generation, []).append(stored)
+        else:  # before any decision, or of a generation the recording never started
+            replay.schedule(stored.recorded_at, stored)
+    # After the members' last event, deadlines run up to the log's end (and on while
+    # recorded answers wait for a decision the counterfactual has not made yet).
+    replay.run(horizon=max(s.recorded_at for s in log))
+    unplayed = sum(len(s) for s in scripts.values())
+    if unplayed:
+        notes.append(
+            f"{unplayed} member events answered recorded decisions of generations"
+            f" {sorted(scripts)} that the counterfactual never made: not replayed"
+        )
+    recorded = fold(None, log)
+    if replay.view is None:
+        raise ValueError("the log has no member events to re-decide")
+    return Counterfactual(
+        job_id=job_id,
+        overrides=dict(overrides),
+        recorded_policy=recorded_policy,
+        policy=policy,
+        recorded=recorded,
+        replayed=replay.view,
+        recorded_incidents=_facts(recorded, recorded_reasons),
+        incidents=_facts(replay.view, replay.reasons),
+        decisions=tuple(replay.decisions),
+        member_events=replay.played,
+        unplayed=unplayed,
+        notes=tuple(notes),
+    )
+
+
+def _facts(view: JobView, reasons: Mapping[str, list[str]]) -> tuple[IncidentFacts, ...]:
+    incidents = sorted(view.incidents.values(), key=lambda i: i.opened_position)
+    return tuple(incident_facts(i, reasons.get(i.incident_id, ())) for i in incidents)
+
+
+def _first_context(log: Sequence[StoredEvent]) -> Context | None:
+    for stored in log:
+        if stored.event.type == "generation.started":
+            return _recorded_context([stored])
+    return None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 
 from controlplane.core.records import DeadLetter, StoredEvent
@@ -40,6 +40,23 @@ class InMemoryEventStore:
         expected: JobHead | None = None,
         encoded: Sequence[bytes] | None = None,
     ) -> AppendResult:
+        return self._append(events, dead_letters, expected, encoded, None)
+
+    def import_events(self, events: Sequence[StoredEvent]) -> AppendResult:
+        """See ``EventStore.import_events``."""
+        recorded_at: dict[str, datetime] = {}
+        for stored in events:
+            recorded_at.setdefault(stored.event.event_id, stored.recorded_at)
+        return self._append([s.event for s in events], (), None, None, recorded_at)
+
+    def _append(
+        self,
+        events: Sequence[EnvelopeBase],
+        dead_letters: Sequence[DeadLetter],
+        expected: JobHead | None,
+        encoded: Sequence[bytes] | None,
+        recorded_at: Mapping[str, datetime] | None,
+    ) -> AppendResult:
         with self._lock:
             head = len(self._events)
             if expected is not None:
@@ -57,7 +74,8 @@ class InMemoryEventStore:
                 if event.event_id in self._ids:  # an event_id reused under a new seq
                     duplicates += 1
                     continue
-                stored.append(StoredEvent(head + len(stored) + 1, now, event))
+                at = now if recorded_at is None else recorded_at[event.event_id]
+                stored.append(StoredEvent(head + len(stored) + 1, at, event))
                 self._ids.add(event.event_id)
             added = 0
             for letter in [*dead_letters, *refused_letters(refused)]:

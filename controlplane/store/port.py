@@ -66,6 +66,18 @@ class EventStore(Protocol):
         """
         ...
 
+    def import_events(self, events: Sequence[StoredEvent]) -> AppendResult:
+        """Append events recorded by another log (an export), in the order given, keeping
+        each one's ``recorded_at`` (aware) so that times derived from them stay the same.
+
+        Everything else is ``append``'s: one transaction, event_ids already in the log are
+        skipped (counted as duplicates), the per-source sequence rules apply (refused events
+        become dead letters, gaps are recorded) and positions are this log's next ones; so a
+        complete export imported into an empty log keeps its positions. The positions of
+        ``events`` are not used.
+        """
+        ...
+
     def read(
         self,
         *,

@@ -8,7 +8,7 @@ rules, COPY the new rows, move the cursors and the head, record dead letters, co
 from __future__ import annotations
 
 import json
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
@@ -136,6 +136,20 @@ class PostgresEventStore:
         if not events and not dead_letters:
             return AppendResult()
         steps = _append_steps(events, dead_letters, expected, encoded)
+        with self._raw() as conn:
+            with conn.cursor() as cur:
+                result = _run_sync(cur, steps)
+            conn.commit()
+        return result
+
+    def import_events(self, events: Sequence[StoredEvent]) -> AppendResult:
+        """See ``EventStore.import_events``."""
+        if not events:
+            return AppendResult()
+        recorded_at: dict[str, datetime] = {}
+        for stored in events:
+            recorded_at.setdefault(stored.event.event_id, stored.recorded_at)
+        steps = _append_steps([s.event for s in events], (), None, None, recorded_at)
         with self._raw() as conn:
             with conn.cursor() as cur:
                 result = _run_sync(cur, steps)
@@ -270,7 +284,14 @@ def encode_row(event: EnvelopeBase) -> bytes:
     ).encode()
 
 
-def _copy_data(head: int, now: datetime, rows: Sequence[bytes]) -> bytes:
+def _copy_data(
+    head: int, now: datetime, rows: Sequence[bytes], stamps: Sequence[datetime] | None = None
+) -> bytes:
+    if stamps is not None:  # an import: each event keeps the time it was first recorded at
+        return b"".join(
+            b"%d\t%s\t%s\n" % (p, t.isoformat().encode(), r)
+            for p, (t, r) in enumerate(zip(stamps, rows, strict=True), start=head + 1)
+        )
     stamp = now.isoformat().encode()
     return b"".join(b"%d\t%s\t%s\n" % (p, stamp, r) for p, r in enumerate(rows, start=head + 1))
 
@@ -280,7 +301,10 @@ def _append_steps(
     dead_letters: Sequence[DeadLetter],
     expected: JobHead | None,
     encoded: Sequence[bytes] | None,
+    recorded_at: Mapping[str, datetime] | None = None,
 ) -> _Steps:
+    """The append transaction; with ``recorded_at`` (event_id -> time) an import that keeps
+    each event's original recording time instead of stamping the batch with ``now``."""
     row = yield _Query(_LOCK_HEAD, fetch="one")
     if row is None:
         raise SchemaNotMigrated("log_head is empty: run `elasticctl migrate` first")
@@ -314,9 +338,15 @@ def _append_steps(
         encoded_rows = [wire[i] for i in sequenced.accepted_at]
     else:
         encoded_rows = [encode_row(e) for e in accepted]
+
+    def stamps() -> list[datetime] | None:
+        return None if recorded_at is None else [recorded_at[e.event_id] for e in accepted]
+
     if accepted:
         yield _Query("SAVEPOINT append_copy")
-        outcome = yield _Copy(_COPY_EVENTS, _copy_data(head, now, encoded_rows), may_conflict=True)
+        outcome = yield _Copy(
+            _COPY_EVENTS, _copy_data(head, now, encoded_rows, stamps()), may_conflict=True
+        )
         if outcome is _CONFLICT:
             # An accepted event's id is in the log already (reused under a new seq): skip it.
             yield _Query("ROLLBACK TO SAVEPOINT append_copy")
@@ -327,9 +357,14 @@ def _append_steps(
             accepted = [accepted[i] for i in kept]
             encoded_rows = [encoded_rows[i] for i in kept]
             if accepted:
-                yield _Copy(_COPY_EVENTS, _copy_data(head, now, encoded_rows))
+                yield _Copy(_COPY_EVENTS, _copy_data(head, now, encoded_rows, stamps()))
         yield _Query(_MOVE_HEAD, (head + len(accepted),))
-    stored = [StoredEvent(head + i, now, e) for i, e in enumerate(accepted, start=1)]
+    times = stamps()
+    if times is None:
+        stored = [StoredEvent(head + i, now, e) for i, e in enumerate(accepted, start=1)]
+    else:
+        pairs = zip(times, accepted, strict=True)
+        stored = [StoredEvent(head + i, t, e) for i, (t, e) in enumerate(pairs, start=1)]
     if sequenced.cursors:
         jobs, sources, incarnations = (list(c) for c in zip(*sequenced.cursors, strict=True))
         values = sequenced.cursors.values()

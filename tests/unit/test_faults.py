@@ -4,15 +4,23 @@ from __future__ import annotations
 
 import pytest
 
-from rank_runtime.faults import FaultSpecError, RandomFaults, StepFault, claim, encode, from_env
+from rank_runtime.faults import (
+    RECOVER,
+    FaultSpecError,
+    RandomFaults,
+    StepFault,
+    claim,
+    encode,
+    from_env,
+)
 from rank_runtime.faults import parse as parse_fault
 
 
 def test_every_kind_parses_and_round_trips():
-    specs = ["crash@50:rank=1", "hang@7:rank=0", "slow@3:rank=2:1.5"]
+    specs = ["crash@50:rank=1", "hang@7:rank=0", "slow@3:rank=2:1.5", "crash@recover:rank=3"]
     parsed = [parse_fault(s) for s in specs]
     assert parsed == [StepFault("crash", 50, 1), StepFault("hang", 7, 0),
-                      StepFault("slow", 3, 2, 1.5)]  # fmt: skip
+                      StepFault("slow", 3, 2, 1.5), StepFault("crash", RECOVER, 3)]  # fmt: skip
     assert encode([p for p in parsed if isinstance(p, StepFault)]) == ",".join(specs)
     assert from_env({"ELASTIC_FAULTS": ",".join(specs)}) == parsed
     assert parse_fault("random:every=30:seed=4") == RandomFaults(30.0, 4)
@@ -27,6 +35,7 @@ def test_every_kind_parses_and_round_trips():
         ("crash@3:rank=1:2", "only a slow step"),
         ("random:every=0", "every must be > 0"),
         ("explode@1:rank=0", "expected crash@STEP"),
+        ("hang@recover:rank=0", "only a crash can fire on recovery"),
     ],
 )
 def test_bad_specs_say_what_is_expected(spec, says):

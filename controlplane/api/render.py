@@ -1,0 +1,238 @@
+"""Job views as API responses (``schemas.api``): pure functions of a folded view."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime
+
+from controlplane.core.decide import natural_key
+from controlplane.core.timeline import PHASES, POINTS, timeline
+from controlplane.core.view import Decision, Incident, JobView, Member, StepBackup
+from schemas.api import (
+    BackupOut,
+    Cluster,
+    DecisionOut,
+    IncidentSummary,
+    IncidentTimeline,
+    JobDetail,
+    JobSummary,
+    LossCurve,
+    LossPoint,
+    MemberOut,
+    PhaseOut,
+    ShardOut,
+    StateChangeOut,
+    TimelinePoint,
+)
+
+
+@dataclass(slots=True)
+class StepLoss:
+    """The losses reported at one step by the newest generation that reported it."""
+
+    generation: int
+    total: float
+    count: int
+    #: When the last of those reports was recorded.
+    at: datetime
+
+    def add(self, generation: int, loss: float, at: datetime) -> None:
+        """Count one report; a newer generation replaces what older ones reported."""
+        if generation > self.generation:
+            self.generation, self.total, self.count, self.at = generation, loss, 1, at
+        elif generation == self.generation:
+            self.total += loss
+            self.count += 1
+            self.at = max(self.at, at)
+
+
+def _summary_fields(view: JobView) -> dict[str, object]:
+    return {
+        "job_id": view.job_id,
+        "name": view.name,
+        "state": view.state,
+        "generation": view.generation,
+        "world_size": len(view.world),
+        "last_step": view.last_step,
+        "last_loss": view.last_loss,
+        "incidents": len(view.incidents),
+        "open_incident": view.open_incident,
+        "events": view.events,
+        "last_position": view.last_position,
+        "registered_at": view.registered_at,
+        "last_event_at": view.last_recorded_at,
+    }
+
+
+def job_summary(view: JobView) -> JobSummary:
+    """One row of ``GET /jobs``."""
+    return JobSummary.model_validate(_summary_fields(view))
+
+
+def job_detail(view: JobView) -> JobDetail:
+    """``GET /jobs/{job}``: the summary, the policy and the state-machine history."""
+    return JobDetail.model_validate(
+        {
+            **_summary_fields(view),
+            "policy": view.policy.model_dump(mode="json") if view.policy is not None else None,
+            "completed_step": view.completed_step,
+            "history": [
+                StateChangeOut(
+                    position=c.position,
+                    at=c.at,
+                    from_state=c.from_state,
+                    to_state=c.to_state,
+                    reason=c.reason,
+                )
+                for c in view.history
+            ],
+        }
+    )
+
+
+def _incident_fields(incident: Incident) -> dict[str, object]:
+    derived = timeline(incident)
+    return {
+        "incident_id": incident.incident_id,
+        "kind": incident.kind,
+        "opened_at": incident.opened_at,
+        "opened_position": incident.opened_position,
+        "members": list(incident.members),
+        "reasons": list(incident.reasons),
+        "outcome": incident.outcome,
+        "downtime_s": (
+            incident.downtime_s if incident.downtime_s is not None else derived.downtime_s
+        ),
+        "steps_lost": (
+            incident.steps_lost if incident.steps_lost is not None else derived.steps_lost
+        ),
+        "decisions": len(incident.decisions),
+    }
+
+
+def incident_summary(incident: Incident) -> IncidentSummary:
+    """One row of ``GET /jobs/{job}/incidents``."""
+    return IncidentSummary.model_validate(_incident_fields(incident))
+
+
+def _decision(decision: Decision) -> DecisionOut:
+    return DecisionOut(
+        position=decision.position,
+        at=decision.at,
+        command_id=decision.command_id,
+        generation=decision.generation,
+        mode=decision.mode,
+        world=list(decision.world),
+        restore_step=decision.restore_step,
+        restore_from=decision.restore_from,
+        reason=decision.reason,
+    )
+
+
+def incident_timeline(incident: Incident) -> IncidentTimeline:
+    """``GET /jobs/{job}/incidents/{incident}``: points (by log position), phases, decisions."""
+    derived = timeline(incident)
+    points = [
+        TimelinePoint(name=name, position=mark.position, at=mark.at)
+        for name in POINTS
+        if (mark := derived.points[name]) is not None
+    ]
+    phases = [
+        PhaseOut(name=phase, start=start, end=end, seconds=derived.phases[phase])
+        for phase, (start, end) in zip(PHASES, itertools.pairwise(POINTS), strict=True)
+    ]
+    return IncidentTimeline.model_validate(
+        {
+            **_incident_fields(incident),
+            "points": points,
+            "phases": phases,
+            "step_at_fault": incident.step_at_fault,
+            "resolved_at": incident.resolved_at,
+            "resolved_position": incident.resolved_position,
+            "detections": list(incident.detections),
+            "history": [_decision(d) for d in incident.decisions],
+        }
+    )
+
+
+def member_out(member: Member) -> MemberOut:
+    """A member as ``GET /jobs/{job}/cluster`` describes it."""
+    return MemberOut(
+        member_id=member.member_id,
+        node=member.node,
+        rack=member.rack,
+        host=member.host,
+        role=member.role,
+        status=member.status.value,
+        rank=member.rank,
+        phase=member.phase,
+        step=member.step,
+        last_heartbeat_at=member.last_heartbeat_at,
+        joined_at=member.joined_at,
+        failed_reason=member.failed_reason,
+    )
+
+
+def _backup(backup: StepBackup, redundancy: int) -> BackupOut:
+    return BackupOut(
+        step=backup.step,
+        generation=backup.generation,
+        complete=backup.is_complete(redundancy),
+        shards=[
+            ShardOut(
+                shard=s.shard,
+                owner=s.owner,
+                nbytes=s.nbytes,
+                verified_holders=s.verified_holders(),
+            )
+            for _, s in sorted(backup.shards.items())
+        ],
+    )
+
+
+def _topology(members: Iterable[Member]) -> dict[str, dict[str, list[str]]]:
+    """rack -> node -> members, each level in natural order (rack2 before rack10)."""
+    grouped: dict[str, dict[str, list[str]]] = {}
+    for m in members:
+        grouped.setdefault(m.rack, {}).setdefault(m.node, []).append(m.member_id)
+    return {
+        rack: {
+            node: sorted(grouped[rack][node], key=natural_key)
+            for node in sorted(grouped[rack], key=natural_key)
+        }
+        for rack in sorted(grouped, key=natural_key)
+    }
+
+
+def cluster(view: JobView) -> Cluster:
+    """``GET /jobs/{job}/cluster``: members, topology, backups and state."""
+    redundancy = view.effective_policy.redundancy
+    return Cluster(
+        job_id=view.job_id,
+        state=view.state,
+        generation=view.generation,
+        world=list(view.world),
+        rendezvous=view.rendezvous,
+        placement=[list(holders) for holders in view.placement],
+        placement_note=view.placement_note,
+        members=[member_out(m) for m in view.members.values()],
+        topology=_topology(view.members.values()),
+        backups=[_backup(b, redundancy) for _, b in sorted(view.backups.items())],
+        last_complete_backup=view.last_complete_backup,
+    )
+
+
+def loss_curve(view: JobView, losses: Mapping[int, StepLoss]) -> LossCurve:
+    """``GET /jobs/{job}/loss``: the mean loss by step and the step each fault opened at
+    (growth incidents are no faults)."""
+    return LossCurve(
+        points=[
+            LossPoint(step=step, loss=s.total / s.count, at=s.at)
+            for step, s in sorted(losses.items())
+        ],
+        faults={
+            i.incident_id: i.step_at_fault for i in view.incidents.values() if i.kind == "fault"
+        },
+    )

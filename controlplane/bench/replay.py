@@ -1,0 +1,131 @@
+"""``elasticctl bench replay``: rebuild a job's view from a JSONL log file, in events/s.
+
+Writes a synthetic job's log (``controlplane.synth.SyntheticJob``: joins, heartbeats, steps,
+backups and their replicas) through the log file writer, then times what ``elasticctl
+replay`` does with it: read the lines, validate each envelope with the schemas, fold into the
+job's view. Prints one JSON object: ``events``, ``seconds`` and ``events_per_s`` (the median
+of three runs), with the read+validate and fold parts measured on their own as well.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from controlplane.core.fold import fold
+from controlplane.core.records import StoredEvent
+from controlplane.postmortem.logfile import encode_line, read_log
+from controlplane.postmortem.replay import FOLD_CHUNK, relaxed_gc, replay_log
+from controlplane.synth import SyntheticJob
+from schemas.common import CONTROLPLANE_SOURCE
+from schemas.events import EVENT_ADAPTER
+
+RUNS = 3
+#: Events held in memory to time the fold on its own.
+FOLD_ONLY = 200_000
+
+
+def write_synthetic_log(path: Path, *, events: int, members: int) -> int:
+    """Write ``events`` stored events of a synthetic job to ``path``; return the bytes."""
+    job = SyntheticJob(
+        "job-bench", members=members, racks=4, nodes_per_rack=max(1, members // 16), seed=1
+    )
+    running = job.envelope(
+        CONTROLPLANE_SOURCE,
+        "job.state_changed",
+        {"from": "PENDING", "to": "RUNNING", "reason": "synthetic"},
+    )
+    envelopes = itertools.islice(
+        itertools.chain(
+            job.controlplane_events(), [running], job.member_events(max(events - 3, 0))
+        ),
+        events,
+    )
+    with path.open("wb") as out:
+        for position, envelope in enumerate(envelopes, start=1):
+            event = EVENT_ADAPTER.validate_python(envelope, strict=False)
+            # Recorded a little after it was emitted, as by an ingest.
+            recorded = event.emitted_at + timedelta(milliseconds=2)
+            out.write(encode_line(StoredEvent(position, recorded, event)))
+    return path.stat().st_size
+
+
+def _timed(fn: Any) -> tuple[float, float, Any]:
+    wall, cpu = time.perf_counter(), time.process_time()
+    result = fn()
+    return time.perf_counter() - wall, time.process_time() - cpu, result
+
+
+def run_replay_bench(*, events: int, members: int = 64, progress: bool = False) -> dict[str, Any]:
+    """Measure the replay of a ``events``-event log file; see the module docstring."""
+
+    def say(message: str) -> None:
+        if progress:
+            print(message, file=sys.stderr, flush=True)
+
+    with tempfile.TemporaryDirectory(prefix="bench-replay-") as tmp:
+        path = Path(tmp) / "log.jsonl"
+        say(f"writing {events} events to {path} ...")
+        started = time.perf_counter()
+        size = write_synthetic_log(path, events=events, members=members)
+        say(f"written: {size / 1e6:.1f} MB in {time.perf_counter() - started:.1f}s")
+
+        def replay() -> Any:
+            with path.open("rb") as stream, relaxed_gc():
+                return replay_log(read_log(stream, source=str(path)), chunk=FOLD_CHUNK)
+
+        def read_only() -> int:
+            count = 0
+            with path.open("rb") as stream, relaxed_gc():
+                for _ in read_log(stream):
+                    count += 1
+            return count
+
+        runs = []
+        for n in range(RUNS):
+            wall, cpu, replayed = _timed(replay)
+            runs.append((wall, cpu))
+            say(f"run {n + 1}: {replayed.events} events in {wall:.2f}s"
+                f" ({replayed.events / wall:,.0f}/s)")  # fmt: skip
+        assert replayed.events == events, (replayed.events, events)
+        view = replayed.view
+        read_wall = statistics.median(_timed(read_only)[0] for _ in range(RUNS))
+        # The fold alone, over events already in memory (as bench ingest measures it; at most
+        # FOLD_ONLY of them, to bound the memory).
+        with path.open("rb") as stream:
+            stored = list(itertools.islice(read_log(stream), FOLD_ONLY))
+        fold_walls = []
+        with relaxed_gc():
+            for _ in range(RUNS):
+                fold_walls.append(_timed(lambda: _fold_chunks(stored))[0])
+    seconds = statistics.median(w for w, _ in runs)
+    cpu_s = statistics.median(c for _, c in runs)
+    return {
+        "events": events,
+        "members": members,
+        "seconds": round(seconds, 6),
+        "events_per_s": round(events / seconds, 1),
+        "cpu_seconds": round(cpu_s, 3),
+        "cpu_events_per_s": round(events / cpu_s, 1) if cpu_s > 0 else None,
+        "runs_s": [round(w, 3) for w, _ in runs],
+        "file_bytes": size,
+        "mb_per_s": round(size / seconds / 1e6, 1),
+        "read_events_per_s": round(events / read_wall, 1),
+        "fold_events_per_s": round(len(stored) / statistics.median(fold_walls), 1),
+        "state": view.state.value,
+        "last_step": view.last_step,
+        "cpus": os.cpu_count(),
+    }
+
+
+def _fold_chunks(stored: list[StoredEvent]) -> None:
+    view = None
+    for i in range(0, len(stored), FOLD_CHUNK):
+        view = fold(view, stored[i : i + FOLD_CHUNK])

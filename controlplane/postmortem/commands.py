@@ -1,0 +1,267 @@
+"""The bodies of ``elasticctl export``, ``import``, ``replay`` and ``timeline`` (``cli.py``
+declares their options). Errors a user can fix raise ``CommandError``; progress goes to
+stderr (rich) when stderr is a terminal or when asked for."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import IO, Any, BinaryIO
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskProgressColumn,
+    TextColumn,
+    TimeRemainingColumn,
+)
+
+from controlplane.core.fold import fold
+from controlplane.core.replay import PolicyError, counterfactual
+from controlplane.errors import ControlPlaneError, SchemaNotMigrated
+from controlplane.postmortem import report
+from controlplane.postmortem.logfile import LogFormatError, read_log
+from controlplane.postmortem.replay import (
+    FOLD_CHUNK,
+    ReplayError,
+    job_events,
+    parse_overrides,
+    parse_until,
+    relaxed_gc,
+    replay_log,
+)
+from controlplane.postmortem.transfer import ImportSummary, export_log, import_log
+
+
+class CommandError(Exception):
+    """A failure to report in one line, with the exit status to leave with."""
+
+    def __init__(self, message: str, code: int = 2) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def progress_console(wanted: bool) -> Console | None:
+    """A console on stderr for progress bars, when stderr is a terminal or ``wanted``."""
+    if wanted or sys.stderr.isatty():
+        return Console(stderr=True)
+    return None
+
+
+@contextmanager
+def progress_bar(
+    console: Console | None, description: str, total: float | None, *, count: bool = False
+) -> Iterator[Callable[[float], None]]:
+    """A callable that sets how far the task is (``completed``); a no-op without a console."""
+    if console is None:
+        yield lambda completed: None
+        return
+    columns = [TextColumn("{task.description}"), BarColumn(), TaskProgressColumn()]
+    if count:
+        columns.append(MofNCompleteColumn())
+    with Progress(*columns, TimeRemainingColumn(), console=console) as bar:
+        task = bar.add_task(description, total=total)
+        yield lambda completed: bar.update(task, completed=completed)
+        if total is not None:
+            bar.update(task, completed=total)
+
+
+def _stdout_console() -> Console:
+    """Tables on stdout: the terminal's width, or a wide page when piped."""
+    return Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+
+
+def _open_store(database_url: str) -> Any:
+    from controlplane.store import migrate
+    from controlplane.store.postgres import PostgresEventStore, make_engine
+
+    engine = make_engine(database_url, pool_size=1)
+    try:
+        migrate.check_schema(engine)
+    except SchemaNotMigrated as exc:
+        engine.dispose()
+        raise CommandError(str(exc)) from exc
+    except ControlPlaneError as exc:
+        engine.dispose()
+        raise CommandError(f"database: {exc}") from exc
+    except Exception as exc:  # the driver's connection errors, worded by it
+        engine.dispose()
+        reason = getattr(exc, "orig", None) or exc
+        raise CommandError(f"database: {str(reason).strip()}") from exc
+    return PostgresEventStore(engine)
+
+
+def export(
+    database_url: str,
+    out: BinaryIO,
+    *,
+    job_id: str | None,
+    after: int,
+    show_progress: bool,
+) -> dict[str, Any]:
+    """Write the log (of one job, or every job) after ``after`` to ``out``."""
+    store = _open_store(database_url)
+    console = progress_console(show_progress)
+    try:
+        head = store.last_position()
+        with progress_bar(console, "export", max(head - after, 0) or None) as advance:
+            summary = export_log(
+                store, out, job_id=job_id, after=after, progress=lambda p: advance(p - after)
+            )
+        out.flush()
+        if job_id is not None and summary.events == 0:
+            known = ", ".join(store.job_ids()[:10])
+            hint = f" (jobs in the log: {known})" if known else " (the log is empty)"
+            raise CommandError(f"no event of job {job_id!r} after position {after}{hint}", 1)
+    except ControlPlaneError as exc:
+        raise CommandError(f"export failed: {exc}", 1) from exc
+    finally:
+        store.close()
+    if console is not None:
+        console.print(
+            f"exported {summary.events} events (positions {summary.first_position}"
+            f"..{summary.last_position}) of {len(summary.jobs)} job(s)"
+        )
+    return summary.as_dict()
+
+
+@contextmanager
+def _lines(path: str) -> Iterator[tuple[IO[bytes], int | None]]:
+    """The file's binary stream and size; ``-`` is stdin."""
+    if path == "-":
+        yield sys.stdin.buffer, None
+        return
+    file = Path(path)
+    try:
+        stream = file.open("rb")
+    except OSError as exc:
+        raise CommandError(f"{path}: {exc.strerror or exc}") from exc
+    with stream:
+        yield stream, file.stat().st_size
+
+
+def import_(database_url: str, path: str, *, batch: int, show_progress: bool) -> ImportSummary:
+    """Import a log file into the database (idempotent: known event ids are skipped)."""
+    store = _open_store(database_url)
+    console = progress_console(show_progress)
+    try:
+        with ExitStack() as stack:
+            stream, size = stack.enter_context(_lines(path))
+            advance = stack.enter_context(progress_bar(console, "import", size))
+            read = [0]
+
+            def on_bytes(n: int) -> None:
+                read[0] += n
+                advance(read[0])
+
+            events = read_log(stream, source=path, progress=on_bytes)
+            return import_log(store, events, batch=batch)
+    except LogFormatError as exc:
+        raise CommandError(
+            f"{exc} (batches before it are imported; importing again after fixing the file"
+            " skips them)"
+        ) from exc
+    except ControlPlaneError as exc:
+        raise CommandError(f"import failed: {exc}", 1) from exc
+    finally:
+        store.close()
+
+
+def import_text(summary: ImportSummary) -> str:
+    kept = "kept" if summary.positions_kept else "renumbered (the log was not empty)"
+    text = (
+        f"imported {summary.imported} of {summary.read} events"
+        f", skipped {summary.duplicates} already in the log"
+    )
+    if summary.rejected:
+        text += f", {summary.rejected} refused by the sequence rules (dead letters)"
+    if summary.imported:
+        text += f"; positions {summary.first_position}..{summary.last_position}, {kept}"
+    return text
+
+
+def replay(
+    path: str,
+    *,
+    job_id: str | None,
+    until: str | None,
+    policy: str | None,
+    as_json: bool,
+    show_progress: bool,
+) -> None:
+    """Rebuild a job's view from a log file (to a point), or re-decide it under a policy."""
+    try:
+        point = parse_until(until) if until is not None else None
+        overrides = parse_overrides(policy) if policy is not None else None
+    except ReplayError as exc:
+        raise CommandError(str(exc)) from exc
+    console = progress_console(show_progress)
+    out = _stdout_console()
+    try:
+        with ExitStack() as stack:
+            stream, size = stack.enter_context(_lines(path))
+            advance = stack.enter_context(progress_bar(console, "replay", size))
+            stack.enter_context(relaxed_gc())
+            read = [0]
+
+            def on_bytes(n: int) -> None:
+                read[0] += n
+                advance(read[0])
+
+            events = read_log(stream, source=path, progress=on_bytes)
+            if overrides is None:
+                replayed = replay_log(events, job_id=job_id, until=point, chunk=FOLD_CHUNK)
+                if as_json:
+                    print(json.dumps(report.view_json(replayed)))
+                else:
+                    report.print_view(out, replayed)
+                return
+            log = job_events(events, job_id)
+            if isinstance(point, int):
+                log = [s for s in log if s.position <= point]
+            elif point is not None:
+                log = [s for s in log if s.recorded_at <= point]
+            if not log:
+                raise ReplayError(f"no event of the job up to {until}")
+            result = counterfactual(log, overrides)
+            baseline = counterfactual(log, {})
+    except (LogFormatError, ReplayError, PolicyError) as exc:
+        raise CommandError(str(exc)) from exc
+    except ValueError as exc:  # the counterfactual's own complaints (e.g. no member events)
+        raise CommandError(str(exc)) from exc
+    if as_json:
+        print(json.dumps(report.counterfactual_json(result, baseline)))
+    else:
+        report.print_counterfactual(out, result, baseline)
+
+
+def timeline(database_url: str, job_id: str, *, as_json: bool) -> None:
+    """Print a job's incident timelines, folded from the database's log."""
+    store = _open_store(database_url)
+    try:
+        view = None
+        chunk = []
+        with relaxed_gc():
+            for stored in store.iter_events(job_id=job_id):
+                chunk.append(stored)
+                if len(chunk) >= FOLD_CHUNK:
+                    view = fold(view, chunk)
+                    chunk = []
+            if chunk:
+                view = fold(view, chunk)
+        if view is None:
+            known = ", ".join(store.job_ids()[:10]) or "none"
+            raise CommandError(f"no job {job_id!r} in the log (jobs: {known})", 1)
+    except ControlPlaneError as exc:
+        raise CommandError(f"timeline failed: {exc}", 1) from exc
+    finally:
+        store.close()
+    if as_json:
+        print(json.dumps(report.timeline_json(view)))
+    else:
+        report.print_timelines(_stdout_console(), view)

@@ -1,0 +1,210 @@
+"""``elasticctl demo`` end to end, as a newcomer runs it: its own embedded NATS and PostgreSQL,
+the control plane, the API, 4 ranks and a spare, a crash and a hang; then nothing left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+#: The installed command, as a newcomer types it (else the same entry point through -m).
+_SCRIPT = Path(sys.executable).with_name("elasticctl")
+ELASTICCTL = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "controlplane"]
+#: Shorter than the defaults; the faults still land after a backup and on different ranks.
+SHORT = ["--steps", "40", "--crash-at", "15", "--hang-at", "28", "--backup-interval", "10"]
+
+
+def demo(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[bytes], Path]:
+    """Start ``elasticctl demo`` in a session of its own (as a shell runs it in the
+    foreground), on embedded services whatever the environment says."""
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("ELASTIC_NATS_URL", "ELASTIC_DATABASE_URL")
+    }
+    stderr = tmp_path / "demo.err"
+    with stderr.open("wb") as err, (tmp_path / "demo.out").open("wb") as out:
+        proc = subprocess.Popen(
+            [*ELASTICCTL, "demo", "--plain", *args],
+            stdout=out,
+            stderr=err,
+            env=env,
+            cwd=ROOT,
+            start_new_session=True,
+        )
+    return proc, stderr
+
+
+class Family:
+    """Every process descended from ``pid`` seen while it ran (sampled), for the check that
+    none outlives it. Servers that daemonize (the postmaster) are found by the state
+    directory on their command line instead."""
+
+    def __init__(self, pid: int) -> None:
+        self.root = psutil.Process(pid)
+        self.seen: dict[int, psutil.Process] = {}
+        self.cmdlines: dict[int, str] = {}
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._done.is_set():
+            try:
+                for child in self.root.children(recursive=True):
+                    self.seen.setdefault(child.pid, child)
+                    with suppress(psutil.Error):  # again each time: a fork execs later
+                        self.cmdlines[child.pid] = " ".join(child.cmdline())
+            except psutil.Error:
+                return
+            self._done.wait(0.2)
+
+    def names(self) -> set[str]:
+        """The command lines seen."""
+        return set(self.cmdlines.values())
+
+    def close(self) -> None:
+        self._done.set()
+        self._thread.join(5)
+
+
+def alive(proc: psutil.Process) -> bool:
+    try:
+        return bool(proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE)
+    except psutil.Error:
+        return False
+
+
+def leftovers(family: Family, state_dir: Path) -> list[str]:
+    """What still runs of the demo: its sampled descendants, anything naming its state dir."""
+    found = {p.pid: p for p in family.seen.values() if alive(p)}
+    for proc in psutil.process_iter(["cmdline"]):
+        if any(str(state_dir) in part for part in proc.info["cmdline"] or []) and alive(proc):
+            found[proc.pid] = proc
+    out = []
+    for pid, proc in found.items():
+        with suppress(psutil.Error):
+            out.append(f"{pid}: {' '.join(proc.cmdline())}")
+    return out
+
+
+@contextmanager
+def reaped(proc: subprocess.Popen[bytes]) -> Iterator[None]:
+    """Never leave the demo itself behind, whatever the test found."""
+    try:
+        yield
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.fixture
+def state() -> Iterator[Path]:
+    """A state directory for the demo to create (and remove). Not under pytest's tmp_path:
+    another pytest session may make that private again (0700) while the demo runs, and the
+    embedded PostgreSQL runs as its own user when the tests run as root."""
+    parent = Path(tempfile.mkdtemp(prefix="elastic-demo-test-"))
+    try:
+        yield parent / "state"
+    finally:
+        shutil.rmtree(parent, ignore_errors=True)
+
+
+@pytest.mark.timeout(420)
+def test_demo_recovers_every_fault_and_ends_at_the_reference_loss(tmp_path, state):
+    started = time.monotonic()
+    proc, stderr = demo(tmp_path, "--json", "--state-dir", str(state), *SHORT)
+    family = Family(proc.pid)
+    with reaped(proc):
+        proc.wait(timeout=400)
+    family.close()
+    out = (tmp_path / "demo.out").read_text()
+    wall = time.monotonic() - started
+    log = stderr.read_text()
+    print(log)
+    assert proc.returncode == 0, log[-3000:]
+    [line] = out.splitlines()  # one JSON object, nothing else on stdout
+    summary = json.loads(line)
+    print(f"demo wall time {wall:.1f}s:", json.dumps(summary, indent=1))
+
+    assert summary["faults_injected"] == ["crash@15:rank=1", "hang@28:rank=2"]
+    assert summary["recovered"] is True
+    assert summary["job_state"] == "COMPLETED" and summary["completed_step"] == 40
+    crash, hang = summary["incidents"]
+    assert crash["fault"] == "crash@15:rank=1" and hang["fault"] == "hang@28:rank=2"
+    assert "heartbeat_timeout" in hang["detected_by"]
+    assert crash["mode"] == "replace"  # the spare takes the crashed rank ...
+    assert hang["mode"] == "shrink"  # ... and the world shrinks to 3 after the hang
+    for incident in (crash, hang):
+        assert incident["outcome"] == "recovered", incident
+        for key in ("detect_s", "decide_s", "ack_s", "restore_s", "resume_s", "downtime_s"):
+            assert incident[key] is not None and incident[key] >= 0, (key, incident)
+        assert 0 < incident["downtime_s"] < 60, incident
+        assert incident["steps_lost"] is not None and incident["steps_lost"] <= 10, incident
+    assert crash["restore_step"] == 10 and hang["restore_step"] == 20
+
+    final, reference = summary["final_loss"], summary["reference_loss"]
+    assert final is not None and reference is not None
+    assert abs(final - reference) <= 1e-3 * abs(reference), (final, reference)
+    assert summary["loss_ok"] is True
+    assert summary["reference"]["job_id"] and summary["reference"]["what"]
+    if summary["api_url"]:
+        assert summary["timeline_url"] == f"{summary['api_url']}/ui/jobs/{summary['job_id']}"
+    else:
+        assert summary["api_note"]
+
+    kinds = " ".join(family.names())
+    assert "nats-server" in kinds and "examples/train.py" in kinds, kinds
+    assert leftovers(family, state) == []
+    assert not state.exists()  # the state directory goes with the stack
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("sig", "when"),
+    [(signal.SIGINT, "training"), (signal.SIGTERM, "starting")],
+    ids=["ctrl-c-while-training", "sigterm-while-starting"],
+)
+def test_a_signal_at_any_point_stops_everything(tmp_path, state, sig, when):
+    # Long enough that the signal surely comes before the end.
+    proc, stderr = demo(tmp_path, "--state-dir", str(state), "--steps", "100000",
+                        "--crash-at", "0", "--hang-at", "0", "--no-reference")  # fmt: skip
+    family = Family(proc.pid)
+    with reaped(proc):
+        deadline = time.monotonic() + 240
+        marker = "demo: job demo-" if when == "training" else "starting NATS"
+        while not any(
+            marker in line and ("is RUNNING" in line or when == "starting")
+            for line in stderr.read_text().splitlines()
+        ):
+            assert proc.poll() is None, stderr.read_text()
+            assert time.monotonic() < deadline, stderr.read_text()
+            time.sleep(0.2)
+        if when == "training":
+            time.sleep(1.0)  # well into the steps
+            assert any("train.py" in n for n in family.names()), family.names()
+        # A terminal's Ctrl-C goes to the foreground process group: the demo's.
+        os.killpg(proc.pid, sig)
+        stopped = time.monotonic()
+        proc.wait(90)
+        took = time.monotonic() - stopped
+    family.close()
+    log = stderr.read_text()
+    print(f"stopped {took:.1f}s after {sig.name}:\n{log[-2000:]}")
+    assert proc.returncode == 128 + sig, log[-3000:]
+    assert f"{sig.name} received" in log
+    assert leftovers(family, state) == []
+    assert not state.exists()

@@ -1,0 +1,228 @@
+"""Export -> import between real PostgreSQL databases, and the timeline command."""
+
+from __future__ import annotations
+
+import functools
+import io
+import json
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from typer.testing import CliRunner
+
+from controlplane.cli import app
+from controlplane.core.fold import fold
+from controlplane.core.timeline import timeline
+from controlplane.postmortem.logfile import read_log
+from controlplane.postmortem.transfer import export_log
+from controlplane.store import migrate
+from controlplane.store.postgres import PostgresEventStore, make_engine
+from controlplane.synth import SyntheticJob
+from schemas.events import EVENT_ADAPTER
+from tests.conftest import with_database
+from tests.recorded import JOB
+from tests.recorded import two_incidents as _two_incidents
+
+pytestmark = pytest.mark.services
+
+two_incidents = functools.cache(_two_incidents)
+SYNTH = "job-synth"
+
+
+def _fresh_database(admin_url: str) -> str:
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(admin_url, autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+    url = with_database(admin_url, name)
+    engine = make_engine(url, pool_size=1)
+    migrate.upgrade(engine)
+    engine.dispose()
+    return url
+
+
+@pytest.fixture
+def target_url(services) -> Iterator[str]:
+    """A second fresh, migrated database (the import's target)."""
+    url = _fresh_database(services.database_url)
+    yield url
+    with psycopg.connect(services.database_url, autocommit=True) as admin:
+        admin.execute(f'DROP DATABASE IF EXISTS "{url.rsplit("/", 1)[1]}" WITH (FORCE)')
+
+
+@pytest.fixture
+def source(pg_store: PostgresEventStore) -> PostgresEventStore:
+    """A log as a control plane leaves it: a synthetic job ingested live (stamped now, with a
+    sequence gap filled late), then the recorded two-incident run (its own times)."""
+    job = SyntheticJob(SYNTH, members=4, seed=3)
+    events = [
+        EVENT_ADAPTER.validate_python(e, strict=False)
+        for e in [*job.controlplane_events(), *job.member_events(300)]
+    ]
+    late = events[50]
+    pg_store.append([e for e in events[:150] if e is not late])
+    pg_store.append([late, *events[150:]])
+    assert pg_store.seq_gaps(), "the synthetic job left a gap to fill"
+    pg_store.import_events(two_incidents())
+    return pg_store
+
+
+def _cli(args: list[str], url: str, **kw):
+    return CliRunner().invoke(app, args, env={"ELASTIC_DATABASE_URL": url}, **kw)
+
+
+def _export(url: str, *args: str) -> bytes:
+    result = _cli(["export", *args], url)
+    assert result.exit_code == 0, result.stderr
+    return result.stdout_bytes
+
+
+def _import(url: str, path: Path) -> dict:
+    result = _cli(["import", str(path), "--json"], url)
+    assert result.exit_code == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_export_then_import_into_a_fresh_database_gives_the_same_log(
+    source, database_url, target_url, tmp_path
+):
+    data = _export(database_url)
+    path = tmp_path / "log.jsonl"
+    path.write_bytes(data)
+    original = source.read()
+    assert data.count(b"\n") == len(original) == source.last_position()
+    assert list(read_log(io.BytesIO(data))) == original
+
+    summary = _import(target_url, path)
+    assert summary["read"] == summary["imported"] == len(original)
+    assert summary["duplicates"] == 0 and summary["rejected"] == 0
+    assert summary["positions_kept"] is True
+    assert summary["jobs"] == [SYNTH, JOB]
+
+    target = PostgresEventStore.from_url(target_url)
+    try:
+        copied = target.read()
+        # Same positions, event ids, payloads and recorded times, event by event.
+        assert copied == original
+        assert [(s.position, s.event.event_id, s.recorded_at) for s in copied] == [
+            (s.position, s.event.event_id, s.recorded_at) for s in original
+        ]
+        assert target.last_position() == source.last_position()
+        assert target.job_ids() == source.job_ids()
+        # The same views, hence the same timelines.
+        for job_id in (SYNTH, JOB):
+            assert fold(None, target.read(job_id=job_id)) == fold(None, source.read(job_id=job_id))
+        # The sequence rules saw the same log: the same gap (filled late) was recorded.
+        assert target.seq_gaps() == source.seq_gaps()
+        assert target.count_dead_letters() == 0
+
+        # Importing again stores nothing twice.
+        again = _import(target_url, path)
+        assert again["imported"] == 0 and again["duplicates"] == len(original)
+        assert target.read() == original and target.last_position() == len(original)
+    finally:
+        target.close()
+
+
+def test_a_job_exported_alone_keeps_its_times_and_timelines(
+    source, database_url, target_url, tmp_path
+):
+    recorded = source.read(job_id=JOB)
+    data = _export(database_url, "--job", JOB)
+    lines = list(read_log(io.BytesIO(data)))
+    assert lines == recorded and recorded[0].position > 1
+    path = tmp_path / "job.jsonl"
+    path.write_bytes(data)
+    summary = _import(target_url, path)
+    # Its positions cannot be kept (the log is gap-free): they are renumbered, in order.
+    assert summary["imported"] == len(recorded) and summary["positions_kept"] is False
+    target = PostgresEventStore.from_url(target_url)
+    try:
+        copied = target.read()
+        assert [s.position for s in copied] == list(range(1, len(recorded) + 1))
+        assert [(s.event, s.recorded_at) for s in copied] == [
+            (s.event, s.recorded_at) for s in recorded
+        ]
+        before = fold(None, recorded)
+        after = fold(None, copied)
+        assert after.state == before.state and after.world == before.world
+        lines_before = [timeline(i) for i in before.incidents.values()]
+        lines_after = [timeline(i) for i in after.incidents.values()]
+        assert [(t.phases, t.downtime_s, t.steps_lost) for t in lines_after] == [
+            (t.phases, t.downtime_s, t.steps_lost) for t in lines_before
+        ]
+    finally:
+        target.close()
+
+
+def test_export_after_a_position_streams_pages_in_order(source, database_url):
+    everything = source.read()
+    tail = _export(database_url, "--after", "100")
+    assert [s.position for s in read_log(io.BytesIO(tail))] == [
+        s.position for s in everything if s.position > 100
+    ]
+    small_pages, big_pages = io.BytesIO(), io.BytesIO()
+    export_log(source, small_pages, page=7)
+    summary = export_log(source, big_pages)
+    assert small_pages.getvalue() == big_pages.getvalue() == _export(database_url)
+    assert summary.events == len(everything) and summary.head == everything[-1].position
+
+
+def test_export_of_an_unknown_job_says_which_jobs_there_are(source, database_url):
+    result = _cli(["export", "--job", "nope"], database_url)
+    assert result.exit_code == 1
+    assert "no event of job 'nope'" in result.stderr and JOB in result.stderr
+
+
+def test_import_of_a_bad_file_names_the_line_and_keeps_earlier_batches(
+    database_url, target_url, source, tmp_path
+):
+    lines = _export(database_url, "--job", JOB).splitlines(keepends=True)
+    lines[30] = b'{"position": 31, "oops": true}\n'
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(b"".join(lines))
+    result = _cli(["import", str(path), "--batch", "10"], target_url)
+    assert result.exit_code == 2
+    assert f"{path}:31: missing recorded_at" in result.stderr
+    target = PostgresEventStore.from_url(target_url)
+    try:
+        assert target.last_position() == 30  # three whole batches went in
+    finally:
+        target.close()
+
+
+def test_import_into_an_unmigrated_database_is_refused(empty_database_url, tmp_path):
+    path = tmp_path / "empty.jsonl"
+    path.write_bytes(b"")
+    result = _cli(["import", str(path)], empty_database_url)
+    assert result.exit_code == 2
+    assert "elasticctl migrate" in result.stderr
+
+
+def test_timeline_command(source, database_url):
+    result = _cli(["timeline", JOB, "--json"], database_url)
+    assert result.exit_code == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["job_id"] == JOB and out["state"] == "COMPLETED"
+    crash, hang = out["incidents"]
+    assert crash["downtime_s"] == pytest.approx(0.8) and hang["downtime_s"] == pytest.approx(5.8)
+    assert hang["members"] == ["w10"] and hang["steps_lost"] == 0
+    view = fold(None, source.read(job_id=JOB))
+    incident = view.incidents[hang["incident_id"]]
+    points = {p["name"]: p["position"] for p in hang["points"]}
+    assert points == {
+        name: mark.position for name, mark in timeline(incident).points.items() if mark
+    }
+    # Every point names the event behind it, by position.
+    for position in points.values():
+        [stored] = source.read(after=position - 1, limit=1)
+        assert stored.event.job_id == JOB
+    assert {p["name"]: p["seconds"] for p in hang["phases"]}["detect"] == pytest.approx(5.0)
+
+    text = _cli(["timeline", JOB], database_url)
+    assert text.exit_code == 0, text.stderr
+    assert "first_step" in text.stdout and "downtime 5.800s" in text.stdout
+    missing = _cli(["timeline", "nope"], database_url)
+    assert missing.exit_code == 1 and "no job 'nope'" in missing.stderr

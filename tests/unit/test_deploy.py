@@ -1,0 +1,724 @@
+"""The deployment files, checked without a Docker engine or a cluster.
+
+- ``docker-compose.yml`` against the Compose Specification's JSON Schema (vendored in
+  ``tests/data``), and through ``docker compose config`` where a Compose binary is installed;
+- every service and Kubernetes container that runs the image runs a real ``elasticctl``
+  command whose options exist (parsed by the CLI's own click command), a training script that
+  exists with options it has, a policy the launcher accepts and fault specs that parse;
+- every ``ELASTIC_*`` variable set is a setting (``controlplane.settings.Settings``) or one the
+  rank runtime reads;
+- ``deploy/nats/nats.conf`` gives each role the subjects of ``controlplane.subjects`` (a
+  static check), and a real ``nats-server`` started with it lets the control plane and a member
+  do what the code does, and refuses what they must not (marked ``services``);
+- the Dockerfile copies what the services run, and the health check finds the ingest lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import jsonschema  # type: ignore[import-untyped]
+import pytest
+import typer.main
+import yaml  # type: ignore[import-untyped]
+
+from controlplane.cli import _policy_values, app
+from controlplane.settings import ENV_PREFIX, Settings
+from controlplane.subjects import (
+    BROADCAST,
+    EVENTS_WILDCARD,
+    command_subject,
+    event_subject,
+)
+from rank_runtime import faults
+from schemas.events import JobPolicy
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = ROOT / "docker-compose.yml"
+NATS_CONF = ROOT / "deploy" / "nats" / "nats.conf"
+K8S = ROOT / "deploy" / "k8s"
+IMAGE = "elastic-controlplane"
+TRAINER_SH = "/app/deploy/trainer.sh"
+#: The compose services that run the project's image, and what each must run.
+EXPECTED = {
+    "migrate": "migrate",
+    "controlplane": "serve",
+    "controlplane-standby": "serve",
+    "api": "api",
+    "trainer": "run",
+}
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def compose() -> dict[str, Any]:
+    data = yaml.safe_load(COMPOSE.read_text())
+    assert isinstance(data, dict)
+    return data
+
+
+def k8s_documents() -> list[dict[str, Any]]:
+    docs = []
+    for path in sorted(K8S.glob("*.yaml")):
+        docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
+    return docs
+
+
+def containers(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every container of a Kubernetes object (pod templates, PyTorchJob replicas)."""
+    spec = doc.get("spec", {})
+    templates = []
+    if "template" in spec:
+        templates.append(spec["template"])
+    for replica in spec.get("pytorchReplicaSpecs", {}).values():
+        templates.append(replica["template"])
+    return [c for t in templates for c in t["spec"]["containers"]]
+
+
+def interpolate(value: str, env: dict[str, str] | None = None) -> str:
+    """Compose's ``${VAR:-default}`` / ``${VAR-default}`` / ``${VAR}`` with an empty host
+    environment (what a fresh checkout gets)."""
+    env = env or {}
+
+    def one(m: re.Match[str]) -> str:
+        name, op, default = m.group(1), m.group(2), m.group(3) or ""
+        if op == ":-":
+            return env.get(name) or default
+        if op == "-":
+            return env.get(name, default)
+        return env.get(name, "")
+
+    return re.sub(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?-)([^}]*))?\}", one, value)
+
+
+def service_env(service: dict[str, Any]) -> dict[str, str | None]:
+    env = service.get("environment") or {}
+    if isinstance(env, list):
+        return dict(e.split("=", 1) if "=" in e else (e, None) for e in env)
+    return {k: None if v is None else interpolate(str(v)) for k, v in env.items()}
+
+
+def trainer_argv(args: list[str], fault_env: str, tmp_path: Path) -> list[str]:
+    """What ``deploy/trainer.sh ARGS`` hands ``elasticctl`` (run with a stub ``elasticctl``)."""
+    stub_dir = tmp_path / f"stub-{uuid.uuid4().hex[:6]}"
+    stub_dir.mkdir()
+    stub = stub_dir / "elasticctl"
+    stub.write_text('#!/bin/sh\nfor a in "$@"; do printf "%s\\n" "$a"; done\n')
+    stub.chmod(0o755)
+    env = {**os.environ, "PATH": f"{stub_dir}{os.pathsep}{os.environ['PATH']}"}
+    env["FAULTS"] = fault_env
+    done = subprocess.run(
+        ["sh", str(ROOT / "deploy" / "trainer.sh"), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.splitlines()
+
+
+_TRAIN_HELP: dict[str, str] = {}
+
+
+def script_help(script: str) -> str:
+    """``python SCRIPT --help`` (imports torch: a few seconds, once per script)."""
+    if script not in _TRAIN_HELP:
+        done = subprocess.run(
+            [sys.executable, script, "--help"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr
+        _TRAIN_HELP[script] = done.stdout
+    return _TRAIN_HELP[script]
+
+
+def check_cli(argv: list[str], expected: str) -> Any:
+    """Parse ``elasticctl ARGV`` with the CLI's own click command; fail on an unknown command,
+    an unknown or invalid option, a missing argument. Returns the subcommand's context."""
+    # Typer may bring its own copy of click: use the objects it builds, not click's classes.
+    group = typer.main.get_command(app)
+    assert argv and argv[0] == expected, f"expected `elasticctl {expected} ...`, got {argv}"
+    root = group.make_context("elasticctl", [], resilient_parsing=True)
+    command = group.get_command(root, argv[0])  # type: ignore[attr-defined]
+    assert command is not None, f"`elasticctl {argv[0]}` is not a command"
+    try:
+        ctx = command.make_context(argv[0], list(argv[1:]), parent=root)
+    except Exception as exc:
+        if not hasattr(exc, "format_message"):  # not a usage error
+            raise
+        pytest.fail(f"`elasticctl {shlex.join(argv)}`: {exc.format_message()}")
+    if expected == "run":
+        check_run(ctx)
+    else:
+        assert not ctx.args, f"`elasticctl {shlex.join(argv)}`: extra arguments {ctx.args}"
+    return ctx
+
+
+def check_run(ctx: Any) -> None:
+    """The launcher's script exists, takes the arguments passed to it; the policy and the
+    faults are what ``elasticctl run`` accepts."""
+    params = ctx.params
+    script = params["script"]
+    assert (ROOT / script).is_file(), f"no training script {script}"
+    helptext = script_help(script)
+    for arg in ctx.args:
+        if arg.startswith("--"):
+            assert arg.split("=", 1)[0] in helptext, f"{script} has no option {arg}"
+    values = _policy_values(params["policy"]) if params["policy"] else {}
+    values.setdefault("world_size", params["nproc"])
+    values.setdefault("max_world", params["nproc"])
+    JobPolicy.model_validate(values, strict=False)
+    for spec in params["fault"] or []:
+        faults.parse(spec)
+    assert params["spares"] >= 1, "the example deployment keeps a warm spare"
+
+
+def known_env() -> set[str]:
+    """Every ``ELASTIC_*`` name a process of the image reads: the settings, and the names the
+    rank runtime reads (its source names each as a string)."""
+    names = {ENV_PREFIX + name.upper() for name in Settings.model_fields}
+    for path in (ROOT / "rank_runtime").glob("*.py"):
+        names |= set(re.findall(r"\"(ELASTIC_[A-Z0-9_]+)\"", path.read_text()))
+    return names
+
+
+# --------------------------------------------------------------------------- compose
+
+
+def test_compose_file_matches_the_compose_specification() -> None:
+    schema = json.loads((ROOT / "tests" / "data" / "compose-spec.json").read_text())
+    validator = jsonschema.Draft7Validator(schema)
+    errors = sorted(validator.iter_errors(compose()), key=lambda e: list(e.absolute_path))
+    assert not errors, "\n".join(
+        f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in errors
+    )
+
+
+def _compose_binary() -> list[str] | None:
+    docker = shutil.which("docker")
+    if docker:
+        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+            probe = subprocess.run([docker, "compose", "version"], capture_output=True, timeout=30)
+            if probe.returncode == 0:
+                return [docker, "compose"]
+    standalone = shutil.which("docker-compose")
+    return [standalone] if standalone else None
+
+
+def test_docker_compose_config_accepts_the_file() -> None:
+    binary = _compose_binary()
+    if binary is None:
+        pytest.skip("no Compose binary: `docker compose` (the plugin) and `docker-compose` absent")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ELASTIC_", "NATS_"))}
+    done = subprocess.run(
+        [*binary, "-f", str(COMPOSE), "config", "--quiet"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def test_start_up_order_and_health_checks() -> None:
+    services = compose()["services"]
+    assert set(EXPECTED) | {"nats", "postgres"} == set(services)
+    for name in ("nats", "postgres", "controlplane", "controlplane-standby", "api"):
+        assert services[name].get("healthcheck", {}).get("test"), f"{name} has no health check"
+
+    def needs(name: str) -> dict[str, str]:
+        return {k: v["condition"] for k, v in services[name].get("depends_on", {}).items()}
+
+    assert needs("migrate") == {"postgres": "service_healthy"}
+    for name in ("controlplane", "controlplane-standby"):
+        assert needs(name) == {
+            "migrate": "service_completed_successfully",
+            "nats": "service_healthy",
+            "postgres": "service_healthy",
+        }
+    assert needs("api")["migrate"] == "service_completed_successfully"
+    assert needs("trainer")["controlplane"] == "service_healthy"
+    assert services["migrate"]["restart"] == "no"
+    assert services["postgres"]["volumes"][0].startswith("postgres-data:")
+    assert "postgres-data" in compose()["volumes"]
+    # NATS runs with the per-role configuration, JetStream on.
+    nats = services["nats"]
+    assert "/etc/nats/nats.conf" in nats["command"]
+    assert any(v.startswith("./deploy/nats/nats.conf:") for v in nats["volumes"])
+    assert re.search(r"^jetstream\s*\{", NATS_CONF.read_text(), re.M)
+
+
+def test_each_control_plane_advertises_its_own_rendezvous_address() -> None:
+    """Ranks in another container reach the leader's rendezvous store by service name."""
+    services = compose()["services"]
+    for name in ("controlplane", "controlplane-standby"):
+        env = service_env(services[name])
+        assert env["ELASTIC_RENDEZVOUS_HOST"] == name
+        port = env["ELASTIC_RENDEZVOUS_PORT"]
+        assert port and port != "0" and port in services[name]["expose"]
+        assert env.get("ELASTIC_RENDEZVOUS", "true") != "false"
+
+
+def test_every_service_runs_a_real_elasticctl_command(tmp_path: Path) -> None:
+    services = compose()["services"]
+    for name, expected in EXPECTED.items():
+        service = services[name]
+        assert service["image"].startswith(IMAGE) and service.get("build") == "."
+        command = [interpolate(str(c)) for c in service["command"]]
+        entrypoint = service.get("entrypoint")
+        if entrypoint:
+            assert entrypoint == [TRAINER_SH], f"{name}: entrypoint {entrypoint}"
+            fault_env = service_env(service).get("FAULTS") or ""
+            assert fault_env, "the trainer injects faults by default"
+            command = trainer_argv(command, fault_env, tmp_path)
+            assert command.count("--fault") == len(fault_env.split(","))
+        ctx = check_cli(command, expected)
+        if expected == "api":
+            assert ctx.params["host"] == "0.0.0.0" and ctx.params["port"] == 8080
+            assert any(p.startswith("8080:") for p in service["ports"])
+
+
+def test_trainer_wrapper_turns_faults_into_flags(tmp_path: Path) -> None:
+    argv = ["run", "--nproc", "2", "examples/train.py", "--steps", "5"]
+    assert trainer_argv(argv, "", tmp_path) == argv
+    assert trainer_argv(argv, "crash@3:rank=1, hang@4:rank=0", tmp_path) == [
+        "run", "--fault", "crash@3:rank=1", "--fault", "hang@4:rank=0", *argv[1:],
+    ]  # fmt: skip
+    assert trainer_argv(["migrate"], "crash@3:rank=1", tmp_path) == ["migrate"]
+    bad = subprocess.run(
+        ["sh", str(ROOT / "deploy" / "trainer.sh"), "run", "x.py"],
+        env={**os.environ, "FAULTS": "crash@3:rank=1;rm"},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert bad.returncode == 2 and "FAULTS entry" in bad.stderr
+
+
+def test_environment_names_are_settings_or_runtime_variables() -> None:
+    known = known_env()
+    services = compose()["services"]
+    for name in EXPECTED:
+        for var in service_env(services[name]):
+            if var.startswith(ENV_PREFIX):
+                assert var in known, f"compose service {name}: {var} is read by nothing"
+            else:
+                assert var == "FAULTS", f"compose service {name}: unexpected variable {var}"
+    for doc in k8s_documents():
+        for container in containers(doc):
+            args = " ".join(container.get("args", []))
+            for entry in container.get("env", []):
+                var = entry["name"]
+                if var.startswith(ENV_PREFIX):
+                    assert var in known, f"{doc['kind']} {container['name']}: {var} unknown"
+                else:
+                    assert var == "FAULTS" or f"$({var})" in args, f"{var} is used by nothing"
+
+
+def test_secrets_have_local_defaults_only_in_compose() -> None:
+    """Every password has a default for a laptop and can be set from the host environment."""
+    text = COMPOSE.read_text()
+    for var in ("NATS_CONTROLPLANE_PASSWORD", "NATS_TRAINER_PASSWORD", "POSTGRES_PASSWORD"):
+        assert re.search(r"\$\{" + var + r":-[^}]+\}", text), f"{var} has no default"
+    assert "ELASTIC_API_TOKENS" in service_env(compose()["services"]["api"])
+    assert service_env(compose()["services"]["api"])["ELASTIC_API_TOKENS"] is None
+
+
+# --------------------------------------------------------------------------- Kubernetes
+
+
+def test_kubernetes_manifests_parse_and_run_real_commands(tmp_path: Path) -> None:
+    docs = k8s_documents()
+    kinds = {(d["apiVersion"], d["kind"]) for d in docs}
+    assert ("kubeflow.org/v1", "PyTorchJob") in kinds
+    ran = set()
+    for doc in docs:
+        for container in containers(doc):
+            if not container.get("image", "").startswith(IMAGE):
+                continue
+            args = [str(a) for a in container.get("args", [])]
+            if container.get("command") == [TRAINER_SH]:
+                fault_env = next(
+                    (e.get("value", "") for e in container["env"] if e["name"] == "FAULTS"), ""
+                )
+                args = trainer_argv(args, fault_env, tmp_path)
+            else:
+                assert "command" not in container, "the image's entry point is elasticctl"
+            check_cli(args, args[0])
+            ran.add(args[0])
+    assert ran == {"migrate", "serve", "api", "run"}
+    job = next(d for d in docs if d["kind"] == "PyTorchJob")
+    master = job["spec"]["pytorchReplicaSpecs"]["Master"]
+    assert master["restartPolicy"] == "Never"  # recovery is the control plane's
+    (container,) = master["template"]["spec"]["containers"]
+    assert container["name"] == "pytorch"
+    env = {e["name"]: e for e in container["env"]}
+    assert env["ELASTIC_NATS_URL"]["value"].startswith("nats://")
+    assert env["ELASTIC_NATS_USER"]["value"] == "trainer"
+    assert "secretKeyRef" in env["ELASTIC_NATS_PASSWORD"]["valueFrom"]
+    controlplane = next(d for d in docs if d["metadata"]["name"] == "elastic-controlplane")
+    (cp,) = containers(controlplane)
+    cp_env = {e["name"]: e for e in cp["env"]}
+    assert cp_env["ELASTIC_RENDEZVOUS_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == (
+        "status.podIP"
+    )
+    assert controlplane["spec"]["replicas"] == 2
+
+
+# --------------------------------------------------------------------------- the image
+
+
+def test_dockerfile_builds_what_the_services_run() -> None:
+    text = (ROOT / "Dockerfile").read_text()
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
+    assert lines[0] == "FROM python:3.11-slim"
+    assert re.search(r"pip install \"?torch==\$\{TORCH_VERSION\}\"? --index-url \S+/whl/cpu", text)
+    assert re.search(r"^ARG TORCH_VERSION=2\.13\.0$", text, re.M)
+    assert "RUN pip install ." in text
+    user = [ln for ln in lines if ln.startswith("USER ")]
+    assert user and user[-1] not in ("USER root", "USER 0")
+    assert 'ENTRYPOINT ["elasticctl"]' in lines
+    ignored = [
+        ln.strip()
+        for ln in (ROOT / ".dockerignore").read_text().splitlines()
+        if ln.strip() and not ln.startswith("#")
+    ]
+    copied: list[str] = []
+    for line in lines:
+        if line.startswith("COPY "):
+            *sources, _ = line.split()[1:]
+            for source in sources:
+                assert (ROOT / source).exists(), f"COPY {source}: no such path"
+                top = source.rstrip("/")
+                assert not any(top == p or top.startswith(p + "/") for p in ignored), (
+                    f"COPY {source} is excluded by .dockerignore"
+                )
+                copied.append(top)
+    # The files the services name inside the image are copied to /app.
+    in_image = {"/app/" + c for c in copied}
+    needed = {TRAINER_SH, "/app/deploy/healthcheck.py"}
+    for service in compose()["services"].values():
+        for word in service.get("healthcheck", {}).get("test", []):
+            if str(word).startswith("/app/"):
+                needed.add(str(word))
+    for path in needed:
+        assert path in in_image or any(path.startswith(c + "/") for c in in_image), path
+    script = next(c for c in copied if c.startswith("examples"))
+    assert (ROOT / script / "train.py").is_file()
+
+
+def _healthcheck() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("healthcheck", ROOT / "deploy" / "healthcheck.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_health_check_knows_the_ingest_lock_key() -> None:
+    from controlplane.lock import INGEST_LOCK_KEY
+
+    assert _healthcheck().INGEST_LOCK_KEY == INGEST_LOCK_KEY
+
+
+@pytest.mark.services
+def test_health_check_sees_a_leader_through_the_lock(
+    database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import psycopg
+
+    from controlplane.lock import INGEST_LOCK_KEY
+    from controlplane.settings import libpq_url
+
+    check = _healthcheck()
+    monkeypatch.setenv("ELASTIC_DATABASE_URL", database_url)
+    monkeypatch.delenv("ELASTIC_METRICS_PORT", raising=False)
+    assert check.controlplane() == "no control plane holds the ingest lock yet"
+    with psycopg.connect(libpq_url(database_url), autocommit=True) as holder:
+        holder.execute("SELECT pg_advisory_lock(%s)", (INGEST_LOCK_KEY,))
+        assert check.controlplane() is None
+        assert check.main(["healthcheck.py", "controlplane"]) == 0
+    assert check.main(["healthcheck.py", "controlplane"]) == 1
+    monkeypatch.setenv("ELASTIC_API_PORT", "1")
+    assert "does not answer" in (check.api() or "")
+
+
+# --------------------------------------------------------------------------- NATS
+
+
+def nats_permissions() -> dict[str, dict[str, list[str]]]:
+    """user -> {"publish": [...], "subscribe": [...]} allowed subjects, read from nats.conf."""
+    text = re.sub(r"#[^\n]*", "", NATS_CONF.read_text())
+    users: dict[str, dict[str, list[str]]] = {}
+    blocks = re.split(r"\buser:\s*", text)[1:]
+    for block in blocks:
+        name = block.split()[0]
+        perms: dict[str, list[str]] = {}
+        for kind in ("publish", "subscribe"):
+            m = re.search(kind + r":\s*\{\s*allow:\s*\[([^\]]*)\]", block, re.S)
+            perms[kind] = re.findall(r"\"([^\"]+)\"", m.group(1)) if m else []
+        users[name] = perms
+    return users
+
+
+def subject_matches(pattern: str, subject: str) -> bool:
+    """NATS wildcards: ``*`` is one token, ``>`` one or more trailing tokens."""
+    p, s = pattern.split("."), subject.split(".")
+    for i, token in enumerate(p):
+        if token == ">":
+            return len(s) > i
+        if i >= len(s) or (token != "*" and token != s[i]):
+            return False
+    return len(p) == len(s)
+
+
+def allowed(patterns: list[str], subject: str) -> bool:
+    return any(subject_matches(p, subject) for p in patterns)
+
+
+def test_nats_roles_cover_the_subjects() -> None:
+    users = nats_permissions()
+    assert set(users) == {"controlplane", "trainer"}
+    cp, trainer = users["controlplane"], users["trainer"]
+    events = [event_subject("job-1", "node0", "w0", t) for t in ("member.joined", "train.step")]
+    commands = [command_subject("job-1"), command_subject("job-1", "w0")]
+    assert command_subject("job-1").endswith(BROADCAST)
+    for subject in events:
+        assert allowed(trainer["publish"], subject)
+        assert not allowed(cp["publish"], subject), "the control plane never publishes events"
+        assert subject_matches(EVENTS_WILDCARD, subject)
+    for subject in commands:
+        assert allowed(cp["publish"], subject)
+        assert not allowed(trainer["publish"], subject), "only the control plane commands"
+        assert allowed(trainer["subscribe"], subject)
+    settings = Settings()
+    # The control plane administers the streams and pulls from its durable consumer.
+    for api in (
+        f"$JS.API.STREAM.CREATE.{settings.stream}",
+        f"$JS.API.STREAM.UPDATE.{settings.command_stream}",
+        f"$JS.API.CONSUMER.MSG.NEXT.{settings.stream}.{settings.ingest_durable}",
+        f"$JS.ACK.{settings.stream}.{settings.ingest_durable}.1.1.1.1.0",
+    ):
+        assert allowed(cp["publish"], api), api
+    # A member follows the commands stream, and may not read or change the events stream.
+    assert allowed(trainer["publish"], f"$JS.API.CONSUMER.CREATE.{settings.command_stream}")
+    for api in (
+        f"$JS.API.CONSUMER.CREATE.{settings.stream}",
+        f"$JS.API.STREAM.DELETE.{settings.command_stream}",
+        f"$JS.API.STREAM.PURGE.{settings.stream}",
+        f"$JS.ACK.{settings.stream}.x.1.1.1.1.0",
+    ):
+        assert not allowed(trainer["publish"], api), api
+    for perms in users.values():
+        assert allowed(perms["subscribe"], "_INBOX.abc.1"), "JetStream replies come to inboxes"
+    # Compose gives the users' passwords to the server and to the right clients.
+    services = compose()["services"]
+    nats_env = service_env(services["nats"])
+    for var in re.findall(r"password:\s*\$(\w+)", NATS_CONF.read_text()):
+        assert nats_env.get(var), f"the nats service does not set {var}"
+    for name, user in (("controlplane", "controlplane"), ("trainer", "trainer")):
+        env = service_env(services[name])
+        assert env["ELASTIC_NATS_USER"] == user
+    assert (
+        service_env(services["trainer"])["ELASTIC_NATS_PASSWORD"]
+        == nats_env["NATS_TRAINER_PASSWORD"]
+    )
+    assert (
+        service_env(services["controlplane"])["ELASTIC_NATS_PASSWORD"]
+        == nats_env["NATS_CONTROLPLANE_PASSWORD"]
+    )
+
+
+@pytest.fixture
+def nats_with_roles(tmp_path: Path) -> Iterator[str]:
+    """A real nats-server running deploy/nats/nats.conf (its store and ports moved here)."""
+    from controlplane.devstack import free_port, nats_server_binary
+
+    port, monitor = free_port(), free_port()
+    conf = NATS_CONF.read_text()
+    conf = re.sub(r"(?m)^listen: .*$", f"listen: 127.0.0.1:{port}", conf)
+    conf = re.sub(r"(?m)^http: .*$", f"http: 127.0.0.1:{monitor}", conf)
+    conf = conf.replace("store_dir: /data/jetstream", f"store_dir: {tmp_path / 'js'}")
+    path = tmp_path / "nats.conf"
+    path.write_text(conf)
+    env = {**os.environ, "NATS_CONTROLPLANE_PASSWORD": "cp-secret", "NATS_TRAINER_PASSWORD": "tr"}
+    log = (tmp_path / "nats.log").open("wb")
+    proc = subprocess.Popen(
+        [nats_server_binary(), "-c", str(path)],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 15
+        import socket
+
+        while True:
+            assert proc.poll() is None, (tmp_path / "nats.log").read_text()
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "nats-server did not start"
+                time.sleep(0.05)
+        yield f"nats://127.0.0.1:{port}"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+@pytest.mark.services
+@pytest.mark.timeout(90)
+async def test_nats_roles_let_each_side_do_its_part(nats_with_roles: str) -> None:
+    import nats
+    import nats.errors
+
+    from controlplane import bus
+    from controlplane.publish import MSG_ID_HEADER
+    from rank_runtime.client import EventClient
+    from rank_runtime.identity import Identity
+    from schemas.commands import Stop
+    from schemas.common import Role
+
+    url = nats_with_roles
+    job = f"job-{uuid.uuid4().hex[:6]}"
+    settings = Settings(nats_url=url, nats_user="controlplane", nats_password="cp-secret")
+    nc = await bus.connect(settings)
+    member: EventClient | None = None
+    try:
+        js = nc.jetstream()
+        await bus.ensure_stream(js, settings)
+        await bus.ensure_command_stream(js, settings)
+
+        # A member publishes its events and follows its job's commands.
+        identity = Identity(
+            job, "node0", "rack0", "w0", Role.WORKER, url, nats_user="trainer", nats_password="tr"
+        )
+        member = EventClient(identity).start()
+        member.publish("member.heartbeat", {"step": 0, "phase": "init"})
+        deadline = time.monotonic() + 20
+        while member.stats.acked < 1:
+            assert time.monotonic() < deadline, f"the event was not acknowledged: {member.stats}"
+            await asyncio.sleep(0.05)
+
+        # The control plane pulls it through its durable consumer and acknowledges it.
+        consumer = bus.EventConsumer(nc, settings)
+        got: list[bus.Delivery] = []
+        while not got:
+            assert time.monotonic() < deadline, "the control plane received nothing"
+            got = await consumer.fetch(10, 1.0)
+        assert got[0].subject == event_subject(job, "node0", "w0", "member.heartbeat")
+        assert await consumer.ack_through(got[-1], consumer.epoch)
+
+        # It publishes a command; the member receives it.
+        stop = Stop(
+            command_id=uuid.uuid4(),
+            job_id=job,
+            decision_position=1,
+            issued_at=datetime.now(UTC),
+            reason="test",
+        )
+        await js.publish(
+            command_subject(job),
+            stop.model_dump_json().encode(),
+            headers={MSG_ID_HEADER: str(stop.command_id)},
+        )
+        received = await asyncio.to_thread(member.next_command, 20.0)
+        assert isinstance(received, Stop) and received.command_id == stop.command_id
+
+        # What each side must not do.
+        with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError)):
+            await js.publish(
+                event_subject(job, "node0", "w0", "member.heartbeat"), b"{}", timeout=1
+            )
+        trainer = await nats.connect(url, user="trainer", password="tr")
+        try:
+            for client in (trainer,):
+                tjs = client.jetstream()
+                with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError)):
+                    await tjs.publish(command_subject(job), b"{}", timeout=1)
+                with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError)):
+                    await tjs.stream_info(settings.stream, subjects_filter=None)
+                ack = await tjs.publish(
+                    event_subject(job, "node0", "w9", "member.heartbeat"), b"{}", timeout=5
+                )
+                assert ack.stream == settings.stream
+        finally:
+            await trainer.close()
+        # A wrong password is refused (raw protocol: a failed nats-py connect leaks its socket).
+        host, port = url.removeprefix("nats://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            await reader.readline()  # INFO
+            connect = {"user": "trainer", "pass": "wrong", "verbose": False, "pedantic": False}
+            writer.write(f"CONNECT {json.dumps(connect)}\r\nPING\r\n".encode())
+            await writer.drain()
+            answer = await asyncio.wait_for(reader.readline(), 10)
+            assert b"Authorization Violation" in answer, answer
+        finally:
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+        # So is a client without credentials (every connection of a member and its launcher
+        # passes ELASTIC_NATS_USER/PASSWORD).
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            await reader.readline()  # INFO
+            writer.write(b'CONNECT {"verbose":false,"pedantic":false}\r\nPING\r\n')
+            await writer.drain()
+            answer = await asyncio.wait_for(reader.readline(), 10)
+            assert b"Authorization Violation" in answer, answer
+        finally:
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+    finally:
+        if member is not None:
+            member.close(flush_s=0.5)
+        await nc.close()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["serve", "--bogus"],
+        ["api", "--port", "99999"],
+        ["run", "--nproc", "0", "examples/train.py"],
+        ["run", "--nproc", "2", "examples/train.py", "--no-such-option"],
+        ["run", "--nproc", "2", "--fault", "explode@3", "examples/train.py"],
+        ["run", "--nproc", "2", "--policy", "backup_interval=0", "examples/train.py"],
+        ["run", "--nproc", "2", "examples/missing.py"],
+    ],
+)
+def test_the_command_check_refuses_what_elasticctl_refuses(argv: list[str]) -> None:
+    with pytest.raises((pytest.fail.Exception, AssertionError, ValueError)):
+        check_cli(argv, argv[0])
