@@ -6,12 +6,15 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from controlplane.errors import ControlPlaneError, SchemaNotMigrated
 from controlplane.settings import Settings
+
+if TYPE_CHECKING:
+    from schemas.events import JobPolicy
 
 app = typer.Typer(
     help="Control plane for fault-tolerant, elastic PyTorch training.",
@@ -181,6 +184,17 @@ def run(
             " checkpoint_every backups of the policy; the fallback when no hot copy survives."
         ),
     ] = None,
+    node: Annotated[
+        str | None,
+        typer.Option(
+            help="The node (machine, pod) this launcher runs on, for a job with a launcher per"
+            " node: its members are <node>-w0..., <node>-s0... on that node (--nodes is"
+            " ignored); set world_size in --policy to the job's total."
+        ),
+    ] = None,
+    rack: Annotated[
+        str | None, typer.Option(help="With --node: the rack that node is in (default rack0).")
+    ] = None,
 ) -> None:
     """Launch a training script's members on this machine and report what happens to them.
 
@@ -191,17 +205,12 @@ def run(
     """
     from rank_runtime import launcher
     from rank_runtime.faults import FaultSpecError
-    from schemas.events import JobPolicy
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
     settings = _settings()
     try:
         launcher.script_path(script)
-        values = _policy_values(policy) if policy else {}
-        values.setdefault("world_size", nproc)
-        min_world = values.get("min_world", 1)
-        values.setdefault("max_world", max(nproc, min_world if isinstance(min_world, int) else 1))
-        job_policy = JobPolicy.model_validate(values, strict=False)
+        job_policy = launch_policy(policy, nproc)
         result = launcher.run(
             [script, *ctx.args],
             nproc=nproc,
@@ -213,6 +222,8 @@ def run(
             policy=job_policy,
             fault_specs=fault or [],
             checkpoint_dir=checkpoint_dir,
+            node=node,
+            rack=rack,
         )
     except (FaultSpecError, FileNotFoundError, ValueError) as exc:
         raise _fail(str(exc)) from exc
@@ -220,6 +231,18 @@ def run(
                            "killed": result.killed}))  # fmt: skip
     if not result.ok:
         raise typer.Exit(1)
+
+
+def launch_policy(text: str | None, nproc: int) -> JobPolicy:
+    """The policy ``elasticctl run --policy TEXT`` asks for: ``world_size`` defaults to the
+    launcher's workers, ``max_world`` to no less than the world."""
+    from schemas.events import JobPolicy
+
+    values = _policy_values(text) if text else {}
+    values.setdefault("world_size", nproc)
+    sizes = (values["world_size"], values.get("min_world", 1))
+    values.setdefault("max_world", max([nproc, *(v for v in sizes if isinstance(v, int))]))
+    return JobPolicy.model_validate(values, strict=False)
 
 
 def _policy_values(text: str) -> dict[str, object]:

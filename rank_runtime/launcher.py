@@ -61,9 +61,30 @@ class Slot:
     role: Role
 
 
-def layout(nproc: int, spares: int, nodes: int, racks: int) -> list[Slot]:
-    """Workers then spares, dealt over ``nodes`` nodes (round robin); node ``j`` is in rack
-    ``j * racks // nodes`` (consecutive nodes share a rack)."""
+def layout(
+    nproc: int,
+    spares: int,
+    nodes: int,
+    racks: int,
+    *,
+    node: str | None = None,
+    rack: str | None = None,
+) -> list[Slot]:
+    """Workers then spares, dealt over ``nodes`` pretend nodes (round robin); node ``j`` is in
+    rack ``j * racks // nodes`` (consecutive nodes share a rack).
+
+    With ``node`` (the real machine or pod this launcher runs on, one launcher per node of a
+    multi-node job) every member is on that node, in ``rack`` (default ``rack0``), and its
+    name starts with the node's (``<node>-w0``, ``<node>-s0``), so the launchers of one job
+    never name two members alike.
+    """
+    if node is not None:
+        return [
+            Slot(f"{node}-{slot.member}", node, rack or "rack0", slot.role)
+            for slot in layout(nproc, spares, 1, 1)
+        ]
+    if rack is not None:
+        raise ValueError("--rack goes with --node (pretend nodes get their racks from --racks)")
     if nodes < 1 or racks < 1 or racks > nodes:
         raise ValueError("need 1 <= racks <= nodes")
     out = []
@@ -115,6 +136,8 @@ def run(
     env: dict[str, str] | None = None,
     python: str = sys.executable,
     checkpoint_dir: str | None = None,
+    node: str | None = None,
+    rack: str | None = None,
 ) -> LaunchResult:
     """Launch the job and wait for every member; see the module docstring."""
     job_id = job_id or f"job-{uuid.uuid4().hex[:8]}"
@@ -160,7 +183,7 @@ def run(
     )
     result = LaunchResult(job_id)
     try:
-        for slot in layout(nproc, spares, nodes, racks):
+        for slot in layout(nproc, spares, nodes, racks, node=node, rack=rack):
             member_env = {
                 **base,
                 NODE_ENV: slot.node,

@@ -28,6 +28,17 @@ def test_layout_deals_members_over_nodes_and_racks():
         layout(2, 0, nodes=1, racks=2)
 
 
+def test_a_launcher_per_node_names_its_members_after_the_node():
+    slots = layout(2, 1, nodes=4, racks=2, node="job-worker-1", rack="rack1")
+    assert [(s.member, s.node, s.rack, s.role) for s in slots] == [
+        ("job-worker-1-w0", "job-worker-1", "rack1", Role.WORKER),
+        ("job-worker-1-w1", "job-worker-1", "rack1", Role.WORKER),
+        ("job-worker-1-s0", "job-worker-1", "rack1", Role.SPARE),
+    ]
+    with pytest.raises(ValueError, match="--rack goes with --node"):
+        layout(2, 0, nodes=2, racks=1, rack="rack1")
+
+
 async def test_exits_are_reported_and_random_faults_kill_a_worker(settings, pg_store, tmp_path):
     from tests.integration.helpers import running_controlplane
 

@@ -39,7 +39,7 @@ import pytest
 import typer.main
 import yaml  # type: ignore[import-untyped]
 
-from controlplane.cli import _policy_values, app
+from controlplane.cli import app, launch_policy
 from controlplane.settings import ENV_PREFIX, Settings
 from controlplane.subjects import (
     BROADCAST,
@@ -48,7 +48,6 @@ from controlplane.subjects import (
     event_subject,
 )
 from rank_runtime import faults
-from schemas.events import JobPolicy
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -186,10 +185,7 @@ def check_run(ctx: Any) -> None:
     for arg in ctx.args:
         if arg.startswith("--"):
             assert arg.split("=", 1)[0] in helptext, f"{script} has no option {arg}"
-    values = _policy_values(params["policy"]) if params["policy"] else {}
-    values.setdefault("world_size", params["nproc"])
-    values.setdefault("max_world", params["nproc"])
-    JobPolicy.model_validate(values, strict=False)
+    launch_policy(params["policy"], params["nproc"])
     for spec in params["fault"] or []:
         faults.parse(spec)
     assert params["spares"] >= 1, "the example deployment keeps a warm spare"
