@@ -48,7 +48,7 @@ def decode(subject: str, data: bytes, stream_seq: int | None = None) -> Envelope
     try:
         event = EVENT_ADAPTER.validate_json(data)
     except ValidationError as exc:
-        return dead(_explain(exc))
+        return dead(explain(exc))
     if event.type in CONTROLPLANE_EVENT_TYPES:
         return dead(f"forged: {event.type} is recorded only by the control plane")
     if event.source != parsed.source:
@@ -64,14 +64,15 @@ def decode(subject: str, data: bytes, stream_seq: int | None = None) -> Envelope
     return event
 
 
-def _explain(exc: ValidationError) -> str:
+def explain(exc: ValidationError) -> str:
+    """The first thing wrong with an envelope, in words (a dead letter's reason)."""
     errors = exc.errors(include_url=False, include_input=False)
     first = errors[0]
     kind = first["type"]
     loc = first["loc"]
     if kind == "json_invalid":
         return f"not JSON: {first['msg']}"
-    if kind in {"json_type", "model_attributes_type", "dict_type"} and len(loc) == 0:
+    if kind in {"json_type", "model_type", "model_attributes_type", "dict_type"} and not loc:
         return "not a JSON object"
     if kind == "union_tag_invalid":
         return f"unknown event type: {first.get('ctx', {}).get('tag')!r}"

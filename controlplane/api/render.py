@@ -78,18 +78,23 @@ def job_detail(view: JobView) -> JobDetail:
             **_summary_fields(view),
             "policy": view.policy.model_dump(mode="json") if view.policy is not None else None,
             "completed_step": view.completed_step,
-            "history": [
-                StateChangeOut(
-                    position=c.position,
-                    at=c.at,
-                    from_state=c.from_state,
-                    to_state=c.to_state,
-                    reason=c.reason,
-                )
-                for c in view.history
-            ],
+            "history": history_out(view),
         }
     )
+
+
+def history_out(view: JobView) -> list[StateChangeOut]:
+    """The job's state-machine transitions, oldest first."""
+    return [
+        StateChangeOut(
+            position=c.position,
+            at=c.at,
+            from_state=c.from_state,
+            to_state=c.to_state,
+            reason=c.reason,
+        )
+        for c in view.history
+    ]
 
 
 def _incident_fields(incident: Incident) -> dict[str, object]:

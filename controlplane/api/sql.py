@@ -22,7 +22,7 @@ from sqlalchemy import Engine
 from controlplane.core.records import StoredEvent
 from controlplane.errors import SchemaNotMigrated, StoreUnavailable
 from controlplane.settings import libpq_url
-from controlplane.store.postgres import _translated as translated
+from controlplane.store.postgres import raw_connection, translated
 from schemas.events import EVENT_ADAPTER
 
 #: A UTC time as ``2026-01-01T00:00:00.000000Z``.
@@ -67,21 +67,8 @@ class EventQuery:
 
 @contextmanager
 def _cursor(engine: Engine) -> Iterator[psycopg.Cursor[Any]]:
-    with translated():
-        pooled = engine.raw_connection()
-        try:
-            conn = pooled.driver_connection
-            assert isinstance(conn, psycopg.Connection)
-            with conn.cursor() as cur:
-                yield cur
-        except BaseException:
-            try:
-                pooled.rollback()
-            except Exception:
-                pooled.invalidate()
-            raise
-        finally:
-            pooled.close()  # back to the pool, which ends the read's transaction
+    with raw_connection(engine) as conn, conn.cursor() as cur:
+        yield cur  # the connection goes back to the pool, which ends the read's transaction
 
 
 def tail(engine: Engine, after: int, limit: int) -> list[StoredEvent]:

@@ -82,7 +82,7 @@ def _run(command: list[str], env: dict[str, str], timeout: float, log: Path) -> 
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
-            raise BenchError(f"{command[2]} ran past {timeout:g}s; see {log}") from None
+            raise BenchError(f"{' '.join(command[1:4])} ran past {timeout:g}s; see {log}") from None
 
 
 def elastic_run(

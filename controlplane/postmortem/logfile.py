@@ -30,7 +30,8 @@ from typing import Any, BinaryIO, cast
 from pydantic import ValidationError
 
 from controlplane.core.records import StoredEvent
-from schemas.events import EVENT_ADAPTER, SCHEMA_VERSIONS
+from controlplane.decode import explain
+from schemas.events import EVENT_ADAPTER
 
 #: What the writer puts in front of the envelope's own fields (the reader's fast path).
 _PREFIX = re.compile(rb'\{"position":(\d{1,19}),"recorded_at":"([^"\\]{1,64})",')
@@ -77,27 +78,6 @@ def write_log(stream: BinaryIO, events: Iterable[StoredEvent]) -> int:
     return count
 
 
-def _explain(exc: ValidationError) -> str:
-    """The first thing wrong with an envelope, in words (like the ingest's dead letters)."""
-    errors = exc.errors(include_url=False, include_input=False)
-    first = errors[0]
-    kind, loc = first["type"], first["loc"]
-    if kind == "json_invalid":
-        return f"not JSON: {first['msg']}"
-    if kind == "union_tag_invalid":
-        return f"unknown event type: {first.get('ctx', {}).get('tag')!r}"
-    if kind == "union_tag_not_found":
-        return "missing event type"
-    if kind in {"model_type", "model_attributes_type", "dict_type"} and not loc:
-        return "not a JSON object"
-    if len(loc) == 2 and loc[1] == "v" and kind == "literal_error":
-        known = sorted(SCHEMA_VERSIONS.get(str(loc[0]), ()))
-        return f"unknown schema version of {loc[0]}: this build reads {known}"
-    where = ".".join(str(p) for p in loc[1:]) or "envelope"
-    more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
-    return f"schema violation at {where}: {first['msg']}{more}"
-
-
 def _recorded_at(text: str) -> datetime:
     try:
         moment = datetime.fromisoformat(text)
@@ -134,7 +114,7 @@ def _slow(line: bytes) -> StoredEvent:
     try:
         event = EVENT_ADAPTER.validate_json(json.dumps(obj))
     except ValidationError as exc:
-        raise ValueError(_explain(exc)) from None
+        raise ValueError(explain(exc)) from None
     return StoredEvent(position, at, event)
 
 
@@ -146,7 +126,7 @@ def decode_line(line: bytes) -> StoredEvent:
     try:
         event = EVENT_ADAPTER.validate_json(b"{" + line[match.end() :])
     except ValidationError as exc:
-        raise ValueError(_explain(exc)) from None
+        raise ValueError(explain(exc)) from None
     return StoredEvent(
         _position(int(match[1])), _recorded_at(match[2].decode("ascii", "replace")), event
     )
@@ -282,7 +262,7 @@ def _decode_lines(
                 try:
                     event = validate(b"{" + line[match.end() :])
                 except ValidationError as exc:
-                    raise ValueError(_explain(exc)) from None
+                    raise ValueError(explain(exc)) from None
                 position = int(match[1])
                 raw = match[2]
                 if raw != last_raw:

@@ -13,15 +13,12 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from controlplane.api.render import incident_timeline, member_out
+from controlplane.api.render import history_out, incident_timeline, member_out
 from controlplane.core.decide import natural_key
 from controlplane.core.replay import Counterfactual, IncidentFacts
 from controlplane.core.timeline import PHASES, POINTS, timeline
 from controlplane.core.view import Incident, JobView, Member
 from controlplane.postmortem.replay import Replayed
-from schemas.api import (
-    StateChangeOut,
-)
 from schemas.events import JobPolicy
 
 # --------------------------------------------------------------------------- JSON
@@ -57,16 +54,7 @@ def view_json(replayed: Replayed) -> dict[str, Any]:
         "stopped_early": replayed.stopped,
         "policy": view.policy.model_dump(mode="json") if view.policy is not None else None,
         "members": [member_out(m).model_dump(mode="json") for m in _members(view)],
-        "history": [
-            StateChangeOut(
-                position=h.position,
-                at=h.at,
-                from_state=h.from_state,
-                to_state=h.to_state,
-                reason=h.reason,
-            ).model_dump(mode="json")
-            for h in view.history
-        ],
+        "history": [h.model_dump(mode="json") for h in history_out(view)],
         "incidents": [incident_timeline(i).model_dump(mode="json") for i in incidents_of(view)],
         "anomalies": list(view.anomalies),
     }

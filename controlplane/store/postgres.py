@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Generator, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -60,7 +60,27 @@ _INSERT_GAP = (
 
 
 @contextmanager
-def _translated() -> Iterator[None]:
+def raw_connection(engine: Engine) -> Iterator[psycopg.Connection[Any]]:
+    """A psycopg connection from ``engine``'s pool, driver errors translated: rolled back
+    (or dropped when that fails) on an error, back to the pool after."""
+    with translated():
+        pooled = engine.raw_connection()
+        try:
+            conn = pooled.driver_connection
+            assert isinstance(conn, psycopg.Connection)
+            yield conn
+        except BaseException:
+            try:
+                pooled.rollback()
+            except Exception:
+                pooled.invalidate()
+            raise
+        finally:
+            pooled.close()
+
+
+@contextmanager
+def translated() -> Iterator[None]:
     """Turn driver errors into the project's own (the core never sees a driver type)."""
     try:
         yield
@@ -106,22 +126,8 @@ class PostgresEventStore:
         """Close every pooled connection."""
         self.engine.dispose()
 
-    @contextmanager
-    def _raw(self) -> Iterator[psycopg.Connection[Any]]:
-        with _translated():
-            pooled = self.engine.raw_connection()
-            try:
-                conn = pooled.driver_connection
-                assert isinstance(conn, psycopg.Connection)
-                yield conn
-            except BaseException:
-                try:
-                    pooled.rollback()
-                except Exception:
-                    pooled.invalidate()
-                raise
-            finally:
-                pooled.close()
+    def _raw(self) -> AbstractContextManager[psycopg.Connection[Any]]:
+        return raw_connection(self.engine)
 
     # ------------------------------------------------------------------ append
 
@@ -178,7 +184,7 @@ class PostgresEventStore:
             query = query.where(t.c.type.in_(list(types)))
         if limit is not None:
             query = query.limit(limit)
-        with _translated(), self.engine.connect() as conn:
+        with translated(), self.engine.connect() as conn:
             rows = conn.execute(query).all()
         return [_to_stored(row._mapping) for row in rows]
 
@@ -188,7 +194,7 @@ class PostgresEventStore:
         return paged(self.read, job_id=job_id, after=after, batch=batch)
 
     def last_position(self) -> int:
-        with _translated(), self.engine.connect() as conn:
+        with translated(), self.engine.connect() as conn:
             value = conn.execute(sa.text("SELECT position FROM log_head WHERE id = 1")).scalar()
         if value is None:
             raise SchemaNotMigrated("log_head is empty: run `elasticctl migrate` first")
@@ -197,7 +203,7 @@ class PostgresEventStore:
     def dead_letters(self, *, after_id: int = 0, limit: int = 1000) -> list[StoredDeadLetter]:
         t = dead_letters_table
         query = sa.select(t).where(t.c.id > after_id).order_by(t.c.id).limit(limit)
-        with _translated(), self.engine.connect() as conn:
+        with translated(), self.engine.connect() as conn:
             rows = conn.execute(query).all()
         return [
             StoredDeadLetter(
@@ -216,7 +222,7 @@ class PostgresEventStore:
         ]
 
     def count_dead_letters(self) -> int:
-        with _translated(), self.engine.connect() as conn:
+        with translated(), self.engine.connect() as conn:
             return int(
                 conn.execute(
                     sa.select(sa.func.count()).select_from(dead_letters_table)
@@ -225,7 +231,7 @@ class PostgresEventStore:
 
     def seq_gaps(self) -> list[SeqGap]:
         t = seq_gaps_table
-        with _translated(), self.engine.connect() as conn:
+        with translated(), self.engine.connect() as conn:
             rows = conn.execute(sa.select(t).order_by(t.c.id)).all()
         return [SeqGap(r.job_id, r.source, r.incarnation, r.after_seq, r.next_seq) for r in rows]
 
@@ -233,7 +239,7 @@ class PostgresEventStore:
         t = events_table
         first = sa.func.min(t.c.position)
         query = sa.select(t.c.job_id).group_by(t.c.job_id).order_by(first)
-        with _translated(), self.engine.connect() as conn:
+        with translated(), self.engine.connect() as conn:
             return [r[0] for r in conn.execute(query).all()]
 
 
@@ -461,7 +467,7 @@ class AsyncAppender:
             return AppendResult()
         steps = _append_steps(events, dead_letters, expected, encoded)
         try:
-            with _translated():
+            with translated():
                 if self._conn is None or self._conn.closed:
                     self._conn = await psycopg.AsyncConnection.connect(self._url)
                 conn = self._conn

@@ -658,45 +658,36 @@ async def test_nats_roles_let_each_side_do_its_part(nats_with_roles: str) -> Non
             )
         trainer = await nats.connect(url, user="trainer", password="tr")
         try:
-            for client in (trainer,):
-                tjs = client.jetstream()
-                with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError)):
-                    await tjs.publish(command_subject(job), b"{}", timeout=1)
-                with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError)):
-                    await tjs.stream_info(settings.stream, subjects_filter=None)
-                ack = await tjs.publish(
-                    event_subject(job, "node0", "w9", "member.heartbeat"), b"{}", timeout=5
-                )
-                assert ack.stream == settings.stream
+            tjs = trainer.jetstream()
+            with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError)):
+                await tjs.publish(command_subject(job), b"{}", timeout=1)
+            with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError)):
+                await tjs.stream_info(settings.stream, subjects_filter=None)
+            ack = await tjs.publish(
+                event_subject(job, "node0", "w9", "member.heartbeat"), b"{}", timeout=5
+            )
+            assert ack.stream == settings.stream
         finally:
             await trainer.close()
-        # A wrong password is refused (raw protocol: a failed nats-py connect leaks its socket).
+        # A wrong password is refused, and so is a client without credentials (every
+        # connection of a member and of its launcher passes ELASTIC_NATS_USER/PASSWORD).
+        # Raw protocol: a failed nats-py connect leaks its socket.
         host, port = url.removeprefix("nats://").split(":")
-        reader, writer = await asyncio.open_connection(host, int(port))
-        try:
-            await reader.readline()  # INFO
-            connect = {"user": "trainer", "pass": "wrong", "verbose": False, "pedantic": False}
-            writer.write(f"CONNECT {json.dumps(connect)}\r\nPING\r\n".encode())
-            await writer.drain()
-            answer = await asyncio.wait_for(reader.readline(), 10)
-            assert b"Authorization Violation" in answer, answer
-        finally:
-            writer.close()
-            with contextlib.suppress(ConnectionError):
-                await writer.wait_closed()
-        # So is a client without credentials (every connection of a member and its launcher
-        # passes ELASTIC_NATS_USER/PASSWORD).
-        reader, writer = await asyncio.open_connection(host, int(port))
-        try:
-            await reader.readline()  # INFO
-            writer.write(b'CONNECT {"verbose":false,"pedantic":false}\r\nPING\r\n')
-            await writer.drain()
-            answer = await asyncio.wait_for(reader.readline(), 10)
-            assert b"Authorization Violation" in answer, answer
-        finally:
-            writer.close()
-            with contextlib.suppress(ConnectionError):
-                await writer.wait_closed()
+        for connect in (
+            {"user": "trainer", "pass": "wrong", "verbose": False, "pedantic": False},
+            {"verbose": False, "pedantic": False},
+        ):
+            reader, writer = await asyncio.open_connection(host, int(port))
+            try:
+                await reader.readline()  # INFO
+                writer.write(f"CONNECT {json.dumps(connect)}\r\nPING\r\n".encode())
+                await writer.drain()
+                answer = await asyncio.wait_for(reader.readline(), 10)
+                assert b"Authorization Violation" in answer, (connect, answer)
+            finally:
+                writer.close()
+                with contextlib.suppress(ConnectionError):
+                    await writer.wait_closed()
     finally:
         if member is not None:
             member.close(flush_s=0.5)
