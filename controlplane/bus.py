@@ -24,6 +24,7 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
+from nats.protocol.parser import AWAITING_CONTROL_LINE, MAX_CONTROL_LINE_SIZE, Parser
 
 from controlplane.errors import BusUnavailable
 from controlplane.settings import Settings
@@ -55,7 +56,72 @@ class Delivery(NamedTuple):
 
 
 #: Handles a raw delivery: (subject, reply, payload, header block or None).
-RawHandler = Callable[[bytes, bytes, bytes, bytes | None], None]
+RawHandler = Callable[[bytes | bytearray, bytes | bytearray, bytes, bytes | None], None]
+
+
+class _RawParser(Parser):
+    """nats-py's protocol parser with a fast path for messages of raw subscriptions.
+
+    nats-py matches two regular expressions, fills a dict and awaits a coroutine per message.
+    This parses a run of ``MSG``/``HMSG`` frames for ``FastClient.deliver_raw`` subscriptions
+    by offsets and calls their handlers directly; anything else (another subscription's
+    message, PING, INFO, -ERR, a frame left half-parsed by the slow path) goes to nats-py's
+    parser unchanged. A frame that has not fully arrived waits for the next read.
+    """
+
+    nc: FastClient
+
+    async def parse(self, data: bytes = b"") -> None:
+        buf = self.buf
+        buf.extend(data)
+        if self.state == AWAITING_CONTROL_LINE:
+            at, waiting = self._raw_frames(buf)
+            if at:
+                del buf[:at]
+            if waiting or not buf:
+                return
+        await super().parse()
+
+    def _raw_frames(self, buf: bytearray) -> tuple[int, bool]:
+        """Deliver the raw frames at the start of ``buf``: (bytes consumed, whether what
+        follows is a raw frame still arriving)."""
+        handlers = self.nc._raw_handlers
+        stats = self.nc.stats
+        size = len(buf)
+        at = 0
+        while at < size:
+            if buf.startswith(b"HMSG ", at):
+                skip, with_headers = 5, True
+            elif buf.startswith(b"MSG ", at):
+                skip, with_headers = 4, False
+            else:
+                return at, False
+            line_end = buf.find(b"\r\n", at)
+            if line_end < 0:
+                return at, size - at < MAX_CONTROL_LINE_SIZE
+            # MSG <subject> <sid> [reply-to] <#bytes> / HMSG ... [reply-to] <#hdr> <#total>
+            args = buf[at + skip : line_end].split()
+            try:
+                handler = handlers.get(int(args[1]))
+            except (IndexError, ValueError):
+                handler = None
+            if handler is None:
+                return at, False
+            counts = 2 if with_headers else 1
+            reply = args[2] if len(args) == 3 + counts else b""
+            total = int(args[-1])
+            header_size = int(args[-2]) if with_headers else 0
+            start = line_end + 2
+            end = start + total + 2
+            if end > size:
+                return at, True
+            headers = bytes(buf[start : start + header_size]) if with_headers else None
+            payload = bytes(buf[start + header_size : start + total])
+            at = end
+            stats["in_msgs"] += 1
+            stats["in_bytes"] += len(payload)
+            handler(args[0], reply, payload, headers)
+        return at, False
 
 
 class FastClient(Client):
@@ -71,6 +137,7 @@ class FastClient(Client):
     def __init__(self) -> None:
         super().__init__()
         self._raw_handlers: dict[int, RawHandler] = {}
+        self._ps = _RawParser(self)
 
     def deliver_raw(self, sub: Subscription, handler: RawHandler | None) -> None:
         """Route ``sub``'s messages to ``handler`` (None: back to nats-py's path)."""
@@ -200,7 +267,7 @@ def delivery(reply: str) -> tuple[int, int]:
 
 
 #: A partly filled batch is handed over once this long passes without _WAKE_EVERY more.
-_LINGER_S = 0.02
+_LINGER_S = 0.005
 _WAKE_EVERY = 256
 
 
@@ -285,7 +352,13 @@ class EventConsumer:
         self._request_until = 0.0
         self._broken = None
 
-    def _on_raw(self, subject: bytes, reply: bytes, data: bytes, headers: bytes | None) -> None:
+    def _on_raw(
+        self,
+        subject: bytes | bytearray,
+        reply: bytes | bytearray,
+        data: bytes,
+        headers: bytes | None,
+    ) -> None:
         if headers is not None and not data and headers.startswith(b"NATS/1.0 "):
             # A status: b"NATS/1.0 404 No Messages\r\n...", 408 Request Timeout, 409 ...
             line = headers.split(b"\r\n", 1)[0].decode(errors="replace")

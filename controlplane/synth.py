@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import random
-import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -15,6 +14,7 @@ from typing import Any
 from controlplane.core.placement import Slot, place
 from controlplane.subjects import event_subject
 from schemas.common import CONTROLPLANE_SOURCE
+from schemas.ids import uuid7
 
 
 class SyntheticJob:
@@ -48,7 +48,9 @@ class SyntheticJob:
         self._tick = 0
 
     def _uuid(self) -> str:
-        return str(uuid.UUID(int=self.rng.getrandbits(128), version=4))
+        # Time-ordered, as members' ids are; the time is the event's synthetic emitted_at.
+        unix_ms = int(self.start.timestamp() * 1000) + self._tick
+        return uuid7(unix_ms, self.rng.getrandbits(74))
 
     def envelope(self, source: str, type_: str, payload: dict[str, Any]) -> dict[str, Any]:
         """A complete, valid envelope from ``source`` with the next seq."""

@@ -41,6 +41,7 @@ from rank_runtime.identity import Identity
 from schemas.commands import COMMAND_ADAPTER, Reallocate, Start, Stop
 from schemas.common import Phase
 from schemas.events import EVENT_ADAPTER
+from schemas.ids import new_event_id
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +149,7 @@ class EventClient:
         Raises ``ValueError`` when the event does not match its schema (a bug in the caller).
         """
         body = payload.model_dump(mode="json") if isinstance(payload, BaseModel) else payload
-        event_id = str(uuid.uuid4())
+        event_id = new_event_id()
         identity = self.identity
         with self._lock:
             self._seq += 1

@@ -54,28 +54,29 @@ async def _read(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, acks
         if not data:
             return
         buf += data
+        at = 0  # parse by offset: re-slicing the buffer per ack copies it once per message
         while True:
-            nl = buf.find(b"\r\n")
+            nl = buf.find(b"\r\n", at)
             if nl < 0:
                 break
-            line = buf[:nl]
-            if line.startswith(b"MSG "):
-                end = nl + 2 + int(line.rsplit(b" ", 1)[1]) + 2
+            if buf.startswith(b"MSG ", at):
+                end = nl + 2 + int(buf[buf.rfind(b" ", at, nl) + 1 : nl]) + 2
                 if len(buf) < end:
                     break
                 acks.acked += 1
-                if b'"error"' in buf[nl + 2 : end]:
+                if buf.find(b'"error"', nl + 2, end) >= 0:
                     acks.errors += 1
-                buf = buf[end:]
+                at = end
                 acks.progress.set()
                 continue
-            if line.startswith(b"PING"):
+            if buf.startswith(b"PING", at):
                 writer.write(b"PONG\r\n")
-            elif line.startswith(b"PONG"):
+            elif buf.startswith(b"PONG", at):
                 acks.pong.set()
-            elif line.startswith(b"-ERR"):
-                raise ConnectionError(line.decode().strip())
-            buf = buf[nl + 2 :]
+            elif buf.startswith(b"-ERR", at):
+                raise ConnectionError(buf[at:nl].decode().strip())
+            at = nl + 2
+        buf = buf[at:]
 
 
 async def _progress(acks: _Acks, sent: int, wait_s: float = 30.0) -> None:

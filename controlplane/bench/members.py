@@ -19,6 +19,7 @@ from nats.js import JetStreamContext
 from controlplane.publish import MSG_ID_HEADER, Outgoing, publish_all
 from controlplane.subjects import event_subject
 from schemas.commands import Reallocate, Start
+from schemas.ids import new_event_id
 
 
 @dataclass(slots=True)
@@ -49,7 +50,7 @@ class SimulatedJob:
     def envelope(self, member: str, type_: str, payload: dict[str, Any]) -> Outgoing:
         m = self.members[member]
         m.seq += 1
-        event_id = str(uuid.uuid4())
+        event_id = new_event_id()
         data = {
             "event_id": event_id,
             "job_id": self.job_id,

@@ -612,3 +612,24 @@ def test_cli_schemas_export(tmp_path):
 def test_cli_schemas_export_needs_a_directory():
     result = CliRunner().invoke(app, ["schemas", "export"])
     assert result.exit_code != 0
+
+
+def test_event_ids_are_time_ordered_uuid7_in_canonical_form() -> None:
+    from pydantic import TypeAdapter
+
+    from schemas.common import EventId
+    from schemas.ids import new_event_id, uuid7
+
+    canonical = TypeAdapter(EventId)
+    ms = 1_767_225_600_000  # 2026-01-01T00:00:00Z
+    ids = [uuid7(ms + i, (i * 0x9E3779B97F4A7C15) % (1 << 74)) for i in range(1000)]
+    assert ids == sorted(ids)  # text order is time order: inserts share the index's right edge
+    for text in [*ids[:50], new_event_id()]:
+        value = uuid.UUID(canonical.validate_python(text))
+        assert (value.version, value.variant) == (7, uuid.RFC_4122)
+        assert str(value) == text
+    assert uuid.UUID(ids[0]).int >> 80 == ms  # the first 48 bits are the time in milliseconds
+    for rand in (0, (1 << 74) - 1, 0x2AA_AAAA_AAAA_AAAA_AAAA):  # all 74 random bits are kept
+        value = uuid.UUID(uuid7(ms, rand)).int
+        assert ((value >> 64) & 0xFFF, value & ((1 << 62) - 1)) == (rand >> 62, rand % (1 << 62))
+    assert len({new_event_id() for _ in range(1000)}) == 1000
