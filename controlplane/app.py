@@ -8,7 +8,7 @@ import gc
 import logging
 import signal
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from nats.aio.client import Client
@@ -17,6 +17,7 @@ from nats.js import JetStreamContext
 from controlplane import bus
 from controlplane.core.decide import Context
 from controlplane.core.fold import fold, fold_jobs
+from controlplane.core.records import DeadLetter
 from controlplane.core.view import JobView
 from controlplane.decider import CommandPublisher, Decider
 from controlplane.errors import BusUnavailable, StoreUnavailable
@@ -25,8 +26,9 @@ from controlplane.lock import AdvisoryLock
 from controlplane.rendezvous import RendezvousHost
 from controlplane.settings import Settings
 from controlplane.store.migrate import check_schema
-from controlplane.store.port import AppendResult, EventStore
-from controlplane.store.postgres import PostgresEventStore
+from controlplane.store.port import AppendResult, EventStore, JobHead
+from controlplane.store.postgres import AsyncAppender, PostgresEventStore
+from schemas.events import EnvelopeBase
 
 if TYPE_CHECKING:
     from controlplane.api.metrics import LogMetrics, MetricsExporter
@@ -67,9 +69,9 @@ class ControlPlane:
                 self.metrics.observe(result.stored)
 
     def _committed(self, result: AppendResult) -> None:
+        # The decider was asked for a turn (if the batch calls for one) by ``_WakingAppender``
+        # already, as the commit returned.
         self._apply(result)
-        if self.decider is not None:
-            self.decider.on_commit(result)
 
     async def _refresh(self, store: PostgresEventStore, job_id: str) -> None:
         """Fold what the log holds for ``job_id`` beyond the view (another writer's events)."""
@@ -162,7 +164,7 @@ class ControlPlane:
             )
             await _ensure_commands(js, settings, either)
             self.ingest = Ingest(
-                appender,
+                _WakingAppender(appender, decider),
                 bus.EventConsumer(nc, settings),
                 batch=settings.ingest_batch,
                 fetch_wait_s=settings.ingest_fetch_timeout_s,
@@ -184,6 +186,35 @@ class ControlPlane:
             await appender.close()
             if nc is not None:
                 await nc.close()
+
+
+class _WakingAppender:
+    """The ingest's appender, asking the decider for a turn the moment a commit that stored
+    more than heartbeats returns (an exit, a fault report): the ingest then gives the turn
+    before it starts its next commit, instead of after it (which kept a crash waiting for a
+    whole commit of heartbeats, ~100 ms at 4,096 members). The decider appends through the
+    plain appender: its own decisions ask for nothing."""
+
+    def __init__(self, appender: AsyncAppender, decider: Decider) -> None:
+        self._appender = appender
+        self._decider = decider
+
+    async def append(
+        self,
+        events: Sequence[EnvelopeBase],
+        dead_letters: Sequence[DeadLetter] = (),
+        *,
+        expected: JobHead | None = None,
+        encoded: Sequence[bytes] | None = None,
+    ) -> AppendResult:
+        result = await self._appender.append(
+            events, dead_letters, expected=expected, encoded=encoded
+        )
+        self._decider.on_commit(result)
+        return result
+
+    def encode(self, events: Sequence[EnvelopeBase]) -> list[bytes] | None:
+        return self._appender.encode(events)
 
 
 async def _ensure_commands(js: JetStreamContext, settings: Settings, stop: asyncio.Event) -> None:

@@ -37,7 +37,8 @@ from controlplane.subjects import command_subject
 
 log = logging.getLogger(__name__)
 
-#: A decision taking longer than this is logged with where its time went.
+#: A decision taking longer than this is logged as a warning (else at INFO) with where its
+#: time went.
 SLOW_TURN_S = 0.1
 #: How long a turn waits for the commands it published to be acknowledged by JetStream.
 SETTLE_S = 0.25
@@ -155,25 +156,36 @@ class Decider:
             self.wanted.set()
 
     async def turn(self) -> None:
-        """Decide for every job, record, fold, publish (run inside a quiet turn)."""
+        """Decide for every job, record, fold, publish (run inside a quiet turn).
+
+        A job's commands are handed to the publisher as soon as its decisions are recorded
+        and folded, before the next job is decided; what else is owed (a command to send
+        again, another job's) follows once every job is decided."""
         self.stats.turns += 1
         now = self._clock()
         for job_id, view in list(self._views().items()):
             if view.state in TERMINAL:
                 continue
-            began = time.perf_counter()
+            began, cpu = time.perf_counter(), time.thread_time()
             decided = decide(view, now, self.context)
             if not decided:
                 continue
-            thought = time.perf_counter()
-            if not await self._record(job_id, view, decided, now):
+            thought, cpu = time.perf_counter(), time.thread_time() - cpu
+            appended = await self._record(job_id, view, decided, now)
+            if appended is None:
                 continue
+            folded = time.perf_counter()
+            self._offer(job_id)
             done = time.perf_counter()
-            if done - began > SLOW_TURN_S:
-                log.warning(
-                    "slow decision for %s: decide %.0f ms, record %.0f ms (%d events)",
-                    job_id, (thought - began) * 1e3, (done - thought) * 1e3, len(decided),
-                )  # fmt: skip
+            level = logging.WARNING if done - began > SLOW_TURN_S else logging.INFO
+            log.log(
+                level,
+                "decision for %s in %.0f ms: decide %.1f ms (%.1f ms of CPU), append %.1f ms,"
+                " fold %.1f ms, command %.1f ms (%d events)",
+                job_id, (done - began) * 1e3, (thought - began) * 1e3, cpu * 1e3,
+                (appended - thought) * 1e3, (folded - appended) * 1e3, (done - folded) * 1e3,
+                len(decided),
+            )  # fmt: skip
         self._publish()
         if self._publisher is not None:
             # The commands leave inside the turn, before the ingest (and whatever collection
@@ -183,7 +195,9 @@ class Decider:
 
     async def _record(
         self, job_id: str, view: JobView, decided: list[Decided], now: datetime
-    ) -> bool:
+    ) -> float | None:
+        """Append ``decided`` behind ``view`` and fold what was stored; the moment the
+        append returned, or None when nothing was recorded."""
         seq = self._seq.get(job_id, 0)
         events = [
             envelope(job_id, d, now, seq + i, self.incarnation)
@@ -199,17 +213,26 @@ class Decider:
             if self._refresh is not None:
                 await self._refresh(job_id)
             self.wanted.set()
-            return False
+            return None
         except StoreUnavailable as exc:
             log.warning("decision for %s not recorded (%s); deciding again later", job_id, exc)
-            return False
+            return None
+        appended = time.perf_counter()
         self._seq[job_id] = seq + len(events)
         self.stats.batches += 1
         self.stats.decisions += len(result.stored)
         self._apply(result)
         for stored in result.stored:
             _log_decision(stored)
-        return True
+        return appended
+
+    def _offer(self, job_id: str) -> None:
+        """Hand the commands ``job_id``'s view owes to the publisher (built only if due)."""
+        view = self._views().get(job_id)
+        if self._publisher is not None and view is not None:
+            commands = owing(view)
+            if commands:
+                self._publisher.offer(job_id, commands)
 
     def _publish(self) -> None:
         publisher = self._publisher

@@ -14,6 +14,7 @@ encode, and a service that sent it a moment ago does not need it again yet.
 
 from __future__ import annotations
 
+import operator
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from schemas.commands import Reallocate, Start, Stop
 from schemas.common import JobState
 
 Command = Start | Reallocate | Stop
+_ENDPOINT = operator.attrgetter("backup_endpoint")
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +75,7 @@ def owing(view: JobView) -> list[Owed]:
 
 
 def _reallocate(view: JobView, incident_id: str, decision: Decision) -> Reallocate:
-    placement = [list(h) for h in view.placement] if view.generation == decision.generation else []
+    placement = list(map(list, view.placement)) if view.generation == decision.generation else []
     return Reallocate.model_construct(
         command_id=uuid.UUID(decision.command_id),
         job_id=view.job_id,
@@ -94,7 +96,8 @@ def _reallocate(view: JobView, incident_id: str, decision: Decision) -> Realloca
 
 def _endpoints(view: JobView, world: tuple[str, ...]) -> dict[str, str]:
     members = view.members
-    return {m: members[m].backup_endpoint for m in world if m in members}
+    known = list(filter(members.__contains__, world))
+    return dict(zip(known, map(_ENDPOINT, map(members.__getitem__, known)), strict=True))
 
 
 def _start(view: JobView) -> list[Owed]:
@@ -118,7 +121,7 @@ def _start(view: JobView) -> list[Owed]:
                 issued_at=mark.at,
                 generation=view.generation,
                 world=list(view.world),
-                placement=[list(h) for h in view.placement],
+                placement=list(map(list, view.placement)),
                 rendezvous=view.rendezvous,
                 endpoints=_endpoints(view, view.world),
             ),

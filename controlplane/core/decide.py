@@ -24,15 +24,17 @@ at a backup boundary when members joined after the start.
 
 from __future__ import annotations
 
+import itertools
+import operator
 import re
 import uuid
-from collections.abc import Iterable
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from controlplane.core.detect import Finding, detect, heartbeat_timeout
 from controlplane.core.fold import fold
-from controlplane.core.placement import Slot, place
+from controlplane.core.placement import place_columns
 from controlplane.core.records import StoredEvent
 from controlplane.core.restore import plan_restore
 from controlplane.core.statemachine import TERMINAL
@@ -192,6 +194,11 @@ def natural_key(text: str) -> tuple[str | int, ...]:
     return tuple(int(p) if i % 2 else p for i, p in enumerate(parts))
 
 
+_STATUS = operator.attrgetter("status")
+_NODE = operator.attrgetter("node")
+_RACK = operator.attrgetter("rack")
+
+
 def _topology_key(member: Member) -> tuple[object, ...]:
     return (member.rack, member.node, natural_key(member.member_id))
 
@@ -278,9 +285,10 @@ class _Round:
             and self._fresh(member)
         )
 
-    def _slots(self, members: Iterable[str]) -> list[Slot]:
-        ms = self.view.members
-        return [Slot(m, (member := ms[m]).node, member.rack) for m in members]
+    def _columns(self, members: Sequence[str]) -> tuple[list[str], list[str]]:
+        """The nodes and the racks of ``members`` (map and attrgetter: no Python loop)."""
+        located = list(map(self.view.members.__getitem__, members))
+        return list(map(_NODE, located)), list(map(_RACK, located))
 
     def _rendezvous(self, generation: int) -> str:
         base = self.context.rendezvous.rstrip("/")
@@ -353,7 +361,15 @@ class _Round:
         still-valid copy of the current one (replacements stand in for whom they replace)."""
         view = self.view
         previous = dict(zip(view.world, view.placement, strict=False))
-        placement = place(self._slots(world), self.policy.redundancy, previous, substitute)
+        nodes, racks = self._columns(world)
+        placement = place_columns(
+            world,
+            nodes,
+            racks,
+            self.policy.redundancy,
+            previous=previous,
+            substitute=substitute,
+        )
         self._emit(
             f"generation/{generation}",
             "generation.started",
@@ -361,7 +377,7 @@ class _Round:
                 generation=generation,
                 world=list(world),
                 rendezvous=self._rendezvous(generation),
-                placement=[list(h) for h in placement.holders],
+                placement=list(map(list, placement.holders)),
                 placement_note=placement.note[:_MAX_TEXT],
             ),
             generation,
@@ -483,9 +499,20 @@ class _Round:
         """The new world and where its state comes from, or why the job cannot go on."""
         view, policy = self.view, self.policy
         members = view.members
-        failed = [m for m in view.world if members[m].status is not MemberStatus.ACTIVE]
+        # The members of the world that are not active (tested in C: map and compress).
+        failed = list(
+            itertools.compress(
+                view.world,
+                map(
+                    operator.is_not,
+                    map(_STATUS, map(members.__getitem__, view.world)),
+                    itertools.repeat(MemberStatus.ACTIVE),
+                ),
+            )
+        )
         candidates = sorted(
-            (m for m in members.values() if self._usable(m)),
+            # Outside the world first (a cheap test; ``_usable`` asks it again).
+            (m for m in members.values() if m.rank is None and self._usable(m)),
             key=lambda m: (m.role is not Role.SPARE, _topology_key(m)),
         )
         replacements: dict[str, str] = {}
@@ -504,12 +531,10 @@ class _Round:
             )
             candidates.remove(best)
             replacements[member_id] = best.member_id
-        world = tuple(
-            replacements.get(m, m)
-            for m in view.world
-            if members[m].status is MemberStatus.ACTIVE or m in replacements
-        )
         dropped = [m for m in failed if m not in replacements]
+        # The world without the dropped, each failed member renamed to its replacement.
+        staying = list(itertools.filterfalse(set(dropped).__contains__, view.world))
+        world = tuple(map(replacements.get, staying, staying))
         survivors = len(view.world) - len(failed)
         if len(world) < policy.min_world:
             return (
@@ -536,7 +561,16 @@ class _Round:
         """Newest step whose every shard survives (hot first, then cold), or why none does."""
         view = self.view
         members = view.members
-        alive = {m for m, member in members.items() if member.status is MemberStatus.ACTIVE}
+        alive = set(
+            itertools.compress(
+                members.keys(),
+                map(
+                    operator.is_,
+                    map(_STATUS, members.values()),
+                    itertools.repeat(MemberStatus.ACTIVE),
+                ),
+            )
+        )
         receivers = dict(enumerate(world))
         hot = plan_restore(view, alive, receivers, members)
         if hot is not None:  # hot first (seconds), even when a cold checkpoint is newer

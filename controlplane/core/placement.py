@@ -21,6 +21,9 @@ its arguments (the world, and the previous generation's placement), never random
 from __future__ import annotations
 
 import heapq
+import itertools
+import operator
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -57,52 +60,65 @@ class Placement:
 
 
 class _Loads:
-    """Copies held per member and per rack, with lazy min-heaps over both."""
+    """Copies held per member and per rack, with lazy min-heaps over both.
 
-    def __init__(self, world: Sequence[Slot], load: list[int] | None = None) -> None:
-        self.world = world
-        self.load = load if load is not None else [0] * len(world)
+    A rack's heap of members is built the first time a holder is looked for in that rack:
+    after a failure only the few shards that lost a holder are placed again, and they look
+    in a handful of racks, not in all of them.
+    """
+
+    def __init__(self, nodes: Sequence[str], racks: Sequence[str], load: list[int]) -> None:
+        self.nodes = nodes
+        self.load = load
         self.racks: list[str] = []
         self.rack_of: list[int] = []
         index: dict[str, int] = {}
-        for slot in world:
-            if slot.rack not in index:
-                index[slot.rack] = len(self.racks)
-                self.racks.append(slot.rack)
-            self.rack_of.append(index[slot.rack])
-        self.size = [0] * len(self.racks)
-        for rack in self.rack_of:
-            self.size[rack] += 1
-        self.rack_load = [0] * len(self.racks)
-        self.members: list[list[tuple[int, int]]] = [[] for _ in self.racks]
-        for i, rack in enumerate(self.rack_of):
-            self.rack_load[rack] += self.load[i]
-            self.members[rack].append((self.load[i], i))
-        for heap in self.members:
-            heapq.heapify(heap)
+        in_rack: list[list[int]] = []
+        rack_of = self.rack_of
+        for i, rack in enumerate(racks):
+            k = index.get(rack)
+            if k is None:
+                k = index[rack] = len(self.racks)
+                self.racks.append(rack)
+                in_rack.append([])
+            rack_of.append(k)
+            in_rack[k].append(i)
+        self._in_rack = in_rack
+        self.size = [len(ms) for ms in in_rack]
+        self.rack_load = [sum([load[i] for i in ms]) for ms in in_rack]
+        #: Per rack, a heap of (load, member) entries once built (None until then).
+        self.members: list[list[tuple[int, int]] | None] = [None] * len(in_rack)
         self.rack_heap = [
             (self.rack_load[rack] / self.size[rack], rack) for rack in range(len(self.racks))
         ]
         heapq.heapify(self.rack_heap)
-        self.nodes: dict[str, list[int]] = {}
-        node_index: dict[str, int] = {}
-        self.node_of: list[int] = []
-        for i, slot in enumerate(world):
-            self.nodes.setdefault(slot.node, []).append(i)
-            self.node_of.append(node_index.setdefault(slot.node, len(node_index)))
+
+    def _heap(self, rack: int) -> list[tuple[int, int]]:
+        heap = self.members[rack]
+        if heap is None:
+            load = self.load
+            heap = self.members[rack] = [(load[i], i) for i in self._in_rack[rack]]
+            heapq.heapify(heap)
+        return heap
+
+    def same_node(self, node: str) -> list[int]:
+        """The members on ``node``, in world order."""
+        return [i for i, n in enumerate(self.nodes) if n == node]
 
     def add(self, i: int) -> None:
         self.load[i] += 1
         rack = self.rack_of[i]
         self.rack_load[rack] += 1
-        heapq.heappush(self.members[rack], (self.load[i], i))
+        heap = self.members[rack]
+        if heap is not None:  # else it is built from the loads when first needed
+            heapq.heappush(heap, (self.load[i], i))
         heapq.heappush(self.rack_heap, (self.rack_load[rack] / self.size[rack], rack))
 
-    def least_in_rack(self, rack: int, node: int | None, chosen: list[int]) -> int | None:
+    def least_in_rack(self, rack: int, node: str | None, chosen: list[int]) -> int | None:
         """The least-loaded member of ``rack`` off ``node`` and not in ``chosen``."""
-        heap = self.members[rack]
+        heap = self._heap(rack)
         load = self.load
-        node_of = self.node_of
+        nodes = self.nodes
         skipped: list[tuple[int, int]] = []
         found = None
         while heap:
@@ -111,7 +127,7 @@ class _Loads:
                 continue  # stale: a newer entry for this member is in the heap
             skipped.append(entry)
             i = entry[1]
-            if node_of[i] != node and i not in chosen:
+            if nodes[i] != node and i not in chosen:
                 found = i
                 break
         for entry in skipped:
@@ -119,7 +135,7 @@ class _Loads:
         return found  # add() makes its entry stale when the member is chosen
 
     def least_rack(
-        self, excluded: set[int], node: int | None = None, chosen: list[int] | None = None
+        self, excluded: set[int], node: str | None = None, chosen: list[int] | None = None
     ) -> int | None:
         """The rack not in ``excluded`` with the fewest copies per member; with ``chosen``,
         only a rack that still has a member off ``node`` and not in ``chosen``."""
@@ -154,15 +170,33 @@ def place(
     holders that are still valid stay. ``substitute`` renames members first (a failed member
     -> its replacement), as owners and as holders.
     """
-    if redundancy < 0:
-        raise ValueError("redundancy must be >= 0")
     # Columns of the world, transposed in C (a world is a sequence of tuples).
     members, nodes, racks = (list(c) for c in zip(*world, strict=True)) if world else ([], [], [])
-    index = {m: i for i, m in enumerate(members)}
+    return place_columns(
+        members, nodes, racks, redundancy, previous=previous, substitute=substitute
+    )
+
+
+def place_columns(
+    members: Sequence[str],
+    nodes: Sequence[str],
+    racks: Sequence[str],
+    redundancy: int,
+    *,
+    previous: Mapping[str, Sequence[str]] | None = None,
+    substitute: Mapping[str, str] | None = None,
+) -> Placement:
+    """``place`` of the world ``zip(members, nodes, racks)``, given as its columns (what a
+    decider has at hand: building a ``Slot`` per rank costs more than placing)."""
+    if redundancy < 0:
+        raise ValueError("redundancy must be >= 0")
+    if not len(members) == len(nodes) == len(racks):
+        raise ValueError("members, nodes and racks differ in length")
+    index = dict(zip(members, range(len(members)), strict=True))
     if len(index) != len(members):
         raise ValueError("a member appears twice in the world")
     multi_rack = len(set(racks)) > 1
-    kept = _kept(
+    kept, unsettled = _kept(
         members,
         nodes,
         racks,
@@ -174,31 +208,32 @@ def place(
     )
     loads: _Loads | None = None  # built on the first shard that needs a holder
     shortfalls: list[str] = []
-    holders: list[tuple[str, ...]] = []
-    for r, entry in enumerate(kept):
-        if isinstance(entry, tuple):
-            holders.append(entry)  # untouched: the same copies
-            continue
-        chosen = entry
+    # The kept holders as they are (tuples: the same copies), then the unsettled ranks in
+    # order, each with the loads the ranks before it left.
+    holders = list(kept)
+    for r in unsettled:
+        chosen = kept[r]
+        assert isinstance(chosen, list)
         if len(chosen) < redundancy:
             if loads is None:
-                loads = _Loads(world, _load(kept, index, len(world)))
+                loads = _Loads(nodes, racks, _load(kept, unsettled, members))
             _fill(loads, r, chosen, redundancy, shortfalls)
         if redundancy >= 1 and chosen and not multi_rack:
-            shortfalls.append(
-                f"shard {r}: one rack only, no copy survives losing rack {world[r].rack}"
-            )
-        holders.append(tuple([members[i] for i in chosen]))
-    return Placement(tuple(members), tuple(holders), _note(shortfalls))
+            shortfalls.append(f"shard {r}: one rack only, no copy survives losing rack {racks[r]}")
+        holders[r] = tuple([members[i] for i in chosen])
+    return Placement(tuple(members), tuple(holders), _note(shortfalls))  # type: ignore[arg-type]
 
 
 def _load(
-    kept: Sequence[tuple[str, ...] | list[int]], index: Mapping[str, int], n: int
+    kept: Sequence[tuple[str, ...] | list[int]], unsettled: Sequence[int], members: Sequence[str]
 ) -> list[int]:
-    load = [0] * n
-    for entry in kept:
-        for holder in entry:
-            load[index[holder] if isinstance(holder, str) else holder] += 1
+    """Copies each member holds: the kept names counted in C (the indices of the unsettled
+    ranks are counted there too, under int keys no member has), then those indices."""
+    named = Counter(itertools.chain.from_iterable(kept))
+    load = list(map(named.get, members, itertools.repeat(0)))
+    for r in unsettled:
+        for i in kept[r]:
+            load[i] += 1  # type: ignore[index]
     return load
 
 
@@ -212,34 +247,45 @@ def _kept(
     previous: Mapping[str, Sequence[str]],
     substitute: Mapping[str, str],
     multi_rack: bool,
-) -> list[tuple[str, ...] | list[int]]:
+) -> tuple[list[tuple[str, ...] | list[int]], list[int]]:
     """Per rank, the previous holders that remain valid: in the world, not the owner, not on
     its node, and not leaving every copy in the owner's rack while other racks exist.
 
     A shard nothing happened to (same owner, every holder still there, none renamed) keeps
-    its holders as they were (a tuple of names); the others get the indices kept (a list).
+    its holders as they were (a tuple of names); the others get the indices kept (a list)
+    and are listed, in rank order, as the unsettled ranks.
     """
     if not previous or redundancy == 0:
-        return [[] for _ in members]
+        return [[] for _ in members], list(range(len(members)))
     origin = {new: old for old, new in substitute.items()}
     renamed = set(substitute)
     present = set(index)
-    out: list[tuple[str, ...] | list[int]] = []
-    append = out.append
     empty: tuple[str, ...] = ()
-    # The common case first, and cheap: one lookup and three set tests per rank.
-    for r, name in enumerate(members):
+    # Every rank first keeps its previous holders as they were (mapped in C) ...
+    out: list[tuple[str, ...] | list[int]] = list(
+        map(tuple, map(previous.get, members, itertools.repeat(empty)))
+    )
+    # ... then the few that cannot are found: the holders that left or were renamed, the
+    # owners with a holder among them (or the wrong number, or themselves), the ranks whose
+    # owner is new (a replacement, or no previous shard). One cheap test per previous owner.
+    held = set(itertools.chain.from_iterable(previous.values()))
+    bad = (held - present) | (held & renamed)
+    # (Each test mapped over the previous owners in C: compress, map and the set methods.)
+    owners, befores = previous.keys(), previous.values()
+    suspect = set(
+        itertools.compress(
+            owners, map(operator.ne, map(len, befores), itertools.repeat(redundancy))
+        )
+    )
+    suspect.update(itertools.compress(owners, map(operator.contains, befores, owners)))
+    if bad:
+        suspect.update(itertools.compress(owners, map(operator.not_, map(bad.isdisjoint, befores))))
+    redo = (suspect & present) | (present - previous.keys()) | (origin.keys() & present)
+    unsettled = sorted(index[name] for name in redo)
+    for r in unsettled:
+        name = members[r]
         was = origin.get(name)
         before = previous.get(name if was is None else was, empty)
-        if (
-            was is None
-            and len(before) == redundancy
-            and name not in before
-            and present.issuperset(before)
-            and renamed.isdisjoint(before)
-        ):
-            append(before if isinstance(before, tuple) else tuple(before))
-            continue
         node, rack = nodes[r], racks[r]
         chosen: list[int] = []
         elsewhere = False
@@ -253,16 +299,14 @@ def _kept(
             elsewhere = elsewhere or racks[i] != rack
         if multi_rack and chosen and not elsewhere:
             chosen.pop()  # the refill goes to another rack
-        append(chosen)
-    return out
+        out[r] = chosen
+    return out, unsettled
 
 
 def _fill(loads: _Loads, r: int, chosen: list[int], redundancy: int, shortfalls: list[str]) -> None:
     """Add holders for rank ``r`` until ``redundancy``, by the rule, least-loaded first."""
-    world = loads.world
-    owner = world[r]
     own_rack = loads.rack_of[r]
-    own_node = loads.node_of[r]
+    own_node = loads.nodes[r]
     multi_rack = len(loads.racks) > 1
     if redundancy >= 2 and not any(loads.rack_of[i] == own_rack for i in chosen):
         pick = loads.least_in_rack(own_rack, own_node, chosen)
@@ -270,7 +314,7 @@ def _fill(loads: _Loads, r: int, chosen: list[int], redundancy: int, shortfalls:
             chosen.append(pick)
             loads.add(pick)
         elif multi_rack:
-            shortfalls.append(f"shard {r}: no other node in rack {owner.rack}")
+            shortfalls.append(f"shard {r}: no other node in rack {loads.racks[own_rack]}")
     racks_used = {own_rack, *(loads.rack_of[i] for i in chosen)}
     while len(chosen) < redundancy and multi_rack:
         rack = loads.least_rack(racks_used)
@@ -292,7 +336,7 @@ def _fill(loads: _Loads, r: int, chosen: list[int], redundancy: int, shortfalls:
                 break
             chosen.append(pick)
             loads.add(pick)
-        same_node = [i for i in loads.nodes[owner.node] if i != r]
+        same_node = [i for i in loads.same_node(own_node) if i != r]
         while len(chosen) < redundancy:
             rest = [i for i in same_node if i not in chosen]
             if not rest:
@@ -300,7 +344,7 @@ def _fill(loads: _Loads, r: int, chosen: list[int], redundancy: int, shortfalls:
             pick = min(rest, key=lambda i: (loads.load[i], i))
             chosen.append(pick)
             loads.add(pick)
-            shortfalls.append(f"shard {r}: a copy on the owner's own node {owner.node}")
+            shortfalls.append(f"shard {r}: a copy on the owner's own node {own_node}")
     if len(chosen) < redundancy:
         shortfalls.append(f"shard {r}: holders {len(chosen)} of {redundancy} wanted")
 

@@ -10,6 +10,9 @@ source first, so one holder does not serve every shard.
 
 from __future__ import annotations
 
+import itertools
+import operator
+from collections import Counter
 from collections.abc import Mapping, Set
 from dataclasses import dataclass
 from typing import Protocol
@@ -25,6 +28,12 @@ class Located(Protocol):
 
     @property
     def rack(self) -> str: ...
+
+
+_OWNER = operator.attrgetter("owner")
+_CHECKSUM = operator.attrgetter("checksum")
+_SNAPSHOT_POSITION = operator.attrgetter("snapshot_position")
+_JOINED_POSITION = operator.attrgetter("joined_position")
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +90,8 @@ def plan_restore(
     ``slots`` locates members on nodes and racks.
     """
     staying = set(receivers.values())
-    since = {m: member.joined_position for m, member in view.members.items()}
+    members = view.members
+    since = dict(zip(members.keys(), map(_JOINED_POSITION, members.values()), strict=True))
     for step in sorted(view.backups, reverse=True):
         sources = _sources(
             view.backups[step],
@@ -106,31 +116,42 @@ def _sources(
     slots: Mapping[str, Located],
 ) -> tuple[str, ...] | None:
     """A source per shard of ``backup``, or None when some shard has no surviving copy."""
-    served: dict[str, int] = {}
-    sources = []
-    shards = backup.shards
-    for shard_no in range(backup.num_shards):
-        shard = shards.get(shard_no)
-        if shard is None or shard.checksum is None:
-            return None
-        owner = shard.owner
-        # An owner that stays in the world keeps its shard (its own memory), even where
-        # ranks moved (a shrink, or a backup of an older generation).
+    numbers = range(backup.num_shards)
+    if not all(map(backup.shards.__contains__, numbers)):
+        return None
+    present = list(map(backup.shards.__getitem__, numbers))
+    if None in map(_CHECKSUM, present):
+        return None
+    owners = list(map(_OWNER, present))  # set with the snapshot (a checksum, above)
+    snapshots = list(map(_SNAPSHOT_POSITION, present))
+    if None in snapshots:
+        snapshots = [p or 0 for p in snapshots]
+    # The common case, tested for every shard at once (in C): an owner that stays in the
+    # world and survives keeps its shard in its own memory (even where ranks moved: a
+    # shrink, or a backup of an older generation) if its current process took the snapshot.
+    home = set(staying).intersection(survivors)
+    own = list(
+        map(
+            operator.and_,
+            map(home.__contains__, owners),
+            map(operator.gt, snapshots, map(since.get, owners, itertools.repeat(0))),
+        )
+    )
+    sources: list[str] = owners  # its owner where ``own``; replaced below elsewhere
+    # The rest in shard order, each from the closest surviving copy, the least used source
+    # first (counted in C, over the sources chosen before it, only when needed).
+    served: Counter[str] = Counter()
+    counted = 0
+    for shard_no in itertools.compress(range(len(own)), map(operator.not_, own)):
+        shard = present[shard_no]
+        owner = owners[shard_no]
         receiver = owner if owner in staying else receivers.get(shard_no)
-        if (
-            receiver is not None
-            and receiver == owner
-            and receiver in survivors
-            and (shard.snapshot_position or 0) > since.get(receiver, 0)
-        ):
-            source = receiver  # the common case, and the cheap one: its own memory
-        else:
-            copies = surviving_copies(shard, survivors, since)
-            if not copies:
-                return None
-            source = _closest(copies, receiver, slots, served)
-        served[source] = served.get(source, 0) + 1
-        sources.append(source)
+        copies = surviving_copies(shard, survivors, since)
+        if not copies:
+            return None
+        served.update(sources[counted:shard_no])
+        counted = shard_no
+        sources[shard_no] = _closest(copies, receiver, slots, served)
     return tuple(sources)
 
 
