@@ -32,9 +32,10 @@ _ENVELOPE = (
     " 'incarnation', incarnation, 'seq', seq, 'generation', generation,"
     f" 'emitted_at', {_UTC.format('emitted_at')}, 'payload', payload"
 )
-#: The columns of ``schemas.api.EventOut``, in order, each read as its text (see ``_json``).
+#: The columns of ``schemas.api.EventOut``, in order, each read as its text (see ``_json``),
+#: but the job's id: the query names it.
 _EVENT_COLUMNS = (
-    "position, recorded_at, event_id, job_id, type, v, source, incarnation, seq, generation,"
+    "position, recorded_at, event_id, type, v, source, incarnation, seq, generation,"
     " emitted_at, payload"
 )
 #: Read as text, not converted: the page is text again at once.
@@ -97,10 +98,12 @@ def _page_sql(query: EventQuery) -> tuple[str, list[Any]]:
     if query.until is not None:
         where.append("recorded_at < %s")
         params.append(query.until)
-    params.append(query.limit + 1)
+    # The limit is written in the statement, not passed: a prepared statement's generic plan
+    # assumes a tenth of the rows for a LIMIT it does not know, so PostgreSQL would plan each
+    # page again (a custom plan, twice the cost of the page) rather than use it.
     sql = (
         f"SELECT {_EVENT_COLUMNS} FROM events WHERE {' AND '.join(where)}"
-        " ORDER BY position LIMIT %s"
+        f" ORDER BY position LIMIT {int(query.limit) + 1}"
     )
     return sql, params
 
@@ -110,30 +113,43 @@ def _time(text: str) -> str:
     return f'"{text[:10]}T{text[11:-3]}Z"'
 
 
-def _json(row: tuple[str, ...]) -> str:
-    """One event as ``schemas.api.EventOut`` JSON, from its columns' text.
+def _json(row: Sequence[str], job_id: str) -> str:
+    """One event of ``job_id`` as ``schemas.api.EventOut`` JSON, from its columns' text."""
+    return _events_json([row], job_id)[0]
+
+
+def _events_json(rows: Sequence[Sequence[str]], job_id: str) -> list[str]:
+    """Events of ``job_id`` as ``schemas.api.EventOut`` JSON, from their columns' text.
 
     Strings are escaped (``encode_basestring``); numbers, the UUID and the payload (JSONB's
-    own text) are JSON as PostgreSQL writes them. Building it here costs a tenth of what
-    ``json_build_object`` costs the server.
+    own text) are JSON as PostgreSQL writes them, times as ``_time`` writes them. Building it
+    here costs a tenth of what ``json_build_object`` costs the server. One comprehension, the
+    times written inline: this is most of what a page costs the API.
     """
-    p, rec, eid, job, typ, v, src, inc, seq, gen, emit, payload = row
-    return (
-        f'{{"position":{p},"recorded_at":{_time(rec)},"event_id":"{eid}","job_id":{_str(job)},'
-        f'"type":{_str(typ)},"v":{v},"source":{_str(src)},"incarnation":{_str(inc)},'
-        f'"seq":{seq},"generation":{gen},"emitted_at":{_time(emit)},"payload":{payload}}}'
-    )
+    job = _str(job_id)
+    return [
+        f'{{"position":{p},"recorded_at":"{rec[:10]}T{rec[11:-3]}Z","event_id":"{eid}",'
+        f'"job_id":{job},"type":{_str(typ)},"v":{v},"source":{_str(src)},'
+        f'"incarnation":{_str(inc)},"seq":{seq},"generation":{gen},'
+        f'"emitted_at":"{emit[:10]}T{emit[11:-3]}Z","payload":{payload}}}'
+        for p, rec, eid, typ, v, src, inc, seq, gen, emit, payload in rows
+    ]
 
 
-def _cursor_after(rows: list[tuple[Any, ...]], limit: int) -> tuple[list[str], int | None]:
+def _cursor_after(rows: list[tuple[Any, ...]], query: EventQuery) -> tuple[list[str], int | None]:
+    limit = query.limit
     more = len(rows) > limit
     rows = rows[:limit]
-    return [_json(r) for r in rows], (int(rows[-1][0]) if more else None)
+    return _events_json(rows, query.job_id), (int(rows[-1][0]) if more else None)
 
 
 class PageReader:
     """Pages of events over a few asyncio connections of its own (no thread, no transaction:
-    each page is one autocommit query, prepared by psycopg after a few uses)."""
+    each page is one autocommit query, prepared by psycopg after a few uses).
+
+    The head of the log has a connection of its own: every request waits for the check of the
+    head that the views make now and then (``LiveViews.fresh``), and behind page queries that
+    fill the other connections it would wait for one of them."""
 
     def __init__(
         self, database_url: str, *, size: int = 8, statement_timeout_s: float = 10.0
@@ -144,73 +160,83 @@ class PageReader:
             f"-c statement_timeout={int(statement_timeout_s * 1000)}"
             " -c TimeZone=UTC -c DateStyle=ISO"
         )
-        self._size = size
-        self._idle: list[psycopg.AsyncConnection[Any]] = []
-        self._open = 0
-        self._freed = asyncio.Condition()
+        self._pages = _Lane(size)
+        self._head = _Lane(1)
         self._closed = False
 
-    async def _acquire(self) -> psycopg.AsyncConnection[Any]:
-        async with self._freed:
-            while not self._idle and self._open >= self._size and not self._closed:
-                await self._freed.wait()
+    async def _acquire(self, lane: _Lane) -> _Connection:
+        await lane.slots.acquire()
+        try:
             if self._closed:
                 raise StoreUnavailable("the API is shutting down")
-            if self._idle:
-                return self._idle.pop()
-            self._open += 1
-        try:
+            if lane.idle:
+                return lane.idle.pop()
             with translated():
                 conn = await psycopg.AsyncConnection.connect(
                     self._url, autocommit=True, options=self._options
                 )
             for name in _TEXT_TYPES:
                 conn.adapters.register_loader(name, TextLoader)
-            return conn
+            return conn, conn.cursor()
         except BaseException:
-            await self._release(None)
+            lane.slots.release()
             raise
 
-    async def _release(self, conn: psycopg.AsyncConnection[Any] | None) -> None:
-        if conn is not None and self._closed:
-            await conn.close()
-        async with self._freed:
-            if conn is None or conn.closed:
-                self._open -= 1
-            else:
-                self._idle.append(conn)
-            self._freed.notify()
+    async def _release(self, lane: _Lane, held: _Connection, *, broken: bool = False) -> None:
+        conn = held[0]
+        try:
+            if broken or self._closed:
+                await conn.close()  # a broken or interrupted connection is not reused
+            elif not conn.closed:
+                lane.idle.append(held)
+        finally:
+            lane.slots.release()
 
-    async def _fetch(self, sql: str, params: Sequence[Any]) -> list[tuple[Any, ...]]:
-        conn = await self._acquire()
+    async def _fetch(
+        self, sql: str, params: Sequence[Any], lane: _Lane | None = None
+    ) -> list[tuple[Any, ...]]:
+        lane = lane or self._pages
+        held = await self._acquire(lane)
         try:
             with translated():
-                cur = await conn.execute(sql, params)
-                rows = await cur.fetchall()
+                cursor = held[1]
+                await cursor.execute(sql, params)
+                rows = await cursor.fetchall()
         except BaseException:
-            await conn.close()  # a broken or interrupted connection is not reused
-            await self._release(None)
+            await self._release(lane, held, broken=True)
             raise
-        await self._release(conn)
+        await self._release(lane, held)
         return rows
 
     async def page(self, query: EventQuery) -> tuple[list[str], int | None]:
         """The page's events as JSON texts, and the cursor of the next page (None: none yet)."""
         sql, params = _page_sql(query)
-        return _cursor_after(await self._fetch(sql, params), query.limit)
+        return _cursor_after(await self._fetch(sql, params), query)
 
     async def head(self) -> int:
         """The log's last position (``log_head``: one row, never waits for a writer)."""
-        rows = await self._fetch(_HEAD, ())
+        rows = await self._fetch(_HEAD, (), self._head)
         if not rows:
             raise SchemaNotMigrated("log_head is empty: run `elasticctl migrate` first")
         return int(rows[0][0])
 
     async def close(self) -> None:
         """Close the idle connections (those in use close when they come back)."""
-        async with self._freed:
-            idle, self._idle = self._idle, []
-            self._closed = True
-            self._freed.notify_all()
-        for conn in idle:
-            await conn.close()
+        self._closed = True
+        for lane in (self._pages, self._head):
+            idle, lane.idle = lane.idle, []
+            for conn, _ in idle:
+                await conn.close()
+
+
+#: A connection of a ``PageReader`` and its cursor.
+_Connection = tuple[psycopg.AsyncConnection[Any], psycopg.AsyncCursor[Any]]
+
+
+class _Lane:
+    """Connections of a ``PageReader`` for one use: at most ``size`` in use at once."""
+
+    def __init__(self, size: int) -> None:
+        self.slots = asyncio.Semaphore(size)
+        #: Connections not in use, each with the cursor it runs every query on.
+        self.idle: list[_Connection] = []

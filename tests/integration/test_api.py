@@ -21,6 +21,7 @@ from controlplane.api import create_app, render
 from controlplane.core.records import StoredEvent
 from controlplane.core.timeline import POINTS
 from controlplane.devstack import free_port
+from controlplane.errors import StoreUnavailable
 from controlplane.settings import Settings
 from controlplane.store.postgres import PostgresEventStore
 from controlplane.synth import SyntheticJob
@@ -234,6 +235,89 @@ async def test_filters_by_type_member_and_time(api, recorded):
         "events": [],
         "next_after": None,
     }
+
+
+@pytest.mark.parametrize("tokens", [None, f"{READ_TOKEN}:read, {WRITE_TOKEN}:write"])
+async def test_the_hot_routes_answer_byte_for_byte_as_the_fastapi_routes(
+    settings, pg_store, recorded, tokens
+):
+    """``HotRoutes`` answers the timeline and plain event pages itself, exactly as FastAPI's
+    routes do (status, headers, body; 304s too), and leaves FastAPI everything else: errors,
+    a missing or weak token, parameters that are not plain."""
+    update = {"api_refresh_s": 0.0, "api_tokens": SecretStr(tokens) if tokens else None}
+    app = create_app(settings.model_copy(update=update), pg_store)
+    token = bearer(READ_TOKEN) if tokens else {}
+    hot = app.hot
+    view = final_view()
+    last = len(recorded)
+    events = f"{API}/jobs/{JOB}/events"
+    at = recorded[len(recorded) // 2].recorded_at.isoformat()
+    plain = [
+        *(f"{API}/jobs/{JOB}/incidents/{i}" for i in view.incidents),
+        events,
+        f"{events}?after=0&limit=1",
+        f"{events}?after={last - 3}",
+        f"{events}?after={last}",
+        f"{events}?after=0007&limit=1000",
+        f"{events}?after=+3",  # " 3": both read 3
+        f"{events}?type=train.step&limit=7",
+        f"{events}?type=command.acked&type=restore.completed&type=command.acked",
+        f"{events}?member=w10&after=5&limit=3",
+        f"{events}?member=nobody",
+        f"{events}?since={at.replace('+', '%2B')}&until=2100-01-01T00:00:00Z&member=w00",
+    ]
+    others = [
+        f"{API}/jobs/nope/incidents/x",
+        f"{API}/jobs/{JOB}/incidents/x",
+        f"{API}/jobs/nope/events",
+        f"{API}/jobs/{JOB}/events/",
+        f"{API}/jobs/{JOB}/events?after=1&after=2",
+        f"{events}?after=",
+        f"{events}?after=-1",
+        f"{events}?limit=0",
+        f"{events}?type=member.bogus",
+        f"{events}?member=a/b",
+        f"{events}?until=2026-01-01T00:00:00",
+        f"{events}?types=train.step",
+        f"{events}?limit=5&unknown=1",
+    ]
+    transport = httpx.ASGITransport(app=app)
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=transport, base_url="http://api") as client,
+    ):
+
+        async def both(path: str, headers: dict[str, str]) -> tuple[int, httpx.Response]:
+            hot.enabled, served = True, hot.served
+            fast = await client.get(path, headers=headers)
+            hot.enabled = False
+            slow = await client.get(path, headers=headers)
+            assert fast.status_code == slow.status_code, path
+            assert fast.headers.multi_items() == slow.headers.multi_items(), path
+            assert fast.content == slow.content, path
+            return hot.served - served, fast
+
+        for path in plain:
+            took, answer = await both(path, token)
+            assert took == 1 and answer.status_code == 200, path
+            etag = answer.headers["etag"]
+            took, again = await both(path, {**token, "If-None-Match": f'"x", W/{etag}'})
+            assert took == 1 and again.status_code == 304 and again.content == b"", path
+        for path in others:
+            took, _ = await both(path, token)
+            assert took == 0, path
+        if tokens:
+            for headers in ({}, bearer("not-a-token"), bearer(WRITE_TOKEN)):
+                took, refused = await both(plain[0], headers)
+                assert took == 0 and refused.status_code in (401, 403)
+
+        async def down(query: object) -> object:
+            raise StoreUnavailable("the database is down")
+
+        app.state.api.pages.page = down
+        took, unavailable = await both(events, token)
+        assert took == 1 and unavailable.status_code == 503
+    await app.state.api.close()
 
 
 # --------------------------------------------------------------------------- errors

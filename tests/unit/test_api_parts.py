@@ -123,6 +123,28 @@ def test_views_tail_the_log_and_check_it_at_most_every_refresh():
     assert list(views.jobs) == [JOB, "other"]
 
 
+@pytest.mark.parametrize("freeze", [False, True])
+def test_a_server_freezes_its_heap_at_start_up_and_after_the_warm_up(freeze):
+    """With ``freeze_heap`` (``elasticctl api``'s own views) what lives at start-up and the
+    folded views leave the collected generations: a full collection no longer walks them."""
+    import gc
+
+    store = _filled_store()
+    gc.unfreeze()
+    try:
+        views = LiveViews(store_reader(store), store.last_position, freeze_heap=freeze)
+        views.warm_up()
+        views.close()
+        assert views.position == store.last_position()
+        frozen = gc.get_freeze_count()
+        assert (frozen > 0) is freeze
+        if freeze:
+            entry = views.jobs[JOB]
+            assert not any(o is entry for o in gc.get_objects()), "the views are frozen"
+    finally:
+        gc.unfreeze()
+
+
 async def test_event_pages_from_any_store_filter_like_postgres():
     """The generic (non-PostgreSQL) page: same filters, same cursor rule."""
     store = _filled_store()
@@ -146,22 +168,28 @@ async def test_event_pages_from_any_store_filter_like_postgres():
 
 
 def test_event_json_from_column_text_is_an_event_out():
-    """``sql._json`` writes PostgreSQL's text of each column as ``EventOut`` JSON."""
+    """``sql._json`` writes PostgreSQL's text of each column as ``EventOut`` JSON, the job's id
+    (not read: the query names it) and every string escaped."""
     from controlplane.api import sql
     from schemas.api import EventOut
 
     row = (
-        "7", "2026-01-01 00:00:20.5+00", "9ffbf8a0-f8c6-434c-d1ea-3330e274bf60", "job-1",
+        "7", "2026-01-01 00:00:20.5+00", "9ffbf8a0-f8c6-434c-d1ea-3330e274bf60",
         "member.fault", "1", "n0/m0", "inc1", "12", "3", "2026-01-01 00:00:20+00",
         '{"kind": "other", "detail": "a \\"quoted\\" line\\nand more"}',
     )  # fmt: skip
-    event = EventOut.model_validate_json(sql._json(row))
+    event = EventOut.model_validate_json(sql._json(row, "job-1"))
     assert event.position == 7 and event.generation == 3 and event.seq == 12
+    assert event.job_id == "job-1" and event.source == "n0/m0" and event.incarnation == "inc1"
     assert event.recorded_at == T0 + timedelta(seconds=20.5)
     assert event.emitted_at == T0 + timedelta(seconds=20)
     assert event.payload["detail"] == 'a "quoted" line\nand more'
-    odd = sql._json((*row[:3], 'j"ob\\', *row[4:]))
-    assert EventOut.model_validate_json(odd).job_id == 'j"ob\\'
+    odd = sql._json((*row[:3], 't"y\\pe', *row[4:]), 'j"ob\\\n')
+    assert EventOut.model_validate_json(odd).job_id == 'j"ob\\\n'
+    assert EventOut.model_validate_json(odd).type == 't"y\\pe'
+    # The page's rows as one event each, in order.
+    page = sql._events_json([row, (str(8), *row[1:])], "job-1")
+    assert [EventOut.model_validate_json(e).position for e in page] == [7, 8]
 
 
 def test_a_scan_since_a_time_starts_where_the_views_saw_it_begin():
