@@ -2,15 +2,18 @@
 
 Writes a synthetic job's log (``controlplane.synth.SyntheticJob``: joins, heartbeats, steps,
 backups and their replicas) through the log file writer, then times what ``elasticctl
-replay`` does with it: read the lines, validate each envelope with the schemas, fold into the
-job's view. Prints one JSON object: ``events``, ``seconds`` and ``events_per_s`` (the median
-of three runs), with the read+validate and fold parts measured on their own as well.
+replay`` does with it (``replay_file``: read the lines, validate each envelope with the
+schemas, fold into the job's view; in two processes taking turns where there are two CPUs).
+Prints one JSON object: ``events``, ``seconds`` and ``events_per_s`` (the median of three
+runs), ``cpu_seconds`` (both processes), the same replay in one process run back to back
+with each run (``one_process_*``), and the read+validate and fold parts measured on their own.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -22,7 +25,7 @@ from typing import Any
 from controlplane.core.fold import fold
 from controlplane.core.records import StoredEvent
 from controlplane.postmortem.logfile import encode_line, read_log
-from controlplane.postmortem.replay import FOLD_CHUNK, relaxed_gc, replay_log
+from controlplane.postmortem.replay import FOLD_CHUNK, relaxed_gc, replay_file, replay_processes
 from controlplane.synth import SyntheticJob
 from schemas.common import CONTROLPLANE_SOURCE
 from schemas.events import EVENT_ADAPTER
@@ -57,10 +60,16 @@ def write_synthetic_log(path: Path, *, events: int, members: int) -> int:
     return path.stat().st_size
 
 
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _timed(fn: Any) -> tuple[float, float, Any]:
-    wall, cpu = time.perf_counter(), time.process_time()
+    """Wall seconds, CPU seconds (this process and the children it waited for), result."""
+    wall, cpu = time.perf_counter(), time.process_time() + _children_cpu()
     result = fn()
-    return time.perf_counter() - wall, time.process_time() - cpu, result
+    return time.perf_counter() - wall, time.process_time() + _children_cpu() - cpu, result
 
 
 def run_replay_bench(*, events: int, members: int = 64, progress: bool = False) -> dict[str, Any]:
@@ -77,9 +86,10 @@ def run_replay_bench(*, events: int, members: int = 64, progress: bool = False) 
         size = write_synthetic_log(path, events=events, members=members)
         say(f"written: {size / 1e6:.1f} MB in {time.perf_counter() - started:.1f}s")
 
-        def replay() -> Any:
-            with path.open("rb") as stream, relaxed_gc():
-                return replay_log(read_log(stream, source=str(path)), chunk=FOLD_CHUNK)
+        def replay(processes: int | None = None) -> Any:
+            # What `elasticctl replay FILE` runs (commands.replay).
+            with relaxed_gc():
+                return replay_file(path, source=str(path), processes=processes)
 
         def read_only() -> int:
             count = 0
@@ -89,12 +99,17 @@ def run_replay_bench(*, events: int, members: int = 64, progress: bool = False) 
             return count
 
         runs = []
+        one_process = []  # back to back with the runs, to compare on a busy machine
         for n in range(RUNS):
             wall, cpu, replayed = _timed(replay)
             runs.append((wall, cpu))
             say(f"run {n + 1}: {replayed.events} events in {wall:.2f}s"
                 f" ({replayed.events / wall:,.0f}/s)")  # fmt: skip
-        assert replayed.events == events, (replayed.events, events)
+            assert replayed.events == events, (replayed.events, events)
+            wall, cpu, alone = _timed(lambda: replay(processes=1))
+            one_process.append((wall, cpu))
+            say(f"run {n + 1}, one process: {wall:.2f}s ({events / wall:,.0f}/s)")
+            assert alone.view == replayed.view, "one process and two fold differently"
         view = replayed.view
         read_wall = statistics.median(_timed(read_only)[0] for _ in range(RUNS))
         # The fold alone, over events already in memory (as bench ingest measures it; at most
@@ -115,6 +130,11 @@ def run_replay_bench(*, events: int, members: int = 64, progress: bool = False) 
         "cpu_seconds": round(cpu_s, 3),
         "cpu_events_per_s": round(events / cpu_s, 1) if cpu_s > 0 else None,
         "runs_s": [round(w, 3) for w, _ in runs],
+        "processes": replay_processes(size),
+        "one_process_events_per_s": round(events / statistics.median(w for w, _ in one_process), 1),
+        "one_process_cpu_events_per_s": round(
+            events / statistics.median(c for _, c in one_process), 1
+        ),
         "file_bytes": size,
         "mb_per_s": round(size / seconds / 1e6, 1),
         "read_events_per_s": round(events / read_wall, 1),

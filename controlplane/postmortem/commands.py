@@ -33,6 +33,7 @@ from controlplane.postmortem.replay import (
     parse_overrides,
     parse_until,
     relaxed_gc,
+    replay_file,
     replay_log,
 )
 from controlplane.postmortem.transfer import ImportSummary, export_log, import_log
@@ -213,15 +214,21 @@ def replay(
                 read[0] += n
                 advance(read[0])
 
-            events = read_log(stream, source=path, progress=on_bytes)
             if overrides is None:
-                replayed = replay_log(events, job_id=job_id, until=point, chunk=FOLD_CHUNK)
+                if path != "-" and Path(path).is_file():
+                    # Opened again by each of its processes.
+                    replayed = replay_file(
+                        path, job_id=job_id, until=point, source=path, progress=on_bytes
+                    )
+                else:  # stdin, a pipe
+                    events = read_log(stream, source=path, progress=on_bytes)
+                    replayed = replay_log(events, job_id=job_id, until=point, chunk=FOLD_CHUNK)
                 if as_json:
                     print(json.dumps(report.view_json(replayed)))
                 else:
                     report.print_view(out, replayed)
                 return
-            log = job_events(events, job_id)
+            log = job_events(read_log(stream, source=path, progress=on_bytes), job_id)
             if isinstance(point, int):
                 log = [s for s in log if s.position <= point]
             elif point is not None:

@@ -52,6 +52,18 @@ class LogFormatError(ValueError):
         where = f"{source}:{line}" if source else f"line {line}"
         super().__init__(f"{where}: {message}")
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Picklable (keyword-only arguments): a replay worker process hands it on.
+        return _log_format_error, (self.message, self.line, self.source)
+
+    def moved(self, lines: int) -> LogFormatError:
+        """The same error ``lines`` further down (a part of a file read on its own)."""
+        return LogFormatError(self.message, line=self.line + lines, source=self.source)
+
+
+def _log_format_error(message: str, line: int, source: str) -> LogFormatError:
+    return LogFormatError(message, line=line, source=source)
+
 
 def _iso(moment: datetime) -> str:
     text = moment.astimezone(UTC).isoformat()
@@ -185,13 +197,19 @@ def _decode_block(lines: list[bytes], previous: int) -> list[StoredEvent] | None
     return stored
 
 
-def _read_blocks(
-    readlines: Callable[[int], list[bytes]],
-    source: str,
-    progress: Callable[[int], None] | None,
+def read_blocks(
+    stream: BinaryIO,
+    *,
+    source: str = "",
+    progress: Callable[[int], None] | None = None,
+    first: int = 1,
+    previous: int = 0,
 ) -> Iterator[list[StoredEvent]]:
-    previous = 0
-    number = 0  # lines before this block
+    """``read_log`` of a binary file, a list of stored events at a time (one per
+    ``BLOCK_BYTES`` or so read; possibly empty). ``first`` is the number of the file's first
+    line and ``previous`` the position before it (a part of a file read on its own)."""
+    readlines = stream.readlines
+    number = first - 1  # lines before this block
     while lines := readlines(BLOCK_BYTES):
         stored = _decode_block(lines, previous)
         if stored is None:
@@ -232,9 +250,9 @@ def read_log(
     iterable, one line at a time. Either way each line is validated on its own, as the
     ingest validates an envelope.
     """
-    readlines = getattr(lines, "readlines", None)
-    if callable(readlines):
-        return itertools.chain.from_iterable(_read_blocks(readlines, source, progress))
+    if callable(getattr(lines, "readlines", None)):
+        stream = cast("BinaryIO", lines)
+        return itertools.chain.from_iterable(read_blocks(stream, source=source, progress=progress))
     return _decode_lines(lines, source=source, progress=progress)
 
 
@@ -292,4 +310,11 @@ def _decode_lines(
         progress(pending)
 
 
-__all__ = ["LogFormatError", "decode_line", "encode_line", "read_log", "write_log"]
+__all__ = [
+    "LogFormatError",
+    "decode_line",
+    "encode_line",
+    "read_blocks",
+    "read_log",
+    "write_log",
+]
