@@ -68,11 +68,6 @@ class ControlPlane:
             if self.metrics is not None:
                 self.metrics.observe(result.stored)
 
-    def _committed(self, result: AppendResult) -> None:
-        # The decider was asked for a turn (if the batch calls for one) by ``_WakingAppender``
-        # already, as the commit returned.
-        self._apply(result)
-
     async def _refresh(self, store: PostgresEventStore, job_id: str) -> None:
         """Fold what the log holds for ``job_id`` beyond the view (another writer's events)."""
         view = self.views.get(job_id)
@@ -169,7 +164,8 @@ class ControlPlane:
                 batch=settings.ingest_batch,
                 fetch_wait_s=settings.ingest_fetch_timeout_s,
                 retry_max_s=settings.retry_max_s,
-                on_commit=self._committed,
+                # The decider is asked for its turn by ``_WakingAppender``, as the commit returns.
+                on_commit=self._apply,
                 quiet=QuietTurn(decider.wanted, without_gc(decider.turn)),
             )
             ticker = asyncio.ensure_future(decider.tick(either, settings.decide_interval_s))
