@@ -272,7 +272,8 @@ def bench_mttr(
     MTTR is the time from the kill to the first step completed after it. Needs a source
     checkout (the examples directory). Takes a few minutes.
     """
-    from controlplane.bench.mttr import BenchError, run_mttr_bench
+    from controlplane.bench import BenchError
+    from controlplane.bench.mttr import run_mttr_bench
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     progress = None if as_json else (lambda m: typer.echo(m, err=True))
@@ -326,14 +327,18 @@ def bench_api(
     process, and runs CLIENTS concurrent clients against each route. Uses ELASTIC_DATABASE_URL
     when set (the database is migrated and written to); otherwise an embedded PostgreSQL.
     """
+    from controlplane.bench import BenchError
     from controlplane.bench.api import run_api_bench
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     if client not in ("raw", "httpx"):
         raise _fail(f"--client must be raw or httpx, not {client!r}")
-    result = run_api_bench(
-        events=events, clients=clients, seconds=seconds, client=client, progress=not as_json
-    )
+    try:
+        result = run_api_bench(
+            events=events, clients=clients, seconds=seconds, client=client, progress=not as_json
+        )
+    except BenchError as exc:
+        raise _fail(str(exc), 1) from exc
     typer.echo(json.dumps(result))
 
 

@@ -33,6 +33,7 @@ from typing import Any
 import httpx
 from pydantic import BaseModel
 
+from controlplane.bench import BenchError
 from controlplane.bench.stack import stack
 from controlplane.core.decide import Context, decide, envelope
 from controlplane.core.fold import fold
@@ -44,6 +45,7 @@ from controlplane.store.port import AppendResult
 from controlplane.store.postgres import PostgresEventStore
 from schemas.api import EventPage, IncidentTimeline
 from schemas.events import EVENT_CLASSES, EnvelopeBase, JobPolicy
+from schemas.ids import uuid7
 
 #: Events appended per transaction while filling the log.
 FILL_BATCH = 50_000
@@ -106,8 +108,8 @@ class RecordedJob:
         return self.view
 
     def _event_id(self) -> str:
-        digits = f"{self.rng.getrandbits(128):032x}"
-        return f"{digits[:8]}-{digits[8:12]}-4{digits[13:16]}-{digits[16:20]}-{digits[20:]}"
+        # Time-ordered, as members' ids are (``schemas.ids``); the time is the event's.
+        return uuid7(int(self.now.timestamp() * 1000), self.rng.getrandbits(74))
 
     def _event(self, member: str, type_: str, payload: dict[str, Any]) -> EnvelopeBase:
         source = self.sources[member]
@@ -505,6 +507,11 @@ def run_api_bench(
                     for i in http.get(f"/api/v1/jobs/{job.job_id}/incidents").json()
                 ]
                 last = http.get(f"/api/v1/jobs/{job.job_id}").json()["last_position"]
+            if not incidents:
+                raise BenchError(
+                    f"{events:,} events end before the job's first incident (a crash at step"
+                    f" {job.crash_every // 2}): the timeline route needs one; ask for more events"
+                )
             members = list(job.v.members)
             routes = [
                 _Route(

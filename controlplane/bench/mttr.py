@@ -31,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from controlplane.bench import BenchError
 from controlplane.bench.stack import Stack, serving, stack
 from controlplane.core.fold import fold
 from controlplane.core.timeline import timeline
@@ -46,10 +47,6 @@ POLICY = (
     "redundancy=2,heartbeat_interval_s=0.2,recovery_deadline_s=60,"
     'heartbeat_timeout_s={"init":60,"train":5,"waiting":30,"backup":15,"restore":30}'
 )
-
-
-class BenchError(RuntimeError):
-    """A run of the benchmark did not do what it must (a failed job, a missing incident)."""
 
 
 def schedule(faults: int, backup_interval: int) -> list[tuple[int, int]]:
