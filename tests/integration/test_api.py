@@ -27,6 +27,7 @@ from controlplane.store.postgres import PostgresEventStore
 from controlplane.synth import SyntheticJob
 from schemas.api import (
     Cluster,
+    EventOut,
     EventPage,
     Health,
     IncidentSummary,
@@ -196,10 +197,18 @@ async def test_each_timeline_point_names_the_event_behind_it(api):
 
 
 async def test_paging_returns_every_event_exactly_once_in_order(api, recorded):
+    # Every field of every event as stored (PostgreSQL writes each event's JSON).
+    expected = [
+        EventOut.model_validate(
+            {"position": s.position, "recorded_at": s.recorded_at,
+             **s.event.model_dump(mode="json", by_alias=True)}
+        ).model_dump(mode="json")
+        for s in recorded
+    ]  # fmt: skip
     for limit in (1000, 37):
         events = await all_events(api, limit=limit)
         assert [e["position"] for e in events] == [s.position for s in recorded]
-        assert [e["type"] for e in events] == [s.event.type for s in recorded]
+        assert events == expected
     last = await get_json(api, f"{API}/jobs/{JOB}/events", after=len(recorded))
     assert last == {"events": [], "next_after": None}
 

@@ -167,31 +167,6 @@ async def test_event_pages_from_any_store_filter_like_postgres():
         assert (await api.get(url, params={"until": "0.5"})).status_code == 422
 
 
-def test_event_json_from_column_text_is_an_event_out():
-    """``sql._json`` writes PostgreSQL's text of each column as ``EventOut`` JSON, the job's id
-    (not read: the query names it) and every string escaped."""
-    from controlplane.api import sql
-    from schemas.api import EventOut
-
-    row = (
-        "7", "2026-01-01 00:00:20.5+00", "9ffbf8a0-f8c6-434c-d1ea-3330e274bf60",
-        "member.fault", "1", "n0/m0", "inc1", "12", "3", "2026-01-01 00:00:20+00",
-        '{"kind": "other", "detail": "a \\"quoted\\" line\\nand more"}',
-    )  # fmt: skip
-    event = EventOut.model_validate_json(sql._json(row, "job-1"))
-    assert event.position == 7 and event.generation == 3 and event.seq == 12
-    assert event.job_id == "job-1" and event.source == "n0/m0" and event.incarnation == "inc1"
-    assert event.recorded_at == T0 + timedelta(seconds=20.5)
-    assert event.emitted_at == T0 + timedelta(seconds=20)
-    assert event.payload["detail"] == 'a "quoted" line\nand more'
-    odd = sql._json((*row[:3], 't"y\\pe', *row[4:]), 'j"ob\\\n')
-    assert EventOut.model_validate_json(odd).job_id == 'j"ob\\\n'
-    assert EventOut.model_validate_json(odd).type == 't"y\\pe'
-    # The page's rows as one event each, in order.
-    page = sql._events_json([row, (str(8), *row[1:])], "job-1")
-    assert [EventOut.model_validate_json(e).position for e in page] == [7, 8]
-
-
 def test_a_scan_since_a_time_starts_where_the_views_saw_it_begin():
     from controlplane.api import views as views_module
     from controlplane.api.views import JobEntry
