@@ -16,7 +16,6 @@ from json.encoder import encode_basestring as _str
 from typing import Any
 
 import psycopg
-from psycopg.types.string import TextLoader
 from sqlalchemy import Engine
 
 from controlplane.core.records import StoredEvent
@@ -67,8 +66,6 @@ _EVENT_JSON = " || ".join(
     ]
 )  # fmt: skip
 
-#: Read as text, not converted: the page is text again at once.
-_TEXT_TYPES = ("int2", "int4", "int8", "timestamptz", "uuid", "jsonb")
 _TAIL = (
     f"SELECT position, recorded_at, json_build_object({_ENVELOPE})::text FROM events"
     " WHERE position > %s ORDER BY position LIMIT %s"
@@ -175,8 +172,6 @@ class PageReader:
                 conn = await psycopg.AsyncConnection.connect(
                     self._url, autocommit=True, options=self._options
                 )
-            for name in _TEXT_TYPES:
-                conn.adapters.register_loader(name, TextLoader)
             return conn, conn.cursor()
         except BaseException:
             lane.slots.release()
