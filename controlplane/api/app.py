@@ -252,7 +252,7 @@ class Api:
         else:
             texts, next_after = await to_thread.run_sync(_page, self.store, query)
         body = b'{"events":[%s],"next_after":%s}' % (
-            ",".join(texts).encode(),
+            b",".join(texts),
             b"null" if next_after is None else str(next_after).encode(),
         )
         return Rendered(0, body, _etag(body), final=next_after is not None)
@@ -419,9 +419,9 @@ def _event_routes(api: Api, router: APIRouter) -> None:
         return api.send(request, await api.events(job, params))
 
 
-def _page(store: EventStore, query: sql.EventQuery) -> tuple[list[str], int | None]:
-    """A page of events as JSON texts, filtered here (a store other than PostgreSQL)."""
-    out: list[str] = []
+def _page(store: EventStore, query: sql.EventQuery) -> tuple[list[bytes], int | None]:
+    """A page of events as JSON (UTF-8), filtered here (a store other than PostgreSQL)."""
+    out: list[bytes] = []
     after = query.after
     while len(out) <= query.limit:
         batch = store.read(job_id=query.job_id, after=after, limit=1000, types=query.types)
@@ -441,22 +441,26 @@ def _page(store: EventStore, query: sql.EventQuery) -> tuple[list[str], int | No
     return texts, (EventOut.model_validate_json(texts[-1]).position if more else None)
 
 
-def _event_json(stored: Any) -> str:
+def _event_json(stored: Any) -> bytes:
     event = stored.event
-    return EventOut(
-        position=stored.position,
-        recorded_at=stored.recorded_at,
-        event_id=event.event_id,
-        job_id=event.job_id,
-        type=event.type,
-        v=event.v,
-        source=event.source,
-        incarnation=event.incarnation,
-        seq=event.seq,
-        generation=event.generation,
-        emitted_at=event.emitted_at,
-        payload=event.payload.model_dump(mode="json"),
-    ).model_dump_json()
+    return (
+        EventOut(
+            position=stored.position,
+            recorded_at=stored.recorded_at,
+            event_id=event.event_id,
+            job_id=event.job_id,
+            type=event.type,
+            v=event.v,
+            source=event.source,
+            incarnation=event.incarnation,
+            seq=event.seq,
+            generation=event.generation,
+            emitted_at=event.emitted_at,
+            payload=event.payload.model_dump(mode="json"),
+        )
+        .model_dump_json()
+        .encode()
+    )
 
 
 def _service_routes(api: Api, app: FastAPI, guard: list[Any]) -> None:

@@ -1,0 +1,138 @@
+"""The API's page reader (``controlplane.api.sql.PageReader``) against a real PostgreSQL: its
+pages are the stored events, its prepared statements stay within their bound, and a failed,
+timed-out, dead or interrupted query leaves no connection in a bad state behind."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+from collections.abc import AsyncIterator, Iterator
+
+import psycopg
+import pytest
+
+from controlplane.api import sql
+from controlplane.errors import SchemaNotMigrated, StoreError, StoreUnavailable
+from controlplane.store.postgres import PostgresEventStore
+from controlplane.synth import SyntheticJob
+from schemas.api import EventOut
+from schemas.events import EVENT_ADAPTER
+
+JOB = "job-pages"
+EVENTS = 40
+
+
+@pytest.fixture
+def positions(pg_store: PostgresEventStore) -> list[int]:
+    job = SyntheticJob(JOB, members=4, racks=2, nodes_per_rack=1, seed=3)
+    envelopes = itertools.chain(job.controlplane_events(), job.member_events(EVENTS - 2))
+    events = [EVENT_ADAPTER.validate_python(e, strict=False) for e in envelopes]
+    return [s.position for s in pg_store.append(events).stored]
+
+
+@pytest.fixture
+async def reader(database_url: str) -> AsyncIterator[sql.PageReader]:
+    pages = sql.PageReader(database_url, size=1, statement_timeout_s=1.0)
+    yield pages
+    await pages.close()
+
+
+@pytest.fixture
+def admin(database_url: str) -> Iterator[psycopg.Connection[tuple[object, ...]]]:
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        yield conn
+
+
+async def page_positions(reader: sql.PageReader, **query: object) -> tuple[list[int], int | None]:
+    texts, after = await reader.page(sql.EventQuery(job_id=JOB, **query))  # type: ignore[arg-type]
+    return [EventOut.model_validate_json(t).position for t in texts], after
+
+
+def backend_pid(reader: sql.PageReader) -> int:
+    (held,) = reader._pages.idle
+    return int(held.pgconn.backend_pid)
+
+
+async def test_every_shape_of_page_is_prepared_once_and_at_most_the_bound_stay(
+    reader: sql.PageReader,
+    positions: list[int],
+    admin: psycopg.Connection[tuple[object, ...]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(sql, "PREPARED", 2)
+    for limit in (3, 5, 7, 3, 5, 7, 7, 3):
+        got, after = await page_positions(reader, after=positions[1], limit=limit)
+        assert got == positions[2 : 2 + limit] and after == got[-1]
+    (held,) = reader._pages.idle
+    assert list(held.prepared) == [sql._page_sql(sql.EventQuery(JOB, limit=n))[0] for n in (7, 3)]
+    # The server holds the two the reader remembers, no more (the evicted ones deallocated).
+    cursor = await held.conn.execute("SELECT name FROM pg_prepared_statements ORDER BY name")
+    on_server = [row[0] for row in await cursor.fetchall()]
+    assert on_server == sorted(name.decode() for name in held.prepared.values())
+    last, after = await page_positions(reader, after=positions[-3], limit=5)
+    assert last == positions[-2:] and after is None
+
+
+async def test_filters_go_as_text_parameters(reader: sql.PageReader, positions: list[int]) -> None:
+    got, _ = await page_positions(reader, types=("member.joined", 'odd "type\\'), limit=100)
+    assert len(got) == 4
+    got, _ = await page_positions(reader, member="m1", limit=100)
+    assert got and len(got) < EVENTS // 2
+
+
+async def test_a_dead_connection_is_unavailable_once_and_then_replaced(
+    reader: sql.PageReader, positions: list[int], admin: psycopg.Connection[tuple[object, ...]]
+) -> None:
+    assert (await page_positions(reader, limit=2))[0] == positions[:2]
+    admin.execute("SELECT pg_terminate_backend(%s)", (backend_pid(reader),))
+    with pytest.raises(StoreUnavailable):
+        await page_positions(reader, limit=2)
+    assert not reader._pages.idle  # closed, not kept
+    assert (await page_positions(reader, limit=2))[0] == positions[:2]
+    assert await reader.head() == positions[-1]
+
+
+async def test_a_query_past_the_statement_timeout_is_a_store_error_and_the_reader_goes_on(
+    reader: sql.PageReader, positions: list[int], admin: psycopg.Connection[tuple[object, ...]]
+) -> None:
+    with admin.transaction():
+        admin.execute("LOCK TABLE events IN ACCESS EXCLUSIVE MODE")  # as a migration may
+        with pytest.raises(StoreError, match="statement timeout"):
+            await page_positions(reader, limit=2)
+    assert (await page_positions(reader, limit=2))[0] == positions[:2]
+
+
+async def test_an_interrupted_page_gives_its_connection_up(
+    reader: sql.PageReader, positions: list[int], admin: psycopg.Connection[tuple[object, ...]]
+) -> None:
+    with admin.transaction():
+        admin.execute("LOCK TABLE events IN ACCESS EXCLUSIVE MODE")
+        waiting = asyncio.create_task(page_positions(reader, limit=2))
+        await asyncio.sleep(0.2)
+        waiting.cancel()  # the client went away
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+    assert not reader._pages.idle
+    got = await asyncio.wait_for(page_positions(reader, limit=2), timeout=5)
+    assert got[0] == positions[:2]
+
+
+async def test_an_unmigrated_database_says_to_migrate(empty_database_url: str) -> None:
+    reader = sql.PageReader(empty_database_url, size=1)
+    try:
+        with pytest.raises(SchemaNotMigrated, match="elasticctl migrate"):
+            await reader.head()
+        with pytest.raises(SchemaNotMigrated):
+            await reader.page(sql.EventQuery(job_id=JOB))
+    finally:
+        await reader.close()
+
+
+def test_types_are_an_array_literal_postgresql_reads_back(
+    admin: psycopg.Connection[tuple[object, ...]],
+) -> None:
+    values = ["a", 'quote "q"', "back\\slash", "comma,brace}{", "", "é"]
+    row = admin.execute("SELECT %s::text[]", (sql._array(values),)).fetchone()
+    assert row is not None and row[0] == values
+    assert json.loads(sql._page_sql(sql.EventQuery(JOB))[1][0]) == JOB
