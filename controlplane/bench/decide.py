@@ -11,11 +11,16 @@ runs
 - hang: from the moment its heartbeat timeout expired (its last heartbeat's ``recorded_at``
   plus the policy's timeout);
 
-to the moment the ``Reallocate`` command reached the members. Commands are published only
-after the decision committed, so this bounds "decision appended" from above and adds what
-members wait for besides (the fold, the publish). All clocks are this machine's. The
-simulated world answers each reallocation with the first step of the new generation, so
-incidents resolve and the next fault opens a new one.
+to the moment the decision was appended: the commit time PostgreSQL records for the
+transaction that stored its ``reallocation.issued`` (``track_commit_timestamp``, which the
+benchmark turns on in the PostgreSQL it starts; it is taken as the commit is written, just
+before the write-ahead log is flushed). The same faults are also timed to the moment the
+``Reallocate`` command reached the members (``command_*``): what they wait for besides (the
+fold of the decision, the command built and published). With an external PostgreSQL that
+does not record commit times, the command's arrival is all there is to go by, and the
+figures say so (``measured_to``). All clocks are this machine's (an embedded PostgreSQL's
+too). The simulated world answers each reallocation with the first step of the new
+generation, so incidents resolve and the next fault opens a new one.
 """
 
 from __future__ import annotations
@@ -236,28 +241,51 @@ async def _scenario(
 
 @dataclass(frozen=True, slots=True)
 class _Latency:
-    """One fault, in milliseconds: trigger -> the decision recorded and its command in the
-    members' hands, and where the time went."""
+    """One fault, in milliseconds: trigger -> the decision appended, and where the time
+    went; trigger -> its command in the members' hands."""
 
     kind: str
+    #: Trigger -> the decision's commit (or, without commit times, ``command_ms``).
     total_ms: float
     #: Trigger -> the decider's turn began (the ``emitted_at`` of its decisions): ingest of
     #: the exit and waiting for a quiet turn, or waking after the timeout expired.
     to_turn_ms: float
-    #: The turn: decide, append and commit, fold, publish, delivery to the members.
+    #: The turn up to the commit: decide, append (or, without commit times, up to the
+    #: command's arrival).
     turn_ms: float
+    #: Trigger -> the ``Reallocate`` command reached the members (after the commit: commands
+    #: are published only once recorded, and the decision folded).
+    command_ms: float
     #: A crash's exit event, from published to committed by the ingest.
     ingest_ms: float | None = None
 
 
+def _commit_times(store: PostgresEventStore, positions: list[int]) -> dict[int, float] | None:
+    """When the transaction that stored each of ``positions`` committed (Unix seconds), or
+    None where PostgreSQL does not record commit times."""
+    with store.engine.connect() as conn:
+        if conn.execute(sa.text("SHOW track_commit_timestamp")).scalar_one() != "on":
+            return None
+        rows = conn.execute(
+            sa.text(
+                "SELECT position, pg_xact_commit_timestamp(xmin) FROM events"
+                " WHERE position = ANY(:positions)"
+            ),
+            {"positions": positions},
+        ).all()
+    return {int(p): at.timestamp() for p, at in rows if at is not None}
+
+
 def _latencies(
     store: PostgresEventStore, job_id: str, arrivals: dict[str, float]
-) -> list[_Latency]:
-    """Each fault's trigger to its decision's command reaching the members (which is
-    after the decision's commit: commands are published only once recorded)."""
+) -> tuple[list[_Latency], bool]:
+    """Each fault's trigger to its decision's commit and to its command reaching the
+    members; and whether commit times were known (else both end at the command)."""
     # Only what the figures need: the heartbeats (most of the log) are not read back.
     log = store.read(job_id=job_id, types=list(_MEASURED_TYPES))
     by_position = {s.position: s for s in log}
+    decisions = [s.position for s in log if s.event.type == "reallocation.issued"]
+    commits = _commit_times(store, decisions)
     out = []
     for stored in log:
         if stored.event.type != "fault.detected":
@@ -278,16 +306,18 @@ def _latencies(
             trigger = evidence.at.timestamp() + HANG_TIMEOUT_S
         turn = decision.event.emitted_at.timestamp()
         arrived = arrivals[str(decision.event.payload.command_id)]
+        appended = arrived if commits is None else commits[decision.position]
         out.append(
             _Latency(
                 "crash" if payload.reason == "exited" else "hang",
-                (arrived - trigger) * 1000,
+                (appended - trigger) * 1000,
                 (turn - trigger) * 1000,
-                (arrived - turn) * 1000,
+                (appended - turn) * 1000,
+                (arrived - trigger) * 1000,
                 ingest,
             )
         )
-    return out
+    return out, commits is not None
 
 
 def _count(store: PostgresEventStore, job_id: str, type_: str) -> int:
@@ -307,7 +337,10 @@ def run_decide_bench(*, members: int, faults: int, progress: bool = True) -> dic
     """Run the benchmark and return its figures."""
     # ELASTIC_BENCH_LOG_LEVEL=INFO shows the service's decisions (its log is quiet otherwise).
     level = {"ELASTIC_LOG_LEVEL": os.environ.get("ELASTIC_BENCH_LOG_LEVEL", "WARNING")}
-    with stack() as services, serving(services, ELASTIC_RENDEZVOUS_PORT="0", **level):
+    with (
+        stack(commit_times=True) as services,
+        serving(services, ELASTIC_RENDEZVOUS_PORT="0", **level),
+    ):
         job_id = f"bench-{uuid.uuid4().hex[:8]}"
         started = time.monotonic()
         arrivals = asyncio.run(
@@ -323,11 +356,12 @@ def run_decide_bench(*, members: int, faults: int, progress: bool = True) -> dic
         elapsed = time.monotonic() - started
         store = PostgresEventStore.from_url(services.database_url)
         try:
-            measured = _latencies(store, job_id, arrivals)
+            measured, committed = _latencies(store, job_id, arrivals)
             heartbeats = _count(store, job_id, "member.heartbeat")
         finally:
             store.close()
     latencies = [m.total_ms for m in measured]
+    to_command = [m.command_ms for m in measured]
 
     def median(kind: str, part: str) -> float | None:
         values = [getattr(m, part) for m in measured if m.kind == kind]
@@ -341,6 +375,12 @@ def run_decide_bench(*, members: int, faults: int, progress: bool = True) -> dic
         "p99_ms": round(_percentile(latencies, 0.99), 1),
         "max_ms": round(max(latencies), 1),
         "latencies_ms": [round(x, 1) for x in latencies],
+        # "commit": the figures above end when the decision committed; "command": when its
+        # command reached the members (PostgreSQL recorded no commit times).
+        "measured_to": "commit" if committed else "command",
+        "command_p50_ms": round(statistics.median(to_command), 1),
+        "command_p99_ms": round(_percentile(to_command, 0.99), 1),
+        "command_latencies_ms": [round(x, 1) for x in to_command],
         # Per fault: [trigger -> turn, turn -> commit], and for a crash the exit's own
         # trip (published -> committed by the ingest) inside the first.
         "legs_ms": [

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psycopg
+
 from controlplane.devstack import NatsServer, PostgresServer
 from controlplane.settings import DATABASE_URL_ENV, NATS_URL_ENV
 from controlplane.store import migrate
@@ -49,9 +51,11 @@ class Stack:
 
 
 @contextmanager
-def stack() -> Iterator[Stack]:
+def stack(*, commit_times: bool = False) -> Iterator[Stack]:
     """External services when ELASTIC_NATS_URL / ELASTIC_DATABASE_URL are set (the database
-    is migrated and written to), else embedded ones in a temporary directory, stopped after."""
+    is migrated and written to), else embedded ones in a temporary directory, stopped after.
+    ``commit_times``: an embedded PostgreSQL records when each transaction committed
+    (``track_commit_timestamp``; an external one does if so configured)."""
     tmp = tempfile.TemporaryDirectory(prefix="elastic-bench-")
     servers: list[Any] = []
     try:
@@ -61,8 +65,14 @@ def stack() -> Iterator[Stack]:
             servers.append(NatsServer(Path(tmp.name) / "nats").start())
             nats_url = servers[-1].url
         if database_url is None:
-            servers.append(PostgresServer(Path(tmp.name) / "postgres").start())
-            database_url = servers[-1].url
+            server = PostgresServer(Path(tmp.name) / "postgres").start()
+            servers.append(server)
+            database_url = server.url
+            if commit_times:
+                with psycopg.connect(database_url, autocommit=True) as conn:
+                    conn.execute("ALTER SYSTEM SET track_commit_timestamp = on")
+                server.stop()  # the setting takes a restart
+                server.start()
         engine = make_engine(database_url, pool_size=1)
         migrate.upgrade(engine)
         engine.dispose()
