@@ -169,7 +169,7 @@ class PageReader:
         # Times are written ISO style (see ``_iso_utc``), text is UTF-8, no query runs away.
         self._options = (
             f"-c statement_timeout={int(statement_timeout_s * 1000)}"
-            " -c TimeZone=UTC -c DateStyle=ISO -c client_encoding=UTF8"
+            " -c DateStyle=ISO -c client_encoding=UTF8"
         )
         self._pages = _Lane(size)
         self._head = _Lane(1)

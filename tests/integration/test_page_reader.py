@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import re
 from collections.abc import AsyncIterator, Iterator
 
 import psycopg
@@ -127,6 +128,28 @@ async def test_an_unmigrated_database_says_to_migrate(empty_database_url: str) -
             await reader.page(sql.EventQuery(job_id=JOB))
     finally:
         await reader.close()
+
+
+async def test_times_are_utc_whatever_the_time_zone_of_the_session(
+    database_url: str,
+    pg_store: PostgresEventStore,
+    positions: list[int],
+    admin: psycopg.Connection[tuple[object, ...]],
+) -> None:
+    admin.execute(f"ALTER DATABASE \"{admin.info.dbname}\" SET TimeZone = 'America/New_York'")
+    reader = sql.PageReader(database_url, size=1)  # new sessions: New York time
+    try:
+        texts, _ = await reader.page(sql.EventQuery(job_id=JOB, limit=EVENTS))
+    finally:
+        await reader.close()
+    stored = pg_store.read(job_id=JOB)
+    assert len(texts) == len(stored) == EVENTS
+    for text, event in zip(texts, stored, strict=True):
+        page = EventOut.model_validate_json(text)
+        assert (page.position, page.recorded_at) == (event.position, event.recorded_at)
+        assert page.emitted_at == event.event.emitted_at
+        times = re.findall(rb'"(?:recorded|emitted)_at":"([^"]+)"', text)
+        assert len(times) == 2 and all(t.endswith(b"Z") and b"+" not in t for t in times)
 
 
 def test_types_are_an_array_literal_postgresql_reads_back(
