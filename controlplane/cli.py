@@ -298,7 +298,8 @@ def bench_decide(
 
     Members heartbeat at 1 Hz through NATS into a control plane process; crashes (an exit
     reported) and hangs (heartbeats stop) alternate. Latency runs from the exit report, or
-    the heartbeat timeout's expiry, to the commit of the decision. Uses ELASTIC_NATS_URL /
+    the heartbeat timeout's expiry, to the commit of the decision (command_*: to the command
+    reaching the members). Uses ELASTIC_NATS_URL /
     ELASTIC_DATABASE_URL when set; otherwise embedded NATS and PostgreSQL in a temp dir.
     """
     from controlplane.bench.decide import run_decide_bench
