@@ -262,7 +262,7 @@ class _Latency:
 
 def _commit_times(store: PostgresEventStore, positions: list[int]) -> dict[int, float] | None:
     """When the transaction that stored each of ``positions`` committed (Unix seconds), or
-    None where PostgreSQL does not record commit times."""
+    None where PostgreSQL does not record commit times (or not for every one of them)."""
     with store.engine.connect() as conn:
         if conn.execute(sa.text("SHOW track_commit_timestamp")).scalar_one() != "on":
             return None
@@ -273,7 +273,8 @@ def _commit_times(store: PostgresEventStore, positions: list[int]) -> dict[int, 
             ),
             {"positions": positions},
         ).all()
-    return {int(p): at.timestamp() for p, at in rows if at is not None}
+    known = {int(p): at.timestamp() for p, at in rows if at is not None}
+    return known if len(known) == len(set(positions)) else None  # all, or none of them
 
 
 def _latencies(
