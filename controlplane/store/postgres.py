@@ -424,12 +424,13 @@ def _append_steps(
     closing.extend(_Query(_INSERT_GAP, (*gap, now)) for gap in gap_rows(sequenced.gaps))
     letters = [*dead_letters, *refused_letters(refused)]
     for letter in letters:
-        letter_row = (letter.stream_seq, letter.event_id, letter.subject, letter.job_id, letter.raw,
+        row = (letter.stream_seq, letter.event_id, letter.subject, letter.job_id, letter.raw,
                letter.reason, now)  # fmt: skip
-        closing.append(_Query(_INSERT_DEAD, letter_row, fetch="rowcount"))
-    # The writes after the COPY and the commit: one round trip.
+        closing.append(_Query(_INSERT_DEAD, row, fetch="rowcount"))
+    # The writes after the COPY and the commit: one round trip. The dead letters come last;
+    # their row counts say how many were new.
     results = yield _Batch(tuple(closing), commit=True)
-    added = sum(results[len(closing) - len(letters) :]) if letters else 0
+    added = sum(results[len(closing) - len(letters) :])
     return AppendResult(
         stored=stored,
         duplicates=batch.repeats + duplicates,

@@ -56,10 +56,7 @@ def backend_pid(reader: sql.PageReader) -> int:
 
 
 async def test_every_shape_of_page_is_prepared_once_and_at_most_the_bound_stay(
-    reader: sql.PageReader,
-    positions: list[int],
-    admin: psycopg.Connection[tuple[object, ...]],
-    monkeypatch: pytest.MonkeyPatch,
+    reader: sql.PageReader, positions: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(sql, "PREPARED", 2)
     for limit in (3, 5, 7, 3, 5, 7, 7, 3):
