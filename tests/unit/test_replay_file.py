@@ -6,6 +6,12 @@ from __future__ import annotations
 import functools
 import io
 import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -59,6 +65,7 @@ def _both(tmp_path: Path, data: bytes, parts=(20_000, 65_536), **kwargs):
             )
         )
         assert two == alone, part_bytes
+    assert not multiprocessing.active_children()  # the second process exited and was reaped
     return alone
 
 
@@ -165,3 +172,90 @@ def test_a_recorded_run_with_incidents(tmp_path):
     for until in (None, 300, 700):
         view, _, _ = _both(tmp_path, out.getvalue(), parts=(3_000, 20_000), until=until)
         assert view.incidents or until == 300
+
+
+def _patch_read(monkeypatch, index: int, what) -> None:
+    """``_TwoProcesses._read`` runs ``what()`` first when reading part ``index`` (the forked
+    process reads the even parts, the parent the odd ones)."""
+    from controlplane.postmortem import replay
+
+    read = replay._TwoProcesses._read
+
+    def _read(self, part, previous):
+        if part is self.parts[index]:
+            what()
+        return read(self, part, previous)
+
+    monkeypatch.setattr(replay._TwoProcesses, "_read", _read)
+
+
+def test_a_second_process_that_dies_ends_the_replay_with_an_error(tmp_path, data, monkeypatch):
+    """The second process killed mid-replay (here: as it starts its second part) ends the
+    replay with an error that says so, and nothing is left behind."""
+    path = tmp_path / "log.jsonl"
+    path.write_bytes(data)
+    _patch_read(monkeypatch, 2, lambda: os.kill(os.getpid(), signal.SIGKILL))
+    with pytest.raises(RuntimeError, match=r"^the replay's second process exited \(-9\)$"):
+        replay_file(path, processes=2, part_bytes=7_000)
+    assert not multiprocessing.active_children()
+
+
+def test_ctrl_c_stops_the_second_process(tmp_path, data, monkeypatch):
+    path = tmp_path / "log.jsonl"
+    path.write_bytes(data)
+
+    def interrupt() -> None:
+        raise KeyboardInterrupt
+
+    _patch_read(monkeypatch, 5, interrupt)  # in the parent, while the child reads part 4
+    with pytest.raises(KeyboardInterrupt):
+        replay_file(path, processes=2, part_bytes=7_000)
+    assert not multiprocessing.active_children()
+
+
+def _gone(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return True
+    return "\nState:\tZ" in status  # exited, not yet reaped by whoever adopted it
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
+def test_the_second_process_ends_when_the_replay_is_killed(tmp_path, data):
+    """``kill -9`` of the replaying process while the second one waits for its turn: the
+    second one sees its parent gone and exits."""
+    path = tmp_path / "log.jsonl"
+    path.write_bytes(data)
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    script = f"""
+import os, pathlib, time
+from controlplane.postmortem import replay
+read = replay._TwoProcesses._read
+def _read(self, part, previous):
+    if part is self.parts[1]:  # the parent: never done, so the child waits for part 2's turn
+        pathlib.Path({str(pids)!r}, "parent").write_text(str(os.getpid()))
+        time.sleep(60)
+    if part is self.parts[2]:
+        pathlib.Path({str(pids)!r}, "child").write_text(str(os.getpid()))
+    return read(self, part, previous)
+replay._TwoProcesses._read = _read
+replay.replay_file({str(path)!r}, processes=2, part_bytes=7_000)
+"""
+    parent = subprocess.Popen([sys.executable, "-c", script], cwd=Path(__file__).parents[2])
+    try:
+        deadline = time.monotonic() + 30
+        while len(list(pids.iterdir())) < 2:
+            assert time.monotonic() < deadline and parent.poll() is None
+            time.sleep(0.01)
+        parent.kill()
+        parent.wait()
+        child = int((pids / "child").read_text())
+        deadline = time.monotonic() + 10
+        while not _gone(child):
+            assert time.monotonic() < deadline, "the second process outlived its parent"
+            time.sleep(0.05)
+    finally:
+        parent.kill()
+        parent.wait()
