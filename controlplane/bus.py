@@ -269,6 +269,12 @@ def delivery(reply: str) -> tuple[int, int]:
 #: A partly filled batch is handed over once this long passes without _WAKE_EVERY more.
 _LINGER_S = 0.005
 _WAKE_EVERY = 256
+#: Events that report a failure: a batch holding one is handed over without the linger (the
+#: decider waits for it). They are rare, so batches stay as full as before.
+URGENT_TYPES = frozenset({"member.exited", "member.fault"})
+#: Their subjects' ends (``elastic.evt.<job>.<node>.<member>.<type>``).
+_URGENT_ENDS = tuple(f".{t}" for t in sorted(URGENT_TYPES))
+_URGENT_ENDS_RAW = tuple(end.encode() for end in _URGENT_ENDS)
 
 
 class EventConsumer:
@@ -296,6 +302,8 @@ class EventConsumer:
         self._inbox = ""
         self._buffer: list[Delivery] = []
         self._arrived = asyncio.Event()
+        #: A failure report is in the buffer: hand the batch over now.
+        self._urgent = False
         self._request_until = 0.0  # monotonic deadline of the outstanding pull request
         self._request_left = 0  # messages the outstanding request may still deliver
         self._expected = 1  # next consumer delivery sequence
@@ -364,12 +372,16 @@ class EventConsumer:
             line = headers.split(b"\r\n", 1)[0].decode(errors="replace")
             self._on_status(line[9:12], line[13:])
             return
+        if subject.endswith(_URGENT_ENDS_RAW):
+            self._urgent = True
         self._on_delivery(Delivery(subject.decode(), reply.decode(), data))
 
     async def _on_message(self, msg: Msg) -> None:
         # nats-py's path, used when the client is not a FastClient.
         status = msg.headers.get("Status") if msg.headers else None
         if status is None:
+            if msg.subject.endswith(_URGENT_ENDS):
+                self._urgent = True
             self._on_delivery(Delivery(msg.subject, msg.reply, msg.data))
         else:
             self._on_status(status, (msg.headers or {}).get("Description", ""))
@@ -380,7 +392,7 @@ class EventConsumer:
         buffer.append(delivery)
         if self._request_left <= 0:
             self._request_until = 0.0  # the request is complete
-        elif len(buffer) % _WAKE_EVERY != 1:
+        elif len(buffer) % _WAKE_EVERY != 1 and not self._urgent:
             return  # wake the fetcher on the first message and every _WAKE_EVERY after
         self._arrived.set()
 
@@ -396,6 +408,7 @@ class EventConsumer:
         """Drop the subscription and what it buffered (unacked, so redelivered)."""
         sub, self._sub = self._sub, None
         self._buffer = []
+        self._urgent = False
         self._request_until = 0.0
         if sub is not None and isinstance(self._nc, FastClient):
             self._nc.deliver_raw(sub, None)
@@ -429,7 +442,7 @@ class EventConsumer:
             if self._sub is None:
                 await self._subscribe()
             deadline = time.monotonic() + wait_s
-            while len(self._buffer) < batch and self._broken is None:
+            while len(self._buffer) < batch and self._broken is None and not self._urgent:
                 now = time.monotonic()
                 if now >= self._request_until:
                     if self._buffer:
@@ -444,6 +457,9 @@ class EventConsumer:
                 except TimeoutError:
                     break
             taken, self._buffer = self._buffer[:batch], self._buffer[batch:]
+            # Still set while the buffer holds more (one that came too late for this batch,
+            # or rarer, more than a batch): the next fetch then hands it over without waiting.
+            self._urgent = self._urgent and bool(self._buffer)
             if taken and not self._continuous(taken):
                 return []
             if time.monotonic() >= self._request_until and len(self._buffer) < batch:
@@ -466,6 +482,7 @@ class EventConsumer:
             "was due"
         )
         self._buffer = []
+        self._urgent = False
         return False
 
     async def ack_through(self, delivery: Delivery, epoch: int) -> bool:

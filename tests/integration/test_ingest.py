@@ -8,11 +8,13 @@ import random
 import signal
 import subprocess
 import sys
+import time
 from collections import Counter
 
 import pytest
 import sqlalchemy as sa
 
+from controlplane import bus
 from controlplane.app import load_views
 from controlplane.core.fold import fold, fold_jobs
 from controlplane.core.records import StoredEvent
@@ -194,3 +196,35 @@ def test_serve_refuses_an_unmigrated_database(services, empty_database_url):
     )
     assert done.returncode == 2
     assert "elasticctl migrate" in done.stderr
+
+
+async def test_a_failure_report_is_handed_over_without_the_linger(settings, monkeypatch):
+    """A fetched batch waits ``_LINGER_S`` after its first message for more (here made 1.5 s,
+    under the tests' 2 s ack wait), unless a failure report (``member.exited``,
+    ``member.fault``) is among them: that one goes to the ingest at once, with what came
+    before it."""
+    monkeypatch.setattr(bus, "_LINGER_S", 1.5)
+    base = "elastic.evt.job-urgent.n0.m0"
+    heartbeat = Outgoing(f"{base}.member.heartbeat", b"{}")
+    nc = await bus.connect(settings)
+    try:
+        await bus.ensure_stream(nc.jetstream(), settings)
+        consumer = bus.EventConsumer(nc, settings)
+        await publish(settings.nats_url, [heartbeat])
+        started = time.monotonic()
+        got = await consumer.fetch(100, 10.0)
+        assert time.monotonic() - started >= 1.5  # lingered for more
+        assert [d.subject for d in got] == [heartbeat.subject]
+        assert await consumer.ack_through(got[-1], consumer.epoch)
+        for kind in ("member.exited", "member.fault"):
+            await publish(settings.nats_url, [heartbeat])
+            fetching = asyncio.ensure_future(consumer.fetch(100, 10.0))
+            await asyncio.sleep(0.3)  # the heartbeat is in, the fetch lingers
+            started = time.monotonic()
+            await publish(settings.nats_url, [Outgoing(f"{base}.{kind}", b"{}")])
+            got = await fetching
+            assert time.monotonic() - started < 1.0, kind
+            assert [d.subject for d in got] == [heartbeat.subject, f"{base}.{kind}"]
+            assert await consumer.ack_through(got[-1], consumer.epoch)
+    finally:
+        await nc.close()
