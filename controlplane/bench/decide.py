@@ -1,9 +1,11 @@
 """``elasticctl bench decide``: fault to recorded decision, through the real service.
 
 ``members`` simulated members join one job and heartbeat at 1 Hz through NATS into the control
-plane (``elasticctl serve``, its own process, as deployed). Once the first generation runs and a
-backup is complete, faults are injected one after another, alternating a crash (the launcher
-reports ``member.exited``) and a hang (the member stops heartbeating). Each fault's latency
+plane (``elasticctl serve``, its own process, as deployed). Once the first generation runs, a
+backup is complete and the ingest has caught up with it (``backup_caught_up_s``: the heartbeats
+queued behind a backup of 4,096 ranks keep it seconds behind on two cores), faults are
+injected one after another, alternating a crash (the launcher reports ``member.exited``) and a
+hang (the member stops heartbeating). Each fault's latency
 runs
 
 - crash: from the moment the exit was reported (the ``member.exited`` envelope's
@@ -151,10 +153,28 @@ async def _until_stored(database_url: str, job_id: str, backups: int) -> None:
     raise TimeoutError("the backup was not stored within 60s")
 
 
+async def _until_caught_up(nc: Any, settings: Settings, behind: int, timeout_s: float) -> float:
+    """Wait until the ingest has fewer than ``behind`` messages not yet committed (pending or
+    unacknowledged at its durable consumer; it acknowledges after the commit) three looks in
+    a row; return the seconds waited."""
+    js = nc.jetstream()
+    started = time.monotonic()
+    streak = 0
+    while streak < 3:
+        if time.monotonic() - started > timeout_s:
+            raise TimeoutError(f"the ingest did not catch up within {timeout_s:g}s")
+        info = await js.consumer_info(settings.stream, settings.ingest_durable)
+        left = int(info.num_pending or 0) + int(info.num_ack_pending or 0)
+        streak = streak + 1 if left < behind else 0
+        await asyncio.sleep(0.1)
+    return time.monotonic() - started
+
+
 async def _scenario(
     url: str, database_url: str, job_id: str, *, members: int, faults: int, progress: bool
-) -> dict[str, float]:
-    """Run the job and its faults; return when each command reached the members."""
+) -> tuple[dict[str, float], float]:
+    """Run the job and its faults; return when each command reached the members, and how
+    long the ingest took to catch up with the backup before the faults."""
     job = SimulatedJob(None, job_id, _layout(members, spares=max(2, faults // 2)))
     world = _World(url, job)
     nc = await nats.connect(url)
@@ -201,9 +221,16 @@ async def _scenario(
                     "step": 10, "shard": shard, "owner": owner, "nbytes": 1 << 20,
                     "checksum": checksum, "seconds": 0.01}))  # fmt: skip
         await world.send(backup)
+        sent = time.monotonic()
         await _until_stored(database_url, job_id, len(backup))
-        # ... and digested (folded, a turn): the faults land on the heartbeat load alone.
-        await asyncio.sleep(3.0)
+        # ... and the heartbeats that queued up behind it committed too (a backup of 4,096
+        # ranks puts the ingest seconds behind on two cores), then digested (folded, a
+        # turn): the faults land on the heartbeat load alone.
+        await _until_caught_up(nc, Settings(), max(100, members // 4), timeout_s=120.0)
+        caught_up_s = time.monotonic() - sent
+        if progress:
+            _progress(f"the ingest caught up {caught_up_s:.1f}s after the backup was sent")
+        await asyncio.sleep(1.0)
 
         current: Start | Reallocate = start
         for k in range(faults):
@@ -236,7 +263,7 @@ async def _scenario(
         if beating is not None:
             await beating
         await nc.close()
-    return world.arrivals
+    return world.arrivals, caught_up_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -344,7 +371,7 @@ def run_decide_bench(*, members: int, faults: int, progress: bool = True) -> dic
     ):
         job_id = f"bench-{uuid.uuid4().hex[:8]}"
         started = time.monotonic()
-        arrivals = asyncio.run(
+        arrivals, caught_up_s = asyncio.run(
             _scenario(
                 services.nats_url,
                 services.database_url,
@@ -395,6 +422,8 @@ def run_decide_bench(*, members: int, faults: int, progress: bool = True) -> dic
         "hang_to_turn_ms": median("hang", "to_turn_ms"),
         "hang_turn_ms": median("hang", "turn_ms"),
         "heartbeats_per_s": round(heartbeats / elapsed, 1),
+        # From the backup sent to the ingest caught up with it (the faults start after).
+        "backup_caught_up_s": round(caught_up_s, 1),
         "seconds": round(elapsed, 1),
         **services.where,
     }
