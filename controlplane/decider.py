@@ -6,9 +6,10 @@ job's last position as the expected head (a writer it did not see makes the appe
 view is refreshed from the log and the next turn decides again), folds what was stored into the
 views, and only then hands the commands owed by the new views to the publisher (which builds
 only those due, and which the turn gives a moment to get them out). A turn is
-wanted after every commit that stored more than heartbeats, and at the earliest deadline any
-job has (a heartbeat timeout, a recovery deadline), so a timeout is acted on when it expires,
-not at the next poll.
+wanted after every commit that stored something that may make a decision due (not
+heartbeats, nor steps of a job without an open incident: ``core.decide.wakes``), and at the
+earliest deadline any job has (a heartbeat timeout, a recovery deadline), so a timeout is
+acted on when it expires, not at the next poll.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from datetime import UTC, datetime
 from nats.js import JetStreamContext
 
 from controlplane.core.commands import Owed, owing
-from controlplane.core.decide import Context, Decided, decide, envelope, next_deadline
+from controlplane.core.decide import Context, Decided, decide, envelope, next_deadline, wakes
 from controlplane.core.records import StoredEvent
 from controlplane.core.statemachine import TERMINAL
 from controlplane.core.view import JobView
@@ -42,8 +43,6 @@ log = logging.getLogger(__name__)
 SLOW_TURN_S = 0.1
 #: How long a turn waits for the commands it published to be acknowledged by JetStream.
 SETTLE_S = 0.25
-#: Event types after which deciding cannot be useful (heartbeats only move deadlines later).
-QUIET_TYPES = frozenset({"member.heartbeat"})
 
 
 def utcnow() -> datetime:
@@ -151,9 +150,15 @@ class Decider:
         self.stats = DeciderStats()
 
     def on_commit(self, result: AppendResult) -> None:
-        """Ask for a turn when a commit stored something a decision may depend on."""
-        if any(s.event.type not in QUIET_TYPES for s in result.stored):
-            self.wanted.set()
+        """Ask for a turn when a commit stored something a decision may depend on (the
+        views are those before its fold, whose state and incidents members' events do not
+        change)."""
+        views = self._views()
+        for stored in result.stored:
+            event = stored.event
+            if wakes(views.get(event.job_id), event.type):
+                self.wanted.set()
+                return
 
     async def turn(self) -> None:
         """Decide for every job, record, fold, publish (run inside a quiet turn).

@@ -151,6 +151,26 @@ def decision_id(job_id: str, key: str) -> str:
     return str(uuid.uuid5(uuid.uuid5(DECISION_NAMESPACE, job_id), key))
 
 
+#: Events that cannot make a decision due: a heartbeat only moves its member's deadline later.
+QUIET_TYPES = frozenset({"member.heartbeat"})
+#: ... nor, while the job has no open incident, these: ``decide`` reads a step only as the
+#: first of a recovering generation (the fold records it in the open incident's decision).
+#: Every rank reports each step, so at scale nearly every commit holds some.
+QUIET_WITHOUT_INCIDENT = frozenset({"train.step"})
+
+
+def wakes(view: JobView | None, event_type: str) -> bool:
+    """Whether a new event of ``event_type`` may make a decision due for the job of ``view``
+    (None: a job not folded yet), at a time when ``decide`` had nothing to do: a service
+    asks for a turn after a commit of such an event, and otherwise waits for the next
+    deadline (``next_deadline``)."""
+    if event_type in QUIET_TYPES:
+        return False
+    return not (
+        event_type in QUIET_WITHOUT_INCIDENT and view is not None and view.open_incident is None
+    )
+
+
 def next_deadline(view: JobView) -> datetime | None:
     """The earliest time at which ``decide`` could act without a new event (None: never).
 

@@ -21,7 +21,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from controlplane.core.commands import owed
-from controlplane.core.decide import Decided, decide, decision_id, envelope, next_deadline
+from controlplane.core.decide import (
+    Decided,
+    decide,
+    decision_id,
+    envelope,
+    next_deadline,
+    wakes,
+)
+from controlplane.core.fold import fold
 from controlplane.core.placement import Slot, place
 from controlplane.core.records import StoredEvent
 from controlplane.core.replay import decision_batches, redecide
@@ -1488,3 +1496,82 @@ def test_re_deciding_notices_a_decision_the_decider_would_not_take():
     forged.append(forged.pop(exit_index))
     renumbered = [StoredEvent(i, e.recorded_at, e.event) for i, e in enumerate(forged, 1)]
     assert not all(b.matches for b in redecide(renumbered))
+
+
+def _steps_of(s: Scenario, step: int) -> list[StoredEvent]:
+    """``train.step`` from every member of the world, stored after the log (not folded)."""
+    payload = {"step": step, "loss": 0.5, "step_seconds": 0.1, "samples": 8}
+    events = [
+        s.ev.make("train.step", payload, source=s._src(m), generation=s.v.generation)
+        for m in s.v.world
+    ]
+    return [StoredEvent(len(s.log) + i, s.now, e) for i, e in enumerate(events, start=1)]
+
+
+def test_a_step_without_an_open_incident_changes_no_decision():
+    """Why a commit of steps asks for no turn while the job has no open incident
+    (``wakes``): folded or not, they change nothing ``decide`` decides, whether it has
+    nothing to do (the world beating), a member to grow by (a spare, once a backup is
+    complete), or a hang to detect."""
+    s = running()
+    s.at(2)
+    s.join("w20", "node-2-0", "rack2")  # a worker joining while RUNNING: room to grow
+    s.heartbeat_all()
+    s.heartbeat("w20")
+    seen = []
+    for at, backup in ((2.5, False), (3.0, True), (5.5, False), (12.0, False)):
+        s.at(at)
+        if backup:
+            s.step(24)
+            s.backup(24)  # complete after w20 joined: the world may grow by it now
+        assert s.v.open_incident is None
+        with_steps = fold(s.v, _steps_of(s, 25))
+        decided = decide(s.v, s.now, s.context)
+        assert decide(with_steps, s.now, s.context) == decided, at
+        seen.append(kinds(decided))
+    # Nothing; the growth (twice: nothing is recorded here); every member silent since t=2.
+    assert seen[0] == [] and all("reallocation.issued" in k for k in seen[1:3]), seen
+    assert "fault.detected" in seen[3], seen
+
+
+def test_steps_ask_for_a_turn_only_while_an_incident_is_open():
+    s = running(spares=1)
+    assert not wakes(s.v, "member.heartbeat") and not wakes(None, "member.heartbeat")
+    assert not wakes(s.v, "train.step")
+    assert wakes(None, "train.step")  # a job not folded yet
+    for kind in ("member.exited", "member.fault", "member.joined", "backup.snapshot"):
+        assert wakes(s.v, kind), kind
+    s.at(2)
+    s.exited("w00")
+    s.decide()
+    assert s.v.state is S.RECOVERING and wakes(s.v, "train.step")
+    s.recover(first_step=False)
+    s.step(21)  # the first step of the new generation: what the turn after it resolves
+    assert s.v.open_incident is not None and wakes(s.v, "train.step")
+    assert kinds(s.decide()) == ["incident.resolved", "job.state_changed"]
+    assert s.v.open_incident is None and not wakes(s.v, "train.step")
+
+
+def test_the_service_asks_for_a_turn_after_a_commit_that_wakes_it():
+    from controlplane.decider import Decider
+    from controlplane.store.port import AppendResult
+
+    s = running()
+    views = {JOB: s.v}
+    decider = Decider(
+        views=lambda: views, apply=lambda result: None, refresh=None, appender=None,
+        publisher=None, context=s.context,
+    )  # fmt: skip
+    decider.wanted.clear()
+    steps = _steps_of(s, 24)
+    decider.on_commit(AppendResult(stored=steps))
+    assert not decider.wanted.is_set()
+    s.at(2)
+    s.exited("w00")
+    decider.on_commit(AppendResult(stored=[*steps, s.log[-1]]))
+    assert decider.wanted.is_set()
+    decider.wanted.clear()
+    s.decide()  # an incident opens: the new generation's first step is awaited
+    views[JOB] = s.v
+    decider.on_commit(AppendResult(stored=steps))
+    assert decider.wanted.is_set()
