@@ -5,8 +5,7 @@ plane (``elasticctl serve``, its own process, as deployed). Once the first gener
 backup is complete and the ingest has caught up with it (``backup_caught_up_s``: the heartbeats
 queued behind a backup of 4,096 ranks keep it seconds behind on two cores), faults are
 injected one after another, alternating a crash (the launcher reports ``member.exited``) and a
-hang (the member stops heartbeating). Each fault's latency
-runs
+hang (the member stops heartbeating). Each fault's latency runs
 
 - crash: from the moment the exit was reported (the ``member.exited`` envelope's
   ``emitted_at``, taken just before it is published);
@@ -178,7 +177,8 @@ async def _scenario(
     job = SimulatedJob(None, job_id, _layout(members, spares=max(2, faults // 2)))
     world = _World(url, job)
     nc = await nats.connect(url)
-    await ensure_stream(nc.jetstream(), Settings())
+    settings = Settings()  # names the stream and consumer as the service does (same environment)
+    await ensure_stream(nc.jetstream(), settings)
     await nc.subscribe(command_subject(job_id), cb=world.on_command)
     policy = {
         "world_size": members,
@@ -226,7 +226,7 @@ async def _scenario(
         # ... and the heartbeats that queued up behind it committed too (a backup of 4,096
         # ranks puts the ingest seconds behind on two cores), then digested (folded, a
         # turn): the faults land on the heartbeat load alone.
-        await _until_caught_up(nc, Settings(), max(100, members // 4), timeout_s=120.0)
+        await _until_caught_up(nc, settings, max(100, members // 4), timeout_s=120.0)
         caught_up_s = time.monotonic() - sent
         if progress:
             _progress(f"the ingest caught up {caught_up_s:.1f}s after the backup was sent")
