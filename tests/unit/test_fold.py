@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from controlplane.core.fold import fold, fold_jobs
 from controlplane.core.records import StoredEvent
-from controlplane.core.view import KEEP_COMPLETE_BACKUPS, MemberStatus
+from controlplane.core.view import KEEP_COMPLETE_BACKUPS, MemberStatus, ReplicaCopy, ShardBackup
 from controlplane.synth import SyntheticJob
 from schemas.common import JobState, Phase
 from schemas.events import EVENT_ADAPTER
@@ -152,6 +152,21 @@ def test_a_replica_with_the_wrong_checksum_is_not_verified():
     assert view.backups[20].shards[0].verified_holders() == []
     assert not view.backups[20].is_complete(1)
     assert view.newest_complete_backup().step == 10
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    owner=st.none() | st.sampled_from(["a", "b"]),
+    copies=st.dictionaries(st.sampled_from(["m1", "m2", "m3", "m4"]), st.sampled_from(["a", "b"])),
+    redundancy=st.integers(0, 5),
+)
+def test_a_shard_is_satisfied_when_enough_holders_are_verified(owner, copies, redundancy):
+    """``is_satisfied`` counts what ``verified_holders`` lists (the fold uses the count)."""
+    shard = ShardBackup(shard=0, checksum=owner and f"crc32:{owner}")
+    for holder, sum_ in copies.items():
+        shard.replicas[holder] = ReplicaCopy(holder, 10, f"crc32:{sum_}", 1)
+    expected = owner is not None and len(shard.verified_holders()) >= redundancy
+    assert shard.is_satisfied(redundancy) is expected
 
 
 def test_a_newer_generation_redoing_a_step_replaces_it():
