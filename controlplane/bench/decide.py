@@ -21,7 +21,9 @@ fold of the decision, the command built and published). With an external Postgre
 does not record commit times, the command's arrival is all there is to go by, and the
 figures say so (``measured_to``). All clocks are this machine's (an embedded PostgreSQL's
 too). The simulated world answers each reallocation with the first step of the new
-generation, so incidents resolve and the next fault opens a new one.
+generation, so incidents resolve and the next fault opens a new one. Each member's events
+reach the stream in the order of their ``seq``, as a real member's do; ``sequence_gaps``
+counts the gaps the ingest recorded all the same (0 expected).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import statistics
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +47,7 @@ from controlplane.bench import loadgen
 from controlplane.bench.members import SimMember, SimulatedJob
 from controlplane.bench.stack import serving, stack
 from controlplane.bus import ensure_stream
+from controlplane.publish import Outgoing
 from controlplane.settings import Settings, libpq_url
 from controlplane.store.postgres import PostgresEventStore
 from controlplane.subjects import command_subject
@@ -56,8 +60,6 @@ from schemas.commands import COMMAND_ADAPTER, Reallocate, Start
 HANG_TIMEOUT_S = 6.0
 #: The events the latencies are computed from.
 _MEASURED_TYPES = ("member.exited", "fault.detected", "reallocation.issued")
-#: Envelopes built between two yields to the loop, so the heartbeats keep going meanwhile.
-_SLICE = 512
 
 
 def _progress(message: str) -> None:
@@ -88,10 +90,22 @@ class _World:
         #: command_id -> when the command reached the members (this machine's clock).
         self.arrivals: dict[str, float] = {}
         self.arrived = asyncio.Event()
+        self._sending = asyncio.Lock()
 
-    async def send(self, messages: list[Any]) -> None:
-        if messages:
-            await loadgen.send(self.url, loadgen.frames(messages))
+    async def send(self, build: Callable[[], list[Outgoing]]) -> None:
+        """Publish what ``build`` makes, one send at a time: the envelopes are built (their
+        ``seq`` and ``emitted_at`` given) once it is this send's turn, so each member's events
+        reach the stream in ``seq`` order, as one member's connection keeps them. (Built
+        before, a heartbeat could overtake the setup's backup: a sequence gap, then events
+        accepted late.)"""
+        async with self._sending:
+            messages = build()
+            if messages:
+                await loadgen.send(self.url, loadgen.frames(messages))
+
+    async def send_one(self, member: str, type_: str, payload: dict[str, Any]) -> None:
+        """``send`` of one event of ``member``."""
+        await self.send(lambda: [self.job.envelope(member, type_, payload)])
 
     async def on_command(self, msg: Any) -> None:
         arrived = time.time()  # before parsing: the member has it now
@@ -122,14 +136,15 @@ class _World:
         started = time.monotonic()
         tick = 0
         while not stop.is_set():
-            alive = [m for m in self.job.members if m not in self.silent]
-            part = alive[tick % slices :: slices]
-            await self.send(
-                [
+
+            def beat(tick: int = tick) -> list[Outgoing]:
+                alive = [m for m in self.job.members if m not in self.silent]
+                return [
                     self.job.envelope(m, "member.heartbeat", {"step": self.step, "phase": "train"})
-                    for m in part
+                    for m in alive[tick % slices :: slices]
                 ]
-            )
+
+            await self.send(beat)
             tick += 1
             left = started + tick / slices - time.monotonic()
             if left > 0:
@@ -197,9 +212,10 @@ async def _scenario(
         if progress:
             _progress(f"{len(job.members)} members join")
         names = list(job.members)
-        first = job.envelope(names[0], "member.joined", job.joined(names[0], policy))
-        await world.send([first] + [job.envelope(m, "member.joined", job.joined(m)) for m in
-                                    names[1:]])  # fmt: skip
+        await world.send(lambda: [
+            job.envelope(m, "member.joined", job.joined(m, policy if m == names[0] else None))
+            for m in names
+        ])  # fmt: skip
         beating = asyncio.create_task(world.heartbeats(stop))
         start = await world.next_command(1)
         assert isinstance(start, Start)
@@ -208,19 +224,21 @@ async def _scenario(
         world.step = 10
         if progress:
             _progress(f"generation 1 runs {len(start.world)} ranks; backing up step 10")
-        backup = []
-        for shard, owner in enumerate(start.world):
-            if shard % _SLICE == 0:
-                await asyncio.sleep(0)
-            checksum = f"crc32:{shard:08x}"
-            backup.append(job.envelope(owner, "backup.snapshot", {
-                "step": 10, "shard": shard, "nbytes": 1 << 20, "checksum": checksum,
-                "seconds": 0.01}))  # fmt: skip
-            for holder in start.placement[shard]:
-                backup.append(job.envelope(holder, "backup.replicated", {
-                    "step": 10, "shard": shard, "owner": owner, "nbytes": 1 << 20,
-                    "checksum": checksum, "seconds": 0.01}))  # fmt: skip
-        await world.send(backup)
+        backup: list[Outgoing] = []
+
+        def back_up() -> list[Outgoing]:
+            for shard, owner in enumerate(start.world):
+                checksum = f"crc32:{shard:08x}"
+                backup.append(job.envelope(owner, "backup.snapshot", {
+                    "step": 10, "shard": shard, "nbytes": 1 << 20, "checksum": checksum,
+                    "seconds": 0.01}))  # fmt: skip
+                for holder in start.placement[shard]:
+                    backup.append(job.envelope(holder, "backup.replicated", {
+                        "step": 10, "shard": shard, "owner": owner, "nbytes": 1 << 20,
+                        "checksum": checksum, "seconds": 0.01}))  # fmt: skip
+            return backup
+
+        await world.send(back_up)
         sent = time.monotonic()
         await _until_stored(database_url, job_id, len(backup))
         # ... and the heartbeats that queued up behind it committed too (a backup of 4,096
@@ -237,8 +255,8 @@ async def _scenario(
             victim = current.world[(k * 7919) % len(current.world)]
             if k % 2 == 0:
                 world.silent.add(victim)
-                await world.send([job.envelope(victim, "member.exited",
-                                               {"member": victim, "signal": 9})])  # fmt: skip
+                # Its emitted_at (the trigger) is taken when the send's turn comes.
+                await world.send_one(victim, "member.exited", {"member": victim, "signal": 9})
                 how = "crash"
             else:
                 world.silent.add(victim)
@@ -253,9 +271,9 @@ async def _scenario(
             for m in command.world:
                 job.members[m].generation = command.generation
             lead = command.world[0]
-            await world.send([job.envelope(lead, "train.step", {
+            await world.send_one(lead, "train.step", {
                 "step": command.restore_step + 1, "loss": 1.0, "step_seconds": 0.01,
-                "samples": 8})])  # fmt: skip
+                "samples": 8})  # fmt: skip
             current = command
             await asyncio.sleep(1.0)
     finally:
@@ -355,6 +373,14 @@ def _count(store: PostgresEventStore, job_id: str, type_: str) -> int:
         return int(conn.execute(query, {"job": job_id, "type": type_}).scalar_one())
 
 
+def _gaps(store: PostgresEventStore, job_id: str) -> int:
+    """Sequence gaps the ingest recorded for the job (the simulated members publish each
+    member's events in order, so any is the control plane's or the world's fault)."""
+    query = sa.text("SELECT count(*) FROM seq_gaps WHERE job_id = :job")
+    with store.engine.connect() as conn:
+        return int(conn.execute(query, {"job": job_id}).scalar_one())
+
+
 def _percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
@@ -386,6 +412,7 @@ def run_decide_bench(*, members: int, faults: int, progress: bool = True) -> dic
         try:
             measured, committed = _latencies(store, job_id, arrivals)
             heartbeats = _count(store, job_id, "member.heartbeat")
+            gaps = _gaps(store, job_id)
         finally:
             store.close()
     latencies = [m.total_ms for m in measured]
@@ -422,6 +449,7 @@ def run_decide_bench(*, members: int, faults: int, progress: bool = True) -> dic
         "hang_to_turn_ms": median("hang", "to_turn_ms"),
         "hang_turn_ms": median("hang", "turn_ms"),
         "heartbeats_per_s": round(heartbeats / elapsed, 1),
+        "sequence_gaps": gaps,
         # From the backup sent to the ingest caught up with it (the faults start after).
         "backup_caught_up_s": round(caught_up_s, 1),
         "seconds": round(elapsed, 1),

@@ -18,3 +18,4 @@ def test_bench_decide_times_every_fault():
     assert all(0 < x < 10_000 for x in out["latencies_ms"] + out["command_latencies_ms"])
     assert out["p50_ms"] <= out["p99_ms"] <= out["max_ms"]
     assert out["backup_caught_up_s"] >= 0 and out["heartbeats_per_s"] > 0
+    assert out["sequence_gaps"] == 0  # each member's events reach the stream in seq order
