@@ -15,6 +15,7 @@ import re
 import time
 from collections.abc import AsyncIterator, Callable, Hashable, Mapping
 from contextlib import asynccontextmanager
+from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 from urllib.parse import parse_qsl
 
@@ -24,6 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import (
+    AfterValidator,
     AwareDatetime,
     BaseModel,
     BeforeValidator,
@@ -107,8 +109,17 @@ def _iso_8601(value: object) -> object:
     return value
 
 
-#: A time with its offset, e.g. ``2026-01-01T00:00:00Z``.
-Time = Annotated[AwareDatetime, BeforeValidator(_iso_8601)]
+def _in_utc(value: datetime) -> datetime:
+    """The same moment in UTC: PostgreSQL takes offsets of at most 15:59 (ISO 8601 allows
+    more, ``-21:54`` say), and the log's times are UTC anyway."""
+    try:
+        return value.astimezone(UTC)
+    except OverflowError:  # e.g. 0001-01-01T00:00:00+01:00 is a moment of year 0
+        raise ValueError("the time is out of range once moved to UTC") from None
+
+
+#: A time with its offset, e.g. ``2026-01-01T00:00:00Z`` (handed on in UTC).
+Time = Annotated[AwareDatetime, BeforeValidator(_iso_8601), AfterValidator(_in_utc)]
 
 
 def _example(value: Any) -> dict[str, Any]:
