@@ -277,6 +277,12 @@ _URGENT_ENDS = tuple(f".{t}" for t in sorted(URGENT_TYPES))
 _URGENT_ENDS_RAW = tuple(end.encode() for end in _URGENT_ENDS)
 
 
+def unacknowledged(info: ConsumerInfo) -> int:
+    """Messages of a consumer not yet acknowledged: not delivered yet, or delivered and
+    waiting for their ack (the ingest acks after the commit)."""
+    return int(info.num_pending or 0) + int(info.num_ack_pending or 0)
+
+
 class EventConsumer:
     """Pulls batches from the durable consumer over one inbox subscription; acks a batch at once.
 
@@ -495,6 +501,4 @@ class EventConsumer:
     async def pending(self) -> int:
         """Messages the server holds for this consumer that are not yet acknowledged."""
         info = await self._consumer_info()
-        if info is None:
-            return 0
-        return int(info.num_pending or 0) + int(info.num_ack_pending or 0)
+        return unacknowledged(info) if info is not None else 0

@@ -46,7 +46,7 @@ import sqlalchemy as sa
 from controlplane.bench import loadgen
 from controlplane.bench.members import SimMember, SimulatedJob
 from controlplane.bench.stack import serving, stack
-from controlplane.bus import ensure_stream
+from controlplane.bus import ensure_stream, unacknowledged
 from controlplane.publish import Outgoing
 from controlplane.settings import Settings, libpq_url
 from controlplane.store.postgres import PostgresEventStore
@@ -92,16 +92,17 @@ class _World:
         self.arrived = asyncio.Event()
         self._sending = asyncio.Lock()
 
-    async def send(self, build: Callable[[], list[Outgoing]]) -> None:
-        """Publish what ``build`` makes, one send at a time: the envelopes are built (their
-        ``seq`` and ``emitted_at`` given) once it is this send's turn, so each member's events
-        reach the stream in ``seq`` order, as one member's connection keeps them. (Built
-        before, a heartbeat could overtake the setup's backup: a sequence gap, then events
-        accepted late.)"""
+    async def send(self, build: Callable[[], list[Outgoing]]) -> list[Outgoing]:
+        """Publish what ``build`` makes, one send at a time, and return it: the envelopes are
+        built (their ``seq`` and ``emitted_at`` given) once it is this send's turn, so each
+        member's events reach the stream in ``seq`` order, as one member's connection keeps
+        them. (Built before, a heartbeat could overtake the setup's backup: a sequence gap,
+        then events accepted late.)"""
         async with self._sending:
             messages = build()
             if messages:
                 await loadgen.send(self.url, loadgen.frames(messages))
+        return messages
 
     async def send_one(self, member: str, type_: str, payload: dict[str, Any]) -> None:
         """``send`` of one event of ``member``."""
@@ -178,8 +179,7 @@ async def _until_caught_up(nc: Any, settings: Settings, behind: int, timeout_s: 
         if time.monotonic() - started > timeout_s:
             raise TimeoutError(f"the ingest did not catch up within {timeout_s:g}s")
         info = await js.consumer_info(settings.stream, settings.ingest_durable)
-        left = int(info.num_pending or 0) + int(info.num_ack_pending or 0)
-        streak = streak + 1 if left < behind else 0
+        streak = streak + 1 if unacknowledged(info) < behind else 0
         await asyncio.sleep(0.1)
     return time.monotonic() - started
 
@@ -224,21 +224,21 @@ async def _scenario(
         world.step = 10
         if progress:
             _progress(f"generation 1 runs {len(start.world)} ranks; backing up step 10")
-        backup: list[Outgoing] = []
 
         def back_up() -> list[Outgoing]:
+            out: list[Outgoing] = []
             for shard, owner in enumerate(start.world):
                 checksum = f"crc32:{shard:08x}"
-                backup.append(job.envelope(owner, "backup.snapshot", {
+                out.append(job.envelope(owner, "backup.snapshot", {
                     "step": 10, "shard": shard, "nbytes": 1 << 20, "checksum": checksum,
                     "seconds": 0.01}))  # fmt: skip
                 for holder in start.placement[shard]:
-                    backup.append(job.envelope(holder, "backup.replicated", {
+                    out.append(job.envelope(holder, "backup.replicated", {
                         "step": 10, "shard": shard, "owner": owner, "nbytes": 1 << 20,
                         "checksum": checksum, "seconds": 0.01}))  # fmt: skip
-            return backup
+            return out
 
-        await world.send(back_up)
+        backup = await world.send(back_up)
         sent = time.monotonic()
         await _until_stored(database_url, job_id, len(backup))
         # ... and the heartbeats that queued up behind it committed too (a backup of 4,096
