@@ -8,7 +8,7 @@ rules, COPY the new rows, move the cursors and the head, record dead letters, co
 from __future__ import annotations
 
 import json
-from collections.abc import Generator, Iterator, Mapping, Sequence
+from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import datetime
@@ -30,14 +30,16 @@ from controlplane.store.tables import events as events_table
 from controlplane.store.tables import seq_gaps as seq_gaps_table
 from schemas.events import EVENT_ADAPTER, EnvelopeBase
 
-_LOCK_HEAD = "SELECT position, clock_timestamp() FROM log_head WHERE id = 1 FOR UPDATE"
+#: The head row's ``xmin`` names the last transaction that wrote to the log or the cursors
+#: (every one moves the head, see ``_append_steps``): a ``CursorCache``'s check.
+_LOCK_HEAD = "SELECT position, clock_timestamp(), xmin::text FROM log_head WHERE id = 1 FOR UPDATE"
 _JOB_HEAD = "SELECT coalesce(max(position), 0) FROM events WHERE job_id = %s"
 _COPY_EVENTS = (
     "COPY events (position, recorded_at, event_id, job_id, type, v, source, incarnation, seq,"
     " generation, emitted_at, payload) FROM STDIN"
 )
 _KNOWN_IDS = "SELECT event_id::text FROM events WHERE event_id = ANY(%s::uuid[])"
-_MOVE_HEAD = "UPDATE log_head SET position = %s WHERE id = 1"
+_MOVE_HEAD = "UPDATE log_head SET position = %s WHERE id = 1 RETURNING xmin::text"
 _SELECT_CURSORS = (
     "SELECT c.job_id, c.source, c.incarnation, c.last_seq, c.holes FROM source_cursors c"
     " JOIN unnest(%s::text[], %s::text[], %s::text[]) AS k(job_id, source, incarnation)"
@@ -155,7 +157,7 @@ class PostgresEventStore:
         recorded_at: dict[str, datetime] = {}
         for stored in events:
             recorded_at.setdefault(stored.event.event_id, stored.recorded_at)
-        steps = _append_steps([s.event for s in events], (), None, None, recorded_at)
+        steps = _append_steps([s.event for s in events], (), None, None, recorded_at=recorded_at)
         with self._raw() as conn:
             result = _run_sync(conn, steps)
             conn.commit()  # committed by the last step already; nothing left to send
@@ -325,33 +327,82 @@ def _copy_data(
     return b"".join(b"%d\t%s\t%s\n" % (p, stamp, r) for p, r in enumerate(rows, start=head + 1))
 
 
+class CursorCache:
+    """The source cursors one long-lived writer has read or written (``AsyncAppender``, the
+    ingest's), so that an append reads from ``source_cursors`` only those it lacks.
+
+    Valid while the ``log_head`` row is the version the writer's last transaction left: every
+    transaction that stores an event or moves a cursor moves the head too (``_append_steps``),
+    so the row's ``xmin`` names the last one. Another writer in between (an import, a second
+    store) leaves another ``xmin``: the cache is then dropped and every cursor the batch needs
+    is read. With 4,096 ranks heartbeating, a commit held ~200 events from ~200 sources, and
+    reading their cursors took a third of its time (``bench decide``).
+    """
+
+    #: Beyond this many cursors the cache starts again (they are read back as needed).
+    MAX_CURSORS = 1 << 20
+
+    def __init__(self) -> None:
+        #: The head row's ``xmin`` the cursors are valid for; None: nothing is known.
+        self.token: str | None = None
+        self.cursors: dict[CursorKey, Cursor] = {}
+
+    def clear(self) -> None:
+        """Forget everything (after a failed transaction, or a lost connection)."""
+        self.token = None
+        self.cursors = {}
+
+    def settle(self, token: str, valid: bool, cursors: Mapping[CursorKey, Cursor]) -> None:
+        """After a commit: ``cursors`` are the table's as of ``token`` (the head row's
+        ``xmin`` now); ``valid`` when what was kept is still the table's too."""
+        if not valid or len(self.cursors) > self.MAX_CURSORS:
+            self.cursors = {}
+        self.cursors.update(cursors)
+        self.token = token
+
+
+def _cursor_rows(rows: Iterable[Any]) -> dict[CursorKey, Cursor]:
+    return {(j, src, i): Cursor(q, tuple((lo, hi) for lo, hi in h)) for j, src, i, q, h in rows}
+
+
+def _key_columns(keys: Sequence[CursorKey]) -> list[list[str]]:
+    return [list(col) for col in zip(*keys, strict=True)]
+
+
 def _append_steps(
     events: Sequence[EnvelopeBase],
     dead_letters: Sequence[DeadLetter],
     expected: JobHead | None,
     encoded: Sequence[bytes] | None,
+    *,
     recorded_at: Mapping[str, datetime] | None = None,
+    cache: CursorCache | None = None,
 ) -> _Steps:
     """The append transaction; with ``recorded_at`` (event_id -> time) an import that keeps
-    each event's original recording time instead of stamping the batch with ``now``."""
+    each event's original recording time instead of stamping the batch with ``now``; with
+    ``cache``, the cursors it holds are not read again while they are valid."""
     batch = unique(events, encoded)
     keys = list({(e.job_id, e.source, e.incarnation) for e in batch.events})
+    cached: dict[CursorKey, Cursor] = {}
+    if cache is not None and cache.token is not None:
+        held = cache.cursors
+        cached = {k: c for k in keys if (c := held.get(k)) is not None}
+    wanted = [k for k in keys if k not in cached] if cached else keys
     # What the transaction reads first goes in one round trip: the head row's lock, then
     # (each statement with its own snapshot, taken once the lock is held) the job's head
     # and the sources' cursors; and the savepoint a conflicting COPY rolls back to.
     opening = [_Query(_LOCK_HEAD, fetch="one")]
     if expected is not None:
         opening.append(_Query(_JOB_HEAD, (expected.job_id,), fetch="one"))
-    if keys:
-        columns = [list(col) for col in zip(*keys, strict=True)]
-        opening.append(_Query(_SELECT_CURSORS, columns, fetch="all"))
+    if wanted:
+        opening.append(_Query(_SELECT_CURSORS, _key_columns(wanted), fetch="all"))
     if batch.events:
         opening.append(_Query("SAVEPOINT append_copy"))
     results = iter((yield _Batch(tuple(opening))))
     row = next(results)
     if row is None:
         raise SchemaNotMigrated("log_head is empty: run `elasticctl migrate` first")
-    head, now = row
+    head, now, token = row
     if expected is not None:
         row = next(results)
         last = row[0] if row is not None else 0
@@ -359,12 +410,14 @@ def _append_steps(
             raise ConcurrencyError(
                 f"job {expected.job_id} is at {last}, writer expected {expected.position}"
             )
-    cursors: dict[CursorKey, Cursor] = {}
-    if keys:
-        cursors = {
-            (j, src, i): Cursor(q, tuple((lo, hi) for lo, hi in h))
-            for j, src, i, q, h in next(results)
-        }
+    read = _cursor_rows(next(results)) if wanted else {}
+    valid = cache is not None and token == cache.token
+    if cached and not valid:
+        # Another writer came in between: what the cache held is read again.
+        again = yield _Query(_SELECT_CURSORS, _key_columns(list(cached)), fetch="all")
+        read.update(_cursor_rows(again))
+        cached = {}
+    cursors = {**cached, **read} if cached else read
     sequenced = sequence(batch.events, cursors)
     known: set[str] = set()
     if sequenced.stale:
@@ -398,7 +451,10 @@ def _append_steps(
             encoded_rows = [encoded_rows[i] for i in kept]
             if accepted:
                 yield _Copy(_COPY_EVENTS, _copy_data(head, now, encoded_rows, stamps()))
-        closing.append(_Query(_MOVE_HEAD, (head + len(accepted),)))
+    if accepted or sequenced.cursors:
+        # Whenever events or cursors change (even when every accepted event proved a
+        # duplicate), so that the head row's xmin names this transaction (``CursorCache``).
+        closing.append(_Query(_MOVE_HEAD, (head + len(accepted),), fetch="one"))
     times = stamps()
     if times is None:
         stored = [StoredEvent(head + i, now, e) for i, e in enumerate(accepted, start=1)]
@@ -431,6 +487,9 @@ def _append_steps(
     # their row counts say how many were new.
     results = yield _Batch(tuple(closing), commit=True)
     added = sum(results[len(closing) - len(letters) :])
+    if cache is not None:
+        moved = accepted or sequenced.cursors
+        cache.settle(results[0][0] if moved else token, valid, {**read, **sequenced.cursors})
     return AppendResult(
         stored=stored,
         duplicates=batch.repeats + duplicates,
@@ -500,15 +559,17 @@ class AsyncAppender:
 
     Same transaction and contract as ``PostgresEventStore.append``; no thread, so the event
     loop keeps fetching and decoding while PostgreSQL works. Connects lazily, reconnects
-    after a failure.
+    after a failure. Keeps the cursors of the sources it appended for (``CursorCache``).
     """
 
     def __init__(self, database_url: str) -> None:
         self._url = libpq_url(database_url)
         self._conn: psycopg.AsyncConnection[Any] | None = None
+        self.cursors = CursorCache()
 
     async def close(self) -> None:
         """Close the connection."""
+        self.cursors.clear()
         conn, self._conn = self._conn, None
         if conn is not None:
             await conn.close()
@@ -524,7 +585,7 @@ class AsyncAppender:
         """See ``EventStore.append``."""
         if not events and not dead_letters:
             return AppendResult()
-        steps = _append_steps(events, dead_letters, expected, encoded)
+        steps = _append_steps(events, dead_letters, expected, encoded, cache=self.cursors)
         try:
             with translated():
                 if self._conn is None or self._conn.closed:
@@ -534,6 +595,7 @@ class AsyncAppender:
                     result = await _run_async(conn, steps)
                     await conn.commit()  # committed by the last step already
                 except BaseException:
+                    self.cursors.clear()
                     if not conn.closed:
                         await conn.rollback()
                     raise
