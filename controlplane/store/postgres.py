@@ -451,9 +451,10 @@ def _append_steps(
             encoded_rows = [encoded_rows[i] for i in kept]
             if accepted:
                 yield _Copy(_COPY_EVENTS, _copy_data(head, now, encoded_rows, stamps()))
-    if accepted or sequenced.cursors:
-        # Whenever events or cursors change (even when every accepted event proved a
-        # duplicate), so that the head row's xmin names this transaction (``CursorCache``).
+    # Whenever events or cursors change (even when every accepted event proved a duplicate),
+    # the head moves, so that the head row's xmin names this transaction (``CursorCache``).
+    moved = bool(accepted or sequenced.cursors)
+    if moved:
         closing.append(_Query(_MOVE_HEAD, (head + len(accepted),), fetch="one"))
     times = stamps()
     if times is None:
@@ -488,7 +489,6 @@ def _append_steps(
     results = yield _Batch(tuple(closing), commit=True)
     added = sum(results[len(closing) - len(letters) :])
     if cache is not None:
-        moved = accepted or sequenced.cursors
         cache.settle(results[0][0] if moved else token, valid, {**read, **sequenced.cursors})
     return AppendResult(
         stored=stored,
