@@ -81,8 +81,11 @@ def _layout(members: int, spares: int) -> list[SimMember]:
 class _World:
     """The simulated members' side: heartbeats, commands, faults."""
 
-    def __init__(self, url: str, job: SimulatedJob) -> None:
-        self.url = url
+    def __init__(self, publisher: loadgen.Publisher, job: SimulatedJob) -> None:
+        #: The simulated members' connection to NATS, open for the whole run (as a member's
+        #: client stays connected): a crash's trigger is not kept waiting by a connection's
+        #: set-up.
+        self.publisher = publisher
         self.job = job
         self.silent: set[str] = set()
         self.step = 0
@@ -101,7 +104,7 @@ class _World:
         async with self._sending:
             messages = build()
             if messages:
-                await loadgen.send(self.url, loadgen.frames(messages))
+                await self.publisher.send(loadgen.frames(messages))
         return messages
 
     async def send_one(self, member: str, type_: str, payload: dict[str, Any]) -> None:
@@ -190,7 +193,7 @@ async def _scenario(
     """Run the job and its faults; return when each command reached the members, and how
     long the ingest took to catch up with the backup before the faults."""
     job = SimulatedJob(None, job_id, _layout(members, spares=max(2, faults // 2)))
-    world = _World(url, job)
+    world = _World(await loadgen.Publisher.connect(url), job)
     nc = await nats.connect(url)
     settings = Settings()  # names the stream and consumer as the service does (same environment)
     await ensure_stream(nc.jetstream(), settings)
@@ -281,6 +284,7 @@ async def _scenario(
         if beating is not None:
             await beating
         await nc.close()
+        await world.publisher.close()
     return world.arrivals, caught_up_s
 
 

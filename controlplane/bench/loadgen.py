@@ -9,6 +9,7 @@ core publishes it cannot keep up with, so flow control is what makes "lost" mean
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -91,33 +92,75 @@ async def _progress(acks: _Acks, sent: int, wait_s: float = 30.0) -> None:
         ) from None
 
 
-async def send(url: str, encoded: Sequence[bytes], *, window: int = 8192) -> int:
-    """Publish every frame and wait for its acknowledgement; return how many were refused."""
-    parts = urlsplit(url)
-    reader, writer = await asyncio.open_connection(parts.hostname, parts.port or 4222)
-    acks = _Acks()
-    reading = asyncio.ensure_future(_read(reader, writer, acks))
-    try:
-        options = {"verbose": False, "pedantic": False, "headers": True, "lang": "loadgen"}
-        if parts.username:
-            options["user"] = parts.username
-            options["pass"] = parts.password or ""
-        writer.write(
-            b"CONNECT %s\r\nSUB %s.* 1\r\nPING\r\n" % (json.dumps(options).encode(), _ACK_PREFIX)
-        )
-        await asyncio.wait_for(acks.pong.wait(), 10)
+class Publisher:
+    """One connection to NATS, kept open for any number of ``send`` calls (one at a time), as
+    a member's client keeps its connection: what a send times is the publish, not a
+    connection's set-up."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writer = writer
+        self._acks = _Acks()
+        self._reading = asyncio.ensure_future(_read(reader, writer, self._acks))
+
+    @classmethod
+    async def connect(cls, url: str) -> Publisher:
+        parts = urlsplit(url)
+        reader, writer = await asyncio.open_connection(parts.hostname, parts.port or 4222)
+        publisher = cls(reader, writer)
+        try:
+            options = {"verbose": False, "pedantic": False, "headers": True, "lang": "loadgen"}
+            if parts.username:
+                options["user"] = parts.username
+                options["pass"] = parts.password or ""
+            writer.write(
+                b"CONNECT %s\r\nSUB %s.* 1\r\nPING\r\n"
+                % (json.dumps(options).encode(), _ACK_PREFIX)
+            )
+            await asyncio.wait_for(publisher._pong(), 10)
+        except BaseException:
+            await publisher.close()
+            raise
+        return publisher
+
+    async def _pong(self) -> None:
+        # The reader ends on a closed connection or an -ERR: then there is no PONG to wait for.
+        pong = asyncio.ensure_future(self._acks.pong.wait())
+        await asyncio.wait({pong, self._reading}, return_when=asyncio.FIRST_COMPLETED)
+        if not pong.done():
+            pong.cancel()
+            self._reading.result()  # raises what ended the reader
+            raise ConnectionError("NATS closed the connection before it answered")
+
+    async def send(self, encoded: Sequence[bytes], *, window: int = 8192) -> int:
+        """Publish every frame and wait for its acknowledgement; return how many of these
+        were refused."""
+        acks = self._acks
+        base, refused = acks.acked, acks.errors
+        total = base + len(encoded)
         sent = 0
         while sent < len(encoded):
-            while sent - acks.acked >= window:
-                await _progress(acks, sent)
-            upto = min(len(encoded), acks.acked + window)
-            writer.write(b"".join(encoded[sent:upto]))
-            await writer.drain()
+            while base + sent - acks.acked >= window:
+                await _progress(acks, base + sent)
+            upto = min(len(encoded), acks.acked - base + window)
+            self._writer.write(b"".join(encoded[sent:upto]))
+            await self._writer.drain()
             sent = upto
-        while acks.acked < len(encoded):
-            await _progress(acks, sent)
-        return acks.errors
+        while acks.acked < total:
+            await _progress(acks, total)
+        return acks.errors - refused
+
+    async def close(self) -> None:
+        self._reading.cancel()
+        self._writer.close()
+        with contextlib.suppress(ConnectionError):
+            await self._writer.wait_closed()
+
+
+async def send(url: str, encoded: Sequence[bytes], *, window: int = 8192) -> int:
+    """Publish every frame on a connection of its own and wait for its acknowledgement;
+    return how many were refused."""
+    publisher = await Publisher.connect(url)
+    try:
+        return await publisher.send(encoded, window=window)
     finally:
-        reading.cancel()
-        writer.close()
-        await writer.wait_closed()
+        await publisher.close()
