@@ -24,8 +24,6 @@ at a backup boundary when members joined after the start.
 
 from __future__ import annotations
 
-import itertools
-import operator
 import re
 import uuid
 from collections.abc import Sequence
@@ -214,11 +212,6 @@ def natural_key(text: str) -> tuple[str | int, ...]:
     return tuple(int(p) if i % 2 else p for i, p in enumerate(parts))
 
 
-_STATUS = operator.attrgetter("status")
-_NODE = operator.attrgetter("node")
-_RACK = operator.attrgetter("rack")
-
-
 def _topology_key(member: Member) -> tuple[object, ...]:
     return (member.rack, member.node, natural_key(member.member_id))
 
@@ -306,9 +299,9 @@ class _Round:
         )
 
     def _columns(self, members: Sequence[str]) -> tuple[list[str], list[str]]:
-        """The nodes and the racks of ``members`` (map and attrgetter: no Python loop)."""
-        located = list(map(self.view.members.__getitem__, members))
-        return list(map(_NODE, located)), list(map(_RACK, located))
+        """The nodes and the racks of ``members``."""
+        located = [self.view.members[m] for m in members]
+        return [m.node for m in located], [m.rack for m in located]
 
     def _rendezvous(self, generation: int) -> str:
         base = self.context.rendezvous.rstrip("/")
@@ -412,11 +405,12 @@ class _Round:
         self.flagged.members = {f.member for f in everything}
         found = [f for f in everything if members[f.member].rank is not None]
         named = {f.member for f in found}
-        for member_id in view.world:
-            member = members.get(member_id)
+        rankless = [m for m in map(members.get, view.world) if m is not None and m.rank is None]
+        for member in rankless:
+            member_id = member.member_id
             # Rejoined under a new incarnation: the process of the world is gone, even if
             # its exit was never reported. (The new process may serve again, as a spare.)
-            if member is not None and member.rank is None and member_id not in named:
+            if member_id not in named:
                 found.append(
                     Finding(
                         member_id,
@@ -519,20 +513,12 @@ class _Round:
         """The new world and where its state comes from, or why the job cannot go on."""
         view, policy = self.view, self.policy
         members = view.members
-        # The members of the world that are not active (tested in C: map and compress).
-        failed = list(
-            itertools.compress(
-                view.world,
-                map(
-                    operator.is_not,
-                    map(_STATUS, map(members.__getitem__, view.world)),
-                    itertools.repeat(MemberStatus.ACTIVE),
-                ),
-            )
-        )
+        # The members of the world that are not active.
+        active = MemberStatus.ACTIVE
+        failed = [m for m in view.world if members[m].status is not active]
         candidates = sorted(
             # Outside the world first (a cheap test; ``_usable`` asks it again).
-            (m for m in members.values() if m.rank is None and self._usable(m)),
+            [m for m in members.values() if m.rank is None and self._usable(m)],
             key=lambda m: (m.role is not Role.SPARE, _topology_key(m)),
         )
         replacements: dict[str, str] = {}
@@ -553,7 +539,8 @@ class _Round:
             replacements[member_id] = best.member_id
         dropped = [m for m in failed if m not in replacements]
         # The world without the dropped, each failed member renamed to its replacement.
-        staying = list(itertools.filterfalse(set(dropped).__contains__, view.world))
+        leaving = set(dropped)
+        staying = [m for m in view.world if m not in leaving] if leaving else view.world
         world = tuple(map(replacements.get, staying, staying))
         survivors = len(view.world) - len(failed)
         if len(world) < policy.min_world:
@@ -581,16 +568,8 @@ class _Round:
         """Newest step whose every shard survives (hot first, then cold), or why none does."""
         view = self.view
         members = view.members
-        alive = set(
-            itertools.compress(
-                members.keys(),
-                map(
-                    operator.is_,
-                    map(_STATUS, members.values()),
-                    itertools.repeat(MemberStatus.ACTIVE),
-                ),
-            )
-        )
+        active = MemberStatus.ACTIVE
+        alive = {k for k, m in members.items() if m.status is active}
         receivers = dict(enumerate(world))
         hot = plan_restore(view, alive, receivers, members)
         if hot is not None:  # hot first (seconds), even when a cold checkpoint is newer
@@ -671,11 +650,11 @@ class _Round:
             return
         started = view.started_position
         due = sorted(
-            (
+            [
                 m
                 for m in view.members.values()
                 if m.joined_position > started and backup >= m.joined_step and self._usable(m)
-            ),
+            ],
             key=_topology_key,
         )[:room]
         if not due:

@@ -10,12 +10,10 @@ source first, so one holder does not serve every shard.
 
 from __future__ import annotations
 
-import itertools
-import operator
 from collections import Counter
 from collections.abc import Mapping, Set
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
 from controlplane.core.view import JobView, ShardBackup, StepBackup
 
@@ -28,12 +26,6 @@ class Located(Protocol):
 
     @property
     def rack(self) -> str: ...
-
-
-_OWNER = operator.attrgetter("owner")
-_CHECKSUM = operator.attrgetter("checksum")
-_SNAPSHOT_POSITION = operator.attrgetter("snapshot_position")
-_JOINED_POSITION = operator.attrgetter("joined_position")
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +83,7 @@ def plan_restore(
     """
     staying = set(receivers.values())
     members = view.members
-    since = dict(zip(members.keys(), map(_JOINED_POSITION, members.values()), strict=True))
+    since = {k: m.joined_position for k, m in members.items()}
     for step in sorted(view.backups, reverse=True):
         sources = _sources(
             view.backups[step],
@@ -120,29 +112,26 @@ def _sources(
     if not all(map(backup.shards.__contains__, numbers)):
         return None
     present = list(map(backup.shards.__getitem__, numbers))
-    if None in map(_CHECKSUM, present):
+    if None in [s.checksum for s in present]:
         return None
-    owners = list(map(_OWNER, present))  # set with the snapshot (a checksum, above)
-    snapshots = list(map(_SNAPSHOT_POSITION, present))
-    if None in snapshots:
-        snapshots = [p or 0 for p in snapshots]
-    # The common case, tested for every shard at once (in C): an owner that stays in the
-    # world and survives keeps its shard in its own memory (even where ranks moved: a
-    # shrink, or a backup of an older generation) if its current process took the snapshot.
+    # Each owner is set with its snapshot (a checksum, above).
+    owners = cast("list[str]", [s.owner for s in present])
+    snapshots = [s.snapshot_position or 0 for s in present]
+    # The common case, tested for every shard at once: an owner that stays in the world and
+    # survives keeps its shard in its own memory (even where ranks moved: a shrink, or a
+    # backup of an older generation) if its current process took the snapshot.
     home = set(staying).intersection(survivors)
-    own = list(
-        map(
-            operator.and_,
-            map(home.__contains__, owners),
-            map(operator.gt, snapshots, map(since.get, owners, itertools.repeat(0))),
-        )
-    )
-    sources: list[str] = owners  # its owner where ``own``; replaced below elsewhere
+    elsewhere = [
+        shard_no
+        for shard_no, (owner, snapshot) in enumerate(zip(owners, snapshots, strict=True))
+        if owner not in home or snapshot <= since.get(owner, 0)
+    ]
+    sources = owners  # its owner, but ``elsewhere``: replaced below
     # The rest in shard order, each from the closest surviving copy, the least used source
     # first (counted in C, over the sources chosen before it, only when needed).
     served: Counter[str] = Counter()
     counted = 0
-    for shard_no in itertools.compress(range(len(own)), map(operator.not_, own)):
+    for shard_no in elsewhere:
         shard = present[shard_no]
         owner = owners[shard_no]
         receiver = owner if owner in staying else receivers.get(shard_no)
