@@ -264,17 +264,18 @@ def _kept(
     out: list[tuple[str, ...] | list[int]] = list(
         map(tuple, map(previous.get, members, itertools.repeat(empty)))
     )
-    # ... then the few that cannot are found: the holders that left or were renamed, the
-    # owners with a holder among them (or the wrong number, or themselves), the ranks whose
-    # owner is new (a replacement, or no previous shard).
-    held = set(itertools.chain.from_iterable(previous.values()))
-    bad = (held - present) | (held & renamed)
-    # One cheap test per previous owner (a comprehension: Python 3.11 runs it faster than
-    # chains of ``map`` over ``operator`` functions).
+    # ... then the few that cannot are found: the owners with a holder that left or was
+    # renamed (or the wrong number of holders, or themselves among them), and the ranks whose
+    # owner is new (a replacement, or no previous shard). One pass over the previous owners
+    # (a comprehension: Python 3.11 runs it faster than chains of ``map`` over ``operator``
+    # functions).
     suspect = {
         owner
         for owner, before in previous.items()
-        if len(before) != redundancy or owner in before or (bad and not bad.isdisjoint(before))
+        if len(before) != redundancy
+        or owner in before
+        or not present.issuperset(before)
+        or (renamed and not renamed.isdisjoint(before))
     }
     redo = (suspect & present) | (present - previous.keys()) | (origin.keys() & present)
     unsettled = sorted(index[name] for name in redo)
