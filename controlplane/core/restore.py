@@ -121,18 +121,14 @@ def _sources(
     # survives keeps its shard in its own memory (even where ranks moved: a shrink, or a
     # backup of an older generation) if its current process took the snapshot.
     home = set(staying).intersection(survivors)
-    if home <= since.keys():  # as ``plan_restore`` gives it: every member's join
-        elsewhere = [
-            shard_no
-            for shard_no, owner, snapshot in zip(range(len(owners)), owners, snapshots, strict=True)
-            if owner not in home or snapshot <= since[owner]
-        ]
-    else:
-        elsewhere = [
-            shard_no
-            for shard_no, owner, snapshot in zip(range(len(owners)), owners, snapshots, strict=True)
-            if owner not in home or snapshot <= since.get(owner, 0)
-        ]
+    # The joins of ``home`` by subscript (``plan_restore`` gives every member's; one it does
+    # not know counts as joined at 0).
+    joins = since if home <= since.keys() else {m: since.get(m, 0) for m in home}
+    elsewhere = [
+        shard_no
+        for shard_no, owner, snapshot in zip(range(len(owners)), owners, snapshots, strict=True)
+        if owner not in home or snapshot <= joins[owner]
+    ]
     sources = owners  # its owner, but ``elsewhere``: replaced below
     # The rest in shard order, each from the closest surviving copy, the least used source
     # first (counted in C, over the sources chosen before it, only when needed).
