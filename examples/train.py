@@ -23,6 +23,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from rank_runtime.data import StepSampler, synthetic_regression
+from rank_runtime.ddp import prime_buckets
 from rank_runtime.elastic import Elastic
 from rank_runtime.zero import consolidate, shard_state
 
@@ -64,6 +65,9 @@ def main() -> None:
     def build() -> tuple[DistributedDataParallel, ZeroRedundancyOptimizer]:
         """DDP and the ZeRO optimizer on the process group of the current generation."""
         model = DistributedDataParallel(net)
+        # Every build, so every step reduces gradients in the same bucket layout and a
+        # recovered run continues bit for bit (rank_runtime.ddp).
+        prime_buckets(model, lambda ddp: ddp(x[:1]))
         optimizer = ZeroRedundancyOptimizer(
             net.parameters(), optimizer_class=torch.optim.Adam, lr=args.lr
         )
