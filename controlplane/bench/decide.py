@@ -42,6 +42,7 @@ from typing import Any
 import nats
 import psycopg
 import sqlalchemy as sa
+from nats.aio.client import Client
 
 from controlplane.bench import loadgen
 from controlplane.bench.members import SimMember, SimulatedJob
@@ -194,10 +195,7 @@ async def _scenario(
     long the ingest took to catch up with the backup before the faults."""
     job = SimulatedJob(None, job_id, _layout(members, spares=max(2, faults // 2)))
     world = _World(await loadgen.Publisher.connect(url), job)
-    nc = await nats.connect(url)
-    settings = Settings()  # names the stream and consumer as the service does (same environment)
-    await ensure_stream(nc.jetstream(), settings)
-    await nc.subscribe(command_subject(job_id), cb=world.on_command)
+    nc: Client | None = None  # connected inside the try: a failed start closes the publisher
     policy = {
         "world_size": members,
         "min_world": 1,
@@ -212,6 +210,10 @@ async def _scenario(
     stop = asyncio.Event()
     beating: asyncio.Task[None] | None = None
     try:
+        nc = await nats.connect(url)
+        settings = Settings()  # names the stream and consumer as the service (same environment)
+        await ensure_stream(nc.jetstream(), settings)
+        await nc.subscribe(command_subject(job_id), cb=world.on_command)
         if progress:
             _progress(f"{len(job.members)} members join")
         names = list(job.members)
@@ -283,7 +285,8 @@ async def _scenario(
         stop.set()
         if beating is not None:
             await beating
-        await nc.close()
+        if nc is not None:
+            await nc.close()
         await world.publisher.close()
     return world.arrivals, caught_up_s
 

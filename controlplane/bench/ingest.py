@@ -65,17 +65,28 @@ async def _consumer_ready(url: str, settings: Settings, wait_s: float = 60.0) ->
 
 
 def _cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
-    """CPU seconds used so far by each named process; PostgreSQL's include its backends."""
+    """CPU seconds used so far by each named process; PostgreSQL's include its backends, live
+    or ended (the postmaster reaps them: their time is in its ``children_*``)."""
     import psutil
 
     out: dict[str, float] = {}
     for name, pid in pids.items():
         try:
             proc = psutil.Process(pid)
-            procs = [proc, *proc.children(recursive=True)] if name == "postgres" else [proc]
-            out[name] = sum(p.cpu_times().user + p.cpu_times().system for p in procs)
+            times = proc.cpu_times()
+            children = proc.children(recursive=True) if name == "postgres" else []
         except psutil.Error:
             continue
+        total = times.user + times.system
+        if name == "postgres":
+            total += times.children_user + times.children_system
+        for child in children:
+            try:
+                child_times = child.cpu_times()
+            except psutil.Error:  # it ended meanwhile: counted once reaped
+                continue
+            total += child_times.user + child_times.system
+        out[name] = total
     return out
 
 
