@@ -2,12 +2,12 @@
 
 A freshly built ``DistributedDataParallel`` lays its gradient buckets out in the module's
 parameter order for its first backward, then rebuilds them once in the order the gradients
-became ready (``Reducer._rebuild_buckets``). A bucket is all-reduced as one flat tensor, and a
-ring all-reduce sums each element starting from the rank that owns the element's chunk, so the
-layout decides the order in which the ranks' values are added. In a fault-free run only step 1
-sees the first layout; a DDP rebuilt on the new group after a recovery sees it again at the first
-step it replays. The sums differ in their last bits there, and the run drifts from the
-fault-free one by a few ulps (4e-8 on the example's weights after 20 steps).
+became ready (``Reducer._rebuild_buckets``). A bucket is all-reduced as one flat tensor cut into
+chunks, and the order in which the ranks' values of an element are added depends on the chunk
+the element falls in: the layout decides it. In a fault-free run only step 1 sees the first
+layout; a DDP rebuilt on the new group after a recovery sees it again at the first step it
+replays. The sums differ in their last bits there, and the run drifts from the fault-free one
+by a few ulps (4e-8 on the example's weights after 20 steps).
 
 ``prime_buckets`` spends that first layout on a backward of zero: every rank runs it on the new
 group (it is collective, like building DDP), the gradients it leaves are dropped, and the next
