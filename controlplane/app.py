@@ -24,11 +24,12 @@ from controlplane.decider import CommandPublisher, Decider, DeciderStats
 from controlplane.errors import BusUnavailable, StoreUnavailable
 from controlplane.ingest import Backoff, Ingest, QuietTurn
 from controlplane.lock import AdvisoryLock
-from controlplane.rendezvous import RendezvousHost
-from controlplane.settings import Settings
+from controlplane.rendezvous import RendezvousHost, RendezvousLimits, server_tls
+from controlplane.settings import Settings, master_secret
 from controlplane.store.migrate import check_schema
 from controlplane.store.port import AppendResult, EventStore, JobHead
 from controlplane.store.postgres import AsyncAppender, PostgresEventStore
+from schemas.auth import CommandSigner
 from schemas.events import EnvelopeBase
 
 if TYPE_CHECKING:
@@ -57,11 +58,29 @@ class ControlPlane:
         self.sessions = 0
         #: Prometheus metrics of what this process commits (``ELASTIC_METRICS_PORT``).
         self.metrics: LogMetrics | None = None
+        #: The installation secret: authenticates the rendezvous store, signs commands.
+        self.master = master_secret(settings)
         self.rendezvous = (
-            RendezvousHost(settings.rendezvous_host, settings.rendezvous_port)
+            RendezvousHost(
+                settings.rendezvous_host,
+                settings.rendezvous_port,
+                listen=settings.rendezvous_listen or settings.rendezvous_host,
+                master=self.master,
+                limits=RendezvousLimits(
+                    max_keys=settings.rendezvous_max_keys, max_bytes=settings.rendezvous_max_bytes
+                ),
+                admit=self._started_generation,
+                ssl_context=server_tls(settings.tls_cert, settings.tls_key),
+            )
             if settings.rendezvous
             else None
         )
+
+    def _started_generation(self, job_id: str, generation: int) -> bool:
+        """Whether ``generation`` of ``job_id`` was recorded (the rendezvous store admits
+        no other; called from the store's thread, reading the current views)."""
+        view = self.views.get(job_id)
+        return view is not None and 0 < generation <= view.generation
 
     def _apply(self, result: AppendResult) -> None:
         if result.stored:
@@ -154,7 +173,11 @@ class ControlPlane:
             if nc is None:
                 return
             js = nc.jetstream()
-            publisher = CommandPublisher(js, settings.command_retry_s)
+            publisher = CommandPublisher(
+                js,
+                settings.command_retry_s,
+                signer=CommandSigner(self.master) if self.master is not None else None,
+            )
             base = await asyncio.to_thread(self.rendezvous.start) if self.rendezvous else ""
             decider = self.decider = Decider(
                 views=lambda: self.views,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -117,6 +118,72 @@ def api(
     )
 
 
+@app.command()
+def creds(
+    job: Annotated[str, typer.Option(help="The job the nodes train (its id).")],
+    out: Annotated[Path, typer.Option(help="Directory to write the credentials into.")],
+    node: Annotated[
+        list[str] | None, typer.Option(help="A node of the job (repeat it for each node).")
+    ] = None,
+    nodes: Annotated[
+        int, typer.Option(min=0, help="Or: pretend nodes node0..nodeN-1 (`run --nodes N`).")
+    ] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+) -> None:
+    """Issue per-node NATS credentials (NKeys) from the installation secret, ELASTIC_SECRET.
+
+    For each node of the job two NKey seeds: OUT/JOB/NODE/launcher.nk (the node's launcher:
+    may publish elastic.evt.JOB.NODE.>) and OUT/JOB/NODE/member.nk (its members: may publish
+    elastic.evt.JOB.NODE.*.> but not as NODE/launcher). Both read only JOB's commands and
+    receive only on an inbox of their own. Also OUT/controlplane.nk (ELASTIC_NATS_CREDS of
+    `elasticctl serve`: the only one that reads events), OUT/JOB/job-secret and
+    OUT/JOB/command-key (what the launcher hands its members), and OUT/nats-users.conf: the
+    NATS server's users for every job issued into OUT (public keys only), to include in the
+    `authorization` block of nats.conf. After adding a job: `nats-server --signal reload`.
+
+    Give the launcher `ELASTIC_NATS_CREDS_DIR=OUT` (a real node needs only its own NODE
+    directory and the job's two files). The same secret always gives the same credentials.
+    """
+    from controlplane import creds as credentials
+    from schemas.auth import MASTER_SECRET_ENV, SecretError, parse_secret
+
+    settings = _settings()
+    text = os.environ.get(MASTER_SECRET_ENV)
+    if not text:
+        raise _fail(f"{MASTER_SECRET_ENV} is not set (e.g. `openssl rand -hex 32`)")
+    names = list(node or []) + [f"node{j}" for j in range(nodes)]
+    if not names:
+        raise _fail("name the job's nodes: --node NODE (repeated) or --nodes N")
+    try:
+        issued = credentials.issue(
+            parse_secret(text),
+            out,
+            job,
+            names,
+            events_stream=settings.stream,
+            command_stream=settings.command_stream,
+        )
+    except (SecretError, credentials.CredentialsError) as exc:
+        raise _fail(str(exc)) from exc
+    result = {
+        "job": job,
+        "controlplane": str(issued.controlplane),
+        "nodes": {
+            n: {"launcher": str(c.launcher), "member": str(c.member)}
+            for n, c in issued.nodes.items()
+        },
+        "server_users": str(issued.users_file),
+        "users": issued.users,
+    }
+    if as_json:
+        typer.echo(json.dumps(result))
+    else:
+        typer.echo(
+            f"issued {len(issued.nodes)} node(s) of {job} into {out}; {issued.users} NATS "
+            f"users in {issued.users_file} (reload nats-server to apply)"
+        )
+
+
 @schemas_app.command("export")
 def schemas_export(
     directory: Annotated[Path, typer.Argument(help="Directory to write *.schema.json into.")],
@@ -169,7 +236,8 @@ def run(
         list[str] | None,
         typer.Option(
             help="crash@STEP:rank=R, hang@STEP:rank=R, slow@STEP:rank=R:SECONDS,"
-            " crash@recover:rank=R (on a reallocation, before acking it) or"
+            " crash@recover:rank=R (on a reallocation, before acking it),"
+            " tamper@serve:rank=R (its peer store serves forged copies) or"
             " random:every=SECONDS[:seed=N]; repeatable."
         ),
     ] = None,
@@ -254,6 +322,7 @@ def _policy_values(text: str) -> dict[str, object]:
 
 @bench_app.command("mttr")
 def bench_mttr(
+    *,
     faults: Annotated[int, typer.Option(min=1, help="Ranks to kill, one after another.")] = 5,
     backup_interval: Annotated[
         int, typer.Option(min=2, help="Steps between hot backups (and baseline checkpoints).")
@@ -261,6 +330,16 @@ def bench_mttr(
     baseline: Annotated[
         bool, typer.Option(help="Also run the torchrun restart-all baseline (and the ratio).")
     ] = True,
+    security: Annotated[
+        str,
+        typer.Option(
+            help="off, on (ELASTIC_SECRET: authenticated rendezvous, signed commands), or both:"
+            " on and off alternating, with security_ratio (on over off)."
+        ),
+    ] = "off",
+    rounds: Annotated[
+        int, typer.Option(min=1, help="Elastic runs per security mode (alternating for both).")
+    ] = 1,
     as_json: Annotated[bool, typer.Option("--json", help="Print only the JSON result.")] = False,
 ) -> None:
     """Mean time to recover from a killed rank: in-process recovery against restart-all.
@@ -279,11 +358,63 @@ def bench_mttr(
     progress = None if as_json else (lambda m: typer.echo(m, err=True))
     try:
         result = run_mttr_bench(
-            faults=faults, backup_interval=backup_interval, baseline=baseline, progress=progress
+            faults=faults,
+            backup_interval=backup_interval,
+            baseline=baseline,
+            security=security,
+            rounds=rounds,
+            progress=progress,
         )
     except BenchError as exc:
         raise _fail(str(exc), 1) from exc
     typer.echo(json.dumps(result))
+
+
+@bench_app.command("fuzz")
+def bench_fuzz(
+    *,
+    cases: Annotated[int, typer.Option(min=1, help="Fuzz cases to publish.")] = 100_000,
+    seed: Annotated[int, typer.Option(help="Seed of the cases (same seed, same cases).")] = 0,
+    ranks: Annotated[int, typer.Option(min=1, help="Ranks of the job training alongside.")] = 2,
+    steps: Annotated[int, typer.Option(min=1, help="Steps of the job training alongside.")] = 300,
+    timeout: Annotated[float, typer.Option(min=10, help="Give up after this many seconds.")] = 900,
+    as_json: Annotated[bool, typer.Option("--json", help="Print only the JSON result.")] = False,
+) -> None:
+    """Feed the real ingest hostile bytes while a real job trains; every case must end
+    stored or dead-lettered.
+
+    Starts `elasticctl serve` (its own process; NATS and PostgreSQL from ELASTIC_NATS_URL /
+    ELASTIC_DATABASE_URL when set, else embedded) and a small job (`elasticctl run` of
+    examples/train.py, RANKS ranks, STEPS steps). Once the job trains, publishes CASES
+    messages over the raw NATS protocol to fuzz jobs of their own: valid member events and
+    mutated ones (NUL and lone surrogates in any string, bytes that are not UTF-8, integers
+    beyond int64, NaN and infinities, wrong types, truncated JSON, random bytes, subjects that
+    contradict the envelope, forged types, implausible seqs, deep nesting, oversized).
+
+    Prints JSON: cases (acknowledged by JetStream), stored, dead_lettered, unaccounted (must
+    be 0), crashes (serve exited: must be 0), stalls (gaps over 2 s between commits while input
+    flowed: must be 0), job_completed (must be true), and how the cases were made and refused.
+    Exits 1 when one of those does not hold. Progress goes to stderr. Needs a source checkout.
+    """
+    from controlplane.bench import BenchError
+    from controlplane.bench.fuzz import run_fuzz_bench
+
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    try:
+        result = run_fuzz_bench(
+            cases=cases,
+            seed=seed,
+            ranks=ranks,
+            steps=steps,
+            timeout_s=timeout,
+            progress=lambda m: typer.echo(m, err=True),
+        )
+    except BenchError as exc:
+        raise _fail(str(exc), 1) from exc
+    typer.echo(json.dumps(result) if as_json else json.dumps(result, indent=2))
+    held = not (result["unaccounted"] or result["crashes"] or result["stalls"])
+    if not held or not result["job_completed"]:
+        raise typer.Exit(1)
 
 
 @bench_app.command("decide")
@@ -355,9 +486,18 @@ def bench_backup(
     replicas: Annotated[
         int,
         typer.Option(
-            min=0, help="Checksum and stream each snapshot this many times in the background."
+            min=0,
+            help="Send each snapshot to this many peer stores over loopback in the background"
+            " (2 when --security is given).",
         ),
     ] = 0,
+    security: Annotated[
+        str | None,
+        typer.Option(
+            help="Replicate without the job's secret (off), with it (on: sha256 digests and"
+            " MACs), or both in one run (both: overhead_off, overhead_on, within_10pct)."
+        ),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print only the JSON result.")] = False,
 ) -> None:
     """Measure what a hot snapshot every N steps costs a training loop, and its copy speed.
@@ -368,14 +508,18 @@ def bench_backup(
     """
     from rank_runtime.bench_backup import run_backup_bench
 
-    result = run_backup_bench(
-        params_mb=params_mb,
-        steps=steps,
-        every=every,
-        batch=batch,
-        replicas=replicas,
-        progress=not as_json,
-    )
+    try:
+        result = run_backup_bench(
+            params_mb=params_mb,
+            steps=steps,
+            every=every,
+            batch=batch,
+            replicas=replicas,
+            security=security,
+            progress=not as_json,
+        )
+    except ValueError as exc:
+        raise _fail(str(exc), 2) from exc
     typer.echo(json.dumps(result))
 
 

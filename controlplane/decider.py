@@ -35,6 +35,7 @@ from controlplane.ingest import Appender
 from controlplane.publish import MSG_ID_HEADER
 from controlplane.store.port import AppendResult, JobHead
 from controlplane.subjects import command_subject
+from schemas.auth import SIGNATURE_HEADER, CommandSigner, command_message
 
 log = logging.getLogger(__name__)
 
@@ -69,9 +70,18 @@ class CommandPublisher:
     command id: JetStream drops a copy inside its duplicate window, members drop the rest.
     """
 
-    def __init__(self, js: JetStreamContext, retry_s: float) -> None:
+    def __init__(
+        self, js: JetStreamContext, retry_s: float, *, signer: CommandSigner | None = None
+    ) -> None:
         self._js = js
         self._retry_s = retry_s
+        #: Signs every command (``Elastic-Signature``); None: commands go unsigned.
+        self._signer = signer
+        if signer is None:
+            log.warning(
+                "commands are published unsigned: ELASTIC_SECRET is unset, so members cannot"
+                " tell the control plane's commands from anyone else's"
+            )
         self._sent: dict[str, float] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self.published = 0
@@ -97,10 +107,13 @@ class CommandPublisher:
             await asyncio.wait(list(self._tasks), timeout=timeout_s)
 
     async def _send(self, job_id: str, key: str, data: str) -> None:
+        subject = command_subject(job_id)
+        body = data.encode()
+        headers = {MSG_ID_HEADER: key}
+        if self._signer is not None:
+            headers[SIGNATURE_HEADER] = self._signer.sign(command_message(subject, body))
         try:
-            await self._js.publish(
-                command_subject(job_id), data.encode(), headers={MSG_ID_HEADER: key}
-            )
+            await self._js.publish(subject, body, headers=headers)
             self.published += 1
         except Exception as exc:
             log.warning("publishing command %s failed (%s); it will be sent again", key, exc)

@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+
 from pydantic import ValidationError
 
 from controlplane.core.records import DeadLetter
 from controlplane.subjects import EventSubject, parse_event_subject
-from schemas.common import MAX_EVENT_BYTES
+from schemas.common import INT64_MAX, INT64_MIN, MAX_EVENT_BYTES
 from schemas.events import CONTROLPLANE_EVENT_TYPES, EVENT_ADAPTER, SCHEMA_VERSIONS, EnvelopeBase
 
+log = logging.getLogger(__name__)
+
 _RAW_KEPT = MAX_EVENT_BYTES  # an oversized message is kept truncated to this
+#: The longest reason kept (the store's own refusals quote the row they refused).
+MAX_REASON = 1024
+#: The longest subject kept (NATS allows long ones; a dead letter needs only its start).
+_SUBJECT_KEPT = 1024
 
 
 _SUBJECTS: dict[str, EventSubject | None] = {}
@@ -28,13 +37,26 @@ def _subject(subject: str) -> EventSubject | None:
 
 
 def decode(subject: str, data: bytes, stream_seq: int | None = None) -> EnvelopeBase | DeadLetter:
-    """Validate one message published on ``subject``; never raises on bad input."""
+    """Validate one message published on ``subject``; never raises, whatever the bytes."""
+    try:
+        return _decode(subject, data, stream_seq)
+    except Exception as exc:  # a bug here must not stop the ingest: the input is kept
+        log.exception("decoding a message on %r failed", subject[:_SUBJECT_KEPT])
+        return DeadLetter(
+            reason=printable(f"undecodable: {type(exc).__name__}: {exc}"),
+            raw=bytes(data[:_RAW_KEPT]),
+            subject=subject,
+            stream_seq=stream_seq,
+        )
+
+
+def _decode(subject: str, data: bytes, stream_seq: int | None) -> EnvelopeBase | DeadLetter:
     parsed = _subject(subject)
     job_id = parsed.job_id if parsed else None
 
     def dead(reason: str) -> DeadLetter:
         return DeadLetter(
-            reason=reason,
+            reason=printable(reason),
             raw=data[:_RAW_KEPT],
             subject=subject,
             stream_seq=stream_seq,
@@ -83,4 +105,52 @@ def explain(exc: ValidationError) -> str:
         return f"unknown schema version of {loc[0]}: this build reads {known}"
     where = ".".join(str(p) for p in loc[1:]) or "envelope"
     more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
-    return f"schema violation at {where}: {first['msg']}{more}"
+    msg = first["msg"]
+    bound = first.get("ctx", {})
+    if (kind == "less_than_equal" and bound.get("le") == INT64_MAX) or (
+        kind == "greater_than_equal" and bound.get("ge") == INT64_MIN
+    ):
+        msg += " (outside int64, what PostgreSQL's bigint holds)"
+    elif kind == "string_unicode":
+        msg = "not valid Unicode (a lone surrogate): PostgreSQL text cannot hold it"
+    return f"schema violation at {where}: {msg}{more}"
+
+
+def printable(text: str, limit: int = MAX_REASON) -> str:
+    """``text`` as PostgreSQL's ``text`` can hold it: NUL and lone surrogates escaped,
+    cut to ``limit`` characters."""
+    text = text[:limit]
+    if "\x00" in text:
+        text = text.replace("\x00", "\\x00")
+    if not text.isascii():
+        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
+
+
+def _int64_or_none(value: int | None) -> int | None:
+    return value if value is None or INT64_MIN <= value <= INT64_MAX else None
+
+
+def storable(letter: DeadLetter) -> DeadLetter:
+    """The dead letter with every text column storable (``printable``) and its stream
+    sequence within ``bigint`` (None otherwise); ``raw`` stays the bytes received."""
+    subject = printable(letter.subject, _SUBJECT_KEPT)
+    reason = printable(letter.reason)
+    job_id = None if letter.job_id is None else printable(letter.job_id, 256)
+    event_id = None if letter.event_id is None else printable(letter.event_id, 64)
+    stream_seq = _int64_or_none(letter.stream_seq)
+    raw = letter.raw if isinstance(letter.raw, bytes) else bytes(letter.raw)
+    if (subject, reason, job_id, event_id, stream_seq, raw) == (
+        letter.subject, letter.reason, letter.job_id, letter.event_id, letter.stream_seq,
+        letter.raw,
+    ):  # fmt: skip
+        return letter
+    return dataclasses.replace(
+        letter,
+        subject=subject,
+        reason=reason,
+        job_id=job_id,
+        event_id=event_id,
+        stream_seq=stream_seq,
+        raw=raw,
+    )

@@ -545,6 +545,34 @@ class Stack:
     servers: list[Any] = field(default_factory=list)
     api_url: str | None = None
     api_note: str = ""
+    #: The installation secret (ELASTIC_SECRET) the control plane and the credentials use.
+    secret: bytes = b""
+    #: Where ``elasticctl creds`` wrote the per-node NATS credentials (embedded NATS only).
+    creds_dir: Path | None = None
+
+    def control_env(self) -> dict[str, str]:
+        """What the control plane's processes get: the secret and their NATS credential."""
+        from controlplane import creds
+        from schemas.auth import MASTER_SECRET_ENV
+
+        env = {MASTER_SECRET_ENV: self.secret.hex()}
+        if self.creds_dir is not None:
+            env["ELASTIC_NATS_CREDS"] = str(self.creds_dir / creds.CONTROLPLANE_FILE)
+        return env
+
+    def launcher_env(self, job_id: str) -> dict[str, str]:
+        """What a job's launcher gets (and hands its members): the job's secret, the
+        command key, and the directory of its nodes' NATS credentials."""
+        from controlplane import creds
+        from schemas.auth import COMMAND_KEY_ENV, JOB_SECRET_ENV, command_public_key, job_secret
+
+        env = {
+            JOB_SECRET_ENV: job_secret(self.secret, job_id).hex(),
+            COMMAND_KEY_ENV: command_public_key(self.secret).hex(),
+        }
+        if self.creds_dir is not None:
+            env[creds.CREDS_DIR_ENV] = str(self.creds_dir)
+        return env
 
     @property
     def where(self) -> dict[str, str]:
@@ -553,6 +581,35 @@ class Stack:
             "nats": "embedded" if "nats" in kinds else "external",
             "postgres": "embedded" if "postgres" in kinds else "external",
         }
+
+
+def demo_nodes(nproc: int, spares: int) -> int:
+    """The pretend nodes the demo lays a run's members over."""
+    return max(1, min(nproc + spares, 4))
+
+
+def _secret() -> bytes:
+    """ELASTIC_SECRET when set (it must be a valid one), else a fresh one for this demo."""
+    from schemas.auth import MASTER_SECRET_ENV, parse_secret
+
+    text = os.environ.get(MASTER_SECRET_ENV)
+    return parse_secret(text) if text else os.urandom(32)
+
+
+def _secure_nats(state: Path, secret: bytes, jobs: dict[str, int]) -> tuple[Path, Path]:
+    """Issue per-node NATS credentials for ``jobs`` (job id -> pretend nodes) and write the
+    server's configuration that loads them: (the credentials directory, the config file)."""
+    from controlplane import creds
+
+    directory = state / "creds"
+    for job_id, nodes in jobs.items():
+        creds.issue(secret, directory, job_id, [f"node{j}" for j in range(nodes)])
+    config = state / "nats.conf"
+    config.write_text(
+        "# elasticctl demo: NKey users per node of each job (written by elasticctl creds)\n"
+        f'authorization {{\n  include "{directory.name}/{creds.USERS_FILE}"\n}}\n'
+    )
+    return directory, config
 
 
 def api_command_exists() -> bool:
@@ -763,8 +820,15 @@ class Demo:
         stack = Stack(nats_url or "", database_url or "")
         self.stack = stack  # before starting anything: the teardown stops what started
         try:
+            stack.secret = _secret()
             if not nats_url:
-                nats = NatsServer(self.state / "nats", host=self.config.host)
+                # Identity on the bus: every node of both runs gets its own credentials.
+                config = self.config
+                jobs = {self.job_id: demo_nodes(config.nproc, config.spares)}
+                if config.reference:
+                    jobs[f"{self.job_id}-ref"] = demo_nodes(config.reference_ranks, 0)
+                stack.creds_dir, nats_config = _secure_nats(self.state, stack.secret, jobs)
+                nats = NatsServer(self.state / "nats", host=self.config.host, config=nats_config)
                 stack.servers.append(nats)
                 nats.start(timeout=self.config.start_timeout_s)
                 stack.nats_url = nats.url
@@ -781,7 +845,11 @@ class Demo:
             finally:
                 engine.dispose()
             self.stop.check()
-            settings = Settings(nats_url=stack.nats_url, database_url=stack.database_url)
+            settings = Settings(
+                nats_url=stack.nats_url,
+                database_url=stack.database_url,
+                nats_creds=stack.control_env().get("ELASTIC_NATS_CREDS"),
+            )
             asyncio.run(asyncio.wait_for(_ensure_streams(settings), self.config.start_timeout_s))
         except Interrupted:
             raise
@@ -793,6 +861,8 @@ class Demo:
             f"NATS {stack.nats_url} ({where['nats']}), PostgreSQL ({where['postgres']}) "
             f"migrated to {revision}"
         )
+        if stack.creds_dir is not None:
+            self._phase(f"NATS: one NKey credential per node and role, in {stack.creds_dir}")
         return stack
 
     def _env(self, stack: Stack, **extra: str) -> dict[str, str]:
@@ -811,7 +881,7 @@ class Demo:
 
     def _serve(self, stack: Stack) -> Child:
         assert self.children is not None
-        env = self._env(stack)
+        env = self._env(stack, **stack.control_env())
         # Quicker reactions than the production defaults, unless the caller set them.
         for key, value in (
             ("ELASTIC_RENDEZVOUS_PORT", "0"),
@@ -841,7 +911,7 @@ class Demo:
         child = self.children.start(
             "api",
             [sys.executable, "-m", "controlplane", "api", "--host", host, "--port", str(port)],
-            self._env(stack),
+            self._env(stack, **stack.control_env()),
         )
         if _wait_port(host, port, child, self.config.start_timeout_s, self.stop):
             stack.api_url = f"http://{host}:{port}"
@@ -856,7 +926,7 @@ class Demo:
         """Start the launcher of ``nproc`` ranks and ``spares`` spares of the script."""
         assert self.children is not None and self.stack is not None
         config = self.config
-        nodes = max(1, min(nproc + spares, 4))
+        nodes = demo_nodes(nproc, spares)
         racks = 2 if nodes >= 2 else 1
         argv = [
             sys.executable, "-m", "controlplane", "run", "--nproc", str(nproc),
@@ -866,7 +936,8 @@ class Demo:
         for spec in faults:
             argv += ["--fault", spec]
         argv += [str(config.script), "--steps", str(config.steps), "--seed", str(config.seed)]
-        launcher = self.children.start(f"launcher-{label}", argv, self._env(self.stack))
+        env = self._env(self.stack, **self.stack.launcher_env(job_id))
+        launcher = self.children.start(f"launcher-{label}", argv, env)
         return Run(label, launcher, Watch(store, job_id), time.monotonic())
 
     def _follow(self, runs: list[Run], serve: Child) -> None:

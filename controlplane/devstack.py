@@ -67,11 +67,19 @@ class NatsServer:
     """A ``nats-server -js`` on a loopback port with file storage under ``directory``."""
 
     def __init__(
-        self, directory: Path, *, port: int | None = None, host: str = "127.0.0.1"
+        self,
+        directory: Path,
+        *,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        config: Path | None = None,
     ) -> None:
         self.directory = Path(directory)
         self.host = host
         self.port = port or free_port(host)
+        #: A configuration file (``-c``): its ``authorization`` block, say. The flags below
+        #: (JetStream, store, address, port) override what it sets.
+        self.config = config
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -100,6 +108,7 @@ class NatsServer:
         self._proc = subprocess.Popen(
             [
                 nats_server_binary(),
+                *(["-c", str(self.config)] if self.config is not None else []),
                 "-js",
                 "-sd",
                 str(self.directory / "jetstream"),
@@ -119,6 +128,11 @@ class NatsServer:
     def stop(self, timeout: float = 10.0) -> None:
         """Stop gracefully (SIGTERM), killing after ``timeout``."""
         self._signal(signal.SIGTERM, timeout)
+
+    def reload(self) -> None:
+        """Make the server read its configuration again (SIGHUP): new users, say."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGHUP)
 
     def kill(self) -> None:
         """Kill at once (SIGKILL), as a crash would."""

@@ -19,6 +19,12 @@ class StoreUnavailable(StoreError):
     """The event store cannot be reached right now; retrying may succeed."""
 
 
+class StoreRefused(StoreError):
+    """The store refused the input itself (a data, integrity or limit error: SQLSTATE classes
+    22, 23, 54, ...): the same input fails again, so it is isolated and dead-lettered, never
+    waited for like an unavailable database."""
+
+
 class SchemaNotMigrated(StoreError):
     """The database lacks the project's tables or is at an older revision."""
 

@@ -19,9 +19,10 @@ from typing import Protocol
 
 from controlplane.bus import Delivery, EventConsumer, delivery
 from controlplane.core.records import DeadLetter
-from controlplane.decode import decode
-from controlplane.errors import BusUnavailable, StoreError, StoreUnavailable
+from controlplane.decode import decode, printable, storable
+from controlplane.errors import BusUnavailable, StoreError, StoreRefused, StoreUnavailable
 from controlplane.store.port import AppendResult, EventStore, JobHead
+from schemas.common import MAX_EVENT_BYTES
 from schemas.events import EnvelopeBase
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,24 @@ log = logging.getLogger(__name__)
 _SLICE = 16
 #: After this long without messages, ask the server whether the subscription went deaf.
 _WATCHDOG_S = 5.0
+#: A fetch is committed in parts of at most this many bytes of messages (a part holds at
+#: least one). Counted in messages alone, a batch of oversized input (64 KiB kept per dead
+#: letter) held ~0.6 GB and its commit seconds; ``elasticctl bench fuzz``.
+_MAX_BATCH_BYTES = 8 << 20
+
+
+def byte_bounded(msgs: list[Delivery], limit: int) -> list[list[Delivery]]:
+    """``msgs`` cut, in order, into runs of at most ``limit`` bytes of data (each at least
+    one message); one run, ``msgs`` itself, when all of it fits."""
+    parts: list[list[Delivery]] = []
+    start, size = 0, 0
+    for i, msg in enumerate(msgs):
+        size += len(msg.data)
+        if size > limit and i > start:
+            parts.append(msgs[start:i])
+            start, size = i, len(msg.data)
+    parts.append(msgs[start:] if start else msgs)
+    return parts
 
 
 @dataclass(slots=True)
@@ -42,6 +61,8 @@ class Batch:
     events: list[EnvelopeBase]
     #: The events pre-encoded for the store, parallel to ``events`` (None: not needed).
     encoded: list[bytes] | None
+    #: The message of each event, parallel to ``events`` (what a refused one is kept as).
+    origins: list[Delivery]
     dead_letters: list[DeadLetter]
     last: Delivery
     size: int
@@ -85,15 +106,21 @@ class Backoff:
 
 
 def decode_into(
-    msgs: Sequence[Delivery], events: list[EnvelopeBase], letters: list[DeadLetter]
+    msgs: Sequence[Delivery],
+    events: list[EnvelopeBase],
+    letters: list[DeadLetter],
+    origins: list[Delivery] | None = None,
 ) -> None:
-    """Decode messages onto ``events``; bad ones become dead letters keyed by stream sequence."""
+    """Decode messages onto ``events`` (and each one's message onto ``origins``); bad ones
+    become dead letters keyed by stream sequence."""
     for msg in msgs:
         decoded = decode(msg.subject, msg.data)
         if isinstance(decoded, DeadLetter):
             letters.append(dataclasses.replace(decoded, stream_seq=delivery(msg.reply)[0]))
         else:
             events.append(decoded)
+            if origins is not None:
+                origins.append(msg)
 
 
 class Appender(Protocol):
@@ -138,45 +165,120 @@ async def commit(
     events: Sequence[EnvelopeBase],
     letters: Sequence[DeadLetter],
     encoded: Sequence[bytes] | None = None,
+    origins: Sequence[Delivery] | None = None,
 ) -> AppendResult:
-    """Append a batch; an input the database refuses is isolated by halving and dead-lettered.
+    """Append a batch; whatever the database refuses is isolated down to one message.
 
-    ``StoreUnavailable`` propagates (the caller retries the whole batch later).
+    When the store refuses the batch (``StoreRefused``: the input's fault), the events and
+    the dead letters are committed apart, each halved until the refused ones stand alone: a
+    refused event becomes a dead letter (keeping, from ``origins``, parallel to ``events``,
+    its subject, stream sequence and bytes), a refused dead letter is replaced by a minimal
+    one. ``StoreUnavailable`` propagates (the caller retries the whole batch later; what
+    was committed comes again as duplicates), and so does it when even a minimal dead letter
+    is refused: that is the database's fault, not the input's.
     """
     try:
         return await appender.append(events, letters, encoded=encoded)
-    except StoreUnavailable:
-        raise
-    except StoreError as exc:
-        if len(events) + len(letters) <= 1:
-            if not events:
-                raise  # a dead letter the database refuses is not an input problem
-            event = events[0]
-            letter = DeadLetter(
-                reason=f"refused by the store: {exc}"[:4096],
-                raw=event.model_dump_json().encode(),
-                job_id=event.job_id,
-                event_id=event.event_id,
-            )
-            log.warning("event %s refused by the store: %s", event.event_id, exc)
-            return await appender.append((), [letter])
+    except StoreRefused as exc:
+        if not events or not letters:
+            if events:
+                return await _events_apart(appender, events, encoded, origins, exc)
+            return await _letters_apart(appender, letters, exc)
     result = AppendResult()
-    half_e, half_l = len(events) // 2, len(letters) // 2
-    parts = [
-        (events[:half_e], letters[:half_l], None if encoded is None else encoded[:half_e]),
-        (events[half_e:], letters[half_l:], None if encoded is None else encoded[half_e:]),
-    ]
-    for part_e, part_l, part_raw in parts:
-        if not part_e and not part_l:
-            continue
-        part = await commit(appender, part_e, part_l, part_raw)
-        result.stored.extend(part.stored)
-        result.duplicates += part.duplicates
-        result.rejected.extend(part.rejected)
-        result.dead_letters += part.dead_letters
-        result.gaps.extend(part.gaps)
-        result.late += part.late
+    if events:
+        _merge(result, await _events_apart(appender, events, encoded, origins, None))
+    _merge(result, await _letters_apart(appender, letters, None))
     return result
+
+
+async def _events_apart(
+    appender: Appender,
+    events: Sequence[EnvelopeBase],
+    encoded: Sequence[bytes] | None,
+    origins: Sequence[Delivery] | None,
+    refused: StoreRefused | None,
+) -> AppendResult:
+    """Commit events alone; ``refused``: the store already refused exactly these."""
+    if refused is None:
+        try:
+            return await appender.append(events, (), encoded=encoded)
+        except StoreRefused as exc:
+            refused = exc
+    if len(events) == 1:
+        letter = refused_letter(events[0], refused, None if origins is None else origins[0])
+        log.warning("event %s refused by the store: %s", events[0].event_id, refused)
+        return await _letters_apart(appender, [letter], None)
+    mid = len(events) // 2
+    result = AppendResult()
+    for part in (slice(0, mid), slice(mid, None)):
+        _merge(
+            result,
+            await _events_apart(
+                appender,
+                events[part],
+                None if encoded is None else encoded[part],
+                None if origins is None else origins[part],
+                None,
+            ),
+        )
+    return result
+
+
+async def _letters_apart(
+    appender: Appender, letters: Sequence[DeadLetter], refused: StoreRefused | None
+) -> AppendResult:
+    """Commit dead letters alone; ``refused``: the store already refused exactly these."""
+    if not letters:
+        return AppendResult()
+    if refused is None:
+        try:
+            return await appender.append((), letters)
+        except StoreRefused as exc:
+            refused = exc
+    if len(letters) > 1:
+        mid = len(letters) // 2
+        result = await _letters_apart(appender, letters[:mid], None)
+        _merge(result, await _letters_apart(appender, letters[mid:], None))
+        return result
+    letter = letters[0]
+    log.warning("a dead letter on %r refused by the store: %s", letter.subject[:256], refused)
+    minimal = DeadLetter(
+        reason=printable(f"dead letter refused by the store: {refused}"),
+        raw=b"",
+        stream_seq=letter.stream_seq,
+        event_id=letter.event_id,
+    )
+    try:
+        return await appender.append((), [storable(minimal)])
+    except StoreRefused as exc:
+        raise StoreUnavailable(f"the store refuses even a minimal dead letter: {exc}") from exc
+
+
+def refused_letter(
+    event: EnvelopeBase, exc: StoreError, origin: Delivery | None = None
+) -> DeadLetter:
+    """The dead letter of an event the store refused (its message's, when known)."""
+    if origin is not None:
+        raw, subject, stream_seq = origin.data, origin.subject, delivery(origin.reply)[0]
+    else:
+        raw, subject, stream_seq = event.model_dump_json().encode(), "", None
+    return DeadLetter(
+        reason=printable(f"refused by the store: {exc}"),
+        raw=raw[:MAX_EVENT_BYTES],
+        subject=subject,
+        stream_seq=stream_seq,
+        job_id=event.job_id,
+        event_id=event.event_id,
+    )
+
+
+def _merge(into: AppendResult, part: AppendResult) -> None:
+    into.stored.extend(part.stored)
+    into.duplicates += part.duplicates
+    into.rejected.extend(part.rejected)
+    into.dead_letters += part.dead_letters
+    into.gaps.extend(part.gaps)
+    into.late += part.late
 
 
 @dataclass(slots=True)
@@ -246,7 +348,8 @@ class Ingest:
                     await self._watchdog()
                 continue
             idle_since = time.monotonic()
-            await queue.put(await self._prepare(msgs))
+            for part in byte_bounded(msgs, _MAX_BATCH_BYTES):
+                await queue.put(await self._prepare(part))
 
     async def _prepare(self, msgs: list[Delivery]) -> Batch:
         """Decode and pre-encode a fetch in slices, yielding to the loop in between, so the
@@ -254,18 +357,47 @@ class Ingest:
         epoch = self._consumer.epoch
         events: list[EnvelopeBase] = []
         letters: list[DeadLetter] = []
+        origins: list[Delivery] = []
         encoded: list[bytes] | None = []
         for start in range(0, len(msgs), _SLICE):
             first = len(events)
-            decode_into(msgs[start : start + _SLICE], events, letters)
-            rows = self._appender.encode(events[first:])
+            decode_into(msgs[start : start + _SLICE], events, letters, origins)
+            rows = self._encode(events, origins, letters, first)
             if rows is None or encoded is None:
                 encoded = None
             else:
                 encoded.extend(rows)
             await asyncio.sleep(0)
             await self._free.wait()
-        return Batch(events, encoded, letters, last=msgs[-1], size=len(msgs), epoch=epoch)
+        return Batch(events, encoded, origins, letters, last=msgs[-1], size=len(msgs), epoch=epoch)
+
+    def _encode(
+        self,
+        events: list[EnvelopeBase],
+        origins: list[Delivery],
+        letters: list[DeadLetter],
+        first: int,
+    ) -> list[bytes] | None:
+        """Pre-encode ``events[first:]``; one that cannot be encoded (a value the schema let
+        through by mistake) becomes a dead letter instead of stopping the fetcher."""
+        try:
+            return self._appender.encode(events[first:])
+        except Exception:
+            log.exception("encoding a slice failed; encoding its events one at a time")
+        rows: list[bytes] = []
+        kept = first
+        for event, origin in zip(events[first:], origins[first:], strict=True):
+            try:
+                row = self._appender.encode([event])
+            except Exception as exc:
+                letters.append(refused_letter(event, StoreRefused(f"unencodable: {exc}"), origin))
+                continue
+            events[kept], origins[kept] = event, origin
+            kept += 1
+            if row is not None:
+                rows.extend(row)
+        del events[kept:], origins[kept:]
+        return rows if len(rows) == kept - first else None
 
     async def _watchdog(self) -> None:
         # A pull subscription can go deaf after a server restart (nats.py #504).
@@ -311,7 +443,9 @@ class Ingest:
         backoff = Backoff(max_s=self._retry_max_s)
         while True:
             try:
-                return await commit(self._appender, batch.events, batch.dead_letters, batch.encoded)
+                return await commit(
+                    self._appender, batch.events, batch.dead_letters, batch.encoded, batch.origins
+                )
             except StoreUnavailable as exc:
                 self.stats.store_retries += 1
                 if stop.is_set():

@@ -62,13 +62,35 @@ class Settings(BaseSettings):
         0.5, description="Longest time between two decider turns (deadlines wake it sooner)"
     )
     rendezvous: bool = Field(
-        True, description="Host the ranks' rendezvous store (a TCPStore) in the control plane"
+        True, description="Host the ranks' rendezvous store in the control plane"
     )
     rendezvous_host: str = Field(
         "127.0.0.1", description="Address ranks use to reach the rendezvous store"
     )
+    rendezvous_listen: str | None = Field(
+        None,
+        description="Address the rendezvous store listens on (unset: ELASTIC_RENDEZVOUS_HOST's;"
+        " 0.0.0.0: every interface)",
+    )
     rendezvous_port: int = Field(
         29400, ge=0, le=65535, description="Port of the rendezvous store (0: any free port)"
+    )
+    rendezvous_max_keys: PositiveInt = Field(
+        100_000, description="Most keys one job may hold in the rendezvous store"
+    )
+    rendezvous_max_bytes: PositiveInt = Field(
+        64 << 20, description="Most bytes (keys and values) one job may hold in the store"
+    )
+    tls_cert: str | None = Field(
+        None,
+        description="PEM certificate (chain) the rendezvous store serves TLS with; its"
+        " endpoints become tls://... (members verify it against ELASTIC_TLS_CA)",
+    )
+    tls_key: str | None = Field(None, description="PEM private key of ELASTIC_TLS_CERT")
+    secret: SecretStr | None = Field(
+        None,
+        description="Installation secret (hex, at least 32 bytes): authenticates the"
+        " rendezvous store and signs commands; unset: neither (a warning is logged)",
     )
     log_level: str = Field("INFO", description="Python logging level")
     api_host: str = Field("127.0.0.1", description="Address `elasticctl api` listens on")
@@ -87,6 +109,15 @@ class Settings(BaseSettings):
     metrics_port: int = Field(
         0, ge=0, le=65535, description="Port of the control plane's Prometheus exporter (0: off)"
     )
+
+
+def master_secret(settings: Settings) -> bytes | None:
+    """The installation secret's bytes (None when unset); SecretError when it is not one."""
+    from schemas.auth import MASTER_SECRET_ENV, parse_secret
+
+    if settings.secret is None or not settings.secret.get_secret_value().strip():
+        return None
+    return parse_secret(settings.secret.get_secret_value(), what=MASTER_SECRET_ENV)
 
 
 def sqlalchemy_url(database_url: str) -> str:

@@ -15,17 +15,31 @@ Then, after further training and apart from the timed blocks, takes alternate wi
 over the median take, flattening included), ``copy_gbps`` and ``copy_fraction`` (their ratio).
 GB are 10**9 bytes; MB are MiB.
 
-With ``replicas`` > 0 a background thread plays the replicator after every snapshot: it
-computes the checksum and streams the serialized snapshot that many times into a memory sink,
-as a stand-in for the peer transport (which this benchmark does not include). It runs during
-the snapshot's block, which awaits it at its end, so its interference counts in ``overhead``.
+With ``replicas`` > 0 a background thread plays the replicator after every snapshot, as a
+member does: it serializes the snapshot, computes its sha256 digest and sends it over loopback
+TCP to that many real peer stores (``rank_runtime.replication``, in a process of their own, as
+the members of other nodes are), each of which hashes what it receives and keeps it. It runs
+during the snapshot's block and is awaited after it, untimed: its interference with the
+block's steps counts in ``overhead``; the time it takes beyond them does not (a training loop
+never waits for it) and is reported as ``replicate_s``.
+
+``security`` says how the replicator runs: ``off`` (no job secret, no MACs) or ``on`` (the
+job's secret: both ends authenticated), or ``both``: then backup blocks of both kinds
+alternate with the plain ones in one run (plain, off, on, on, off, plain), so ``overhead_off``
+and ``overhead_on`` come from the same training; ``security_cost`` is the step time with
+backups on over off, minus one, and ``within_10pct`` whether it is at most 10 % either way.
+Without ``security`` (None) the replicator runs as ``off``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
+import os
 import queue
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -33,7 +47,11 @@ from typing import Any
 
 import torch
 
-from rank_runtime.snapshot import HotSnapshot
+from rank_runtime.replication import ReplicationError, digest, send
+from rank_runtime.snapshot import HotSnapshot, SnapshotNotFound
+
+#: How the replicator authenticates: no secret, the job's secret, or one kind of block each.
+SECURITY_MODES = ("off", "on", "both")
 
 GB = 1e9
 MIB = 2**20
@@ -63,38 +81,56 @@ def _tensor_leaves(state: object) -> list[torch.Tensor]:
 
 
 class _Replicator:
-    """Checksum and stream each new snapshot ``replicas`` times into memory, off the loop."""
+    """Serialize, digest and send each new snapshot to ``replicas`` peer stores over loopback,
+    off the loop, as a member's replicator does (with the job's secret when ``secret``)."""
 
-    def __init__(self, hot: HotSnapshot, replicas: int) -> None:
+    def __init__(self, hot: HotSnapshot, replicas: int, secret: bytes | None = None) -> None:
         self.hot = hot
         self.replicas = replicas
+        self.secret = secret
+        self.algorithm = "sha256"  # a member's shard digest, with or without the secret
+        self.endpoints: list[str] = []
+        self.holders: subprocess.Popen[str] | None = None
         self.steps: queue.Queue[int | None] = queue.Queue()
         self.seconds: list[float] = []
-        self.sink = bytearray()
+        self.errors: list[str] = []
         self.thread = threading.Thread(target=self._run, name="replicator", daemon=True)
 
     def _run(self) -> None:
         while (step := self.steps.get()) is not None:
             started = time.perf_counter()
-            self.hot.checksum(step)
-            for _ in range(self.replicas):
-                size = self.hot.nbytes(step)
-                if len(self.sink) < size:
-                    self.sink = bytearray(size)
-                position = 0
-                for chunk in self.hot.iter_bytes(step, chunk_bytes=MIB):
-                    self.sink[position : position + len(chunk)] = chunk
-                    position += len(chunk)
-            self.seconds.append(time.perf_counter() - started)
-            self.steps.task_done()
+            try:
+                data = self.hot.to_bytes(step)
+                reported = digest(data, self.algorithm)
+                for endpoint in self.endpoints:
+                    send(endpoint, owner="bench", shard=0, step=step, generation=1,
+                         data=data, digest=reported, secret=self.secret)  # fmt: skip
+                self.seconds.append(time.perf_counter() - started)
+            except (ReplicationError, SnapshotNotFound) as exc:
+                self.errors.append(str(exc))
+            finally:
+                self.steps.task_done()
 
     def __enter__(self) -> _Replicator:
+        # The holders live in a process of their own, as the members of other nodes do.
+        env = {**os.environ, "ELASTIC_JOB_SECRET": self.secret.hex() if self.secret else ""}
+        self.holders = subprocess.Popen(
+            [sys.executable, "-m", "rank_runtime.replication", str(self.replicas)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+        )  # fmt: skip
+        assert self.holders.stdout is not None
+        self.endpoints = json.loads(self.holders.stdout.readline())
         self.thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.steps.put(None)
         self.thread.join()
+        if self.holders is not None:
+            assert self.holders.stdin is not None and self.holders.stdout is not None
+            self.holders.stdin.close()
+            self.holders.wait(30)
+            self.holders.stdout.close()
 
 
 def run_backup_bench(
@@ -104,11 +140,16 @@ def run_backup_bench(
     every: int = 10,
     batch: int = 64,
     replicas: int = 0,
+    security: str | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
     """Train with and without a snapshot every ``every`` steps; return the JSON result."""
     if params_mb <= 0 or steps < 1 or every < 1 or batch < 1 or replicas < 0:
         raise ValueError("params_mb, steps, every and batch must be positive, replicas >= 0")
+    if security is not None and security not in SECURITY_MODES:
+        raise ValueError(f"security must be one of {', '.join(SECURITY_MODES)}")
+    if security is not None and replicas == 0:
+        replicas = 2  # the policy's default redundancy: security is about the transfers
     torch.set_num_threads(1)
     torch.manual_seed(0)
     cuda = torch.cuda.is_available()
@@ -181,16 +222,28 @@ def run_backup_bench(
     plain_copy()
     plain_copy()
 
-    def block(with_backup: bool, replicator: _Replicator | None) -> tuple[float, float | None]:
-        """Run a snapshot (or not), then ``every`` steps; return the block's and take's times.
+    modes = ["off", "on"] if security == "both" else [security or "off"]
+    secret = os.urandom(32)
+    replicators = (
+        {m: _Replicator(hot, replicas, secret if m == "on" else None) for m in modes}
+        if replicas
+        else {}
+    )
 
-        A replication runs during the block of its snapshot and is awaited at its end, so its
-        interference is charged to that block and not to a plain one.
+    def block(kind: str | None) -> tuple[float, float | None]:
+        """Run a snapshot (``kind``: its replication's security; None: no snapshot), then
+        ``every`` steps; return the block's and take's times.
+
+        A replication runs during the block of its snapshot and is awaited after it, untimed:
+        its interference with the block's steps is charged to that block and not to a plain
+        one, while the time it takes beyond them is not (training never waits for it; see
+        ``replicate_s``).
         """
         nonlocal step
+        replicator = replicators.get(kind) if kind is not None else None
         started = time.perf_counter()
         take_s = None
-        if with_backup:
+        if kind is not None:
             info = hot.take(step, rank_state(step))
             if info is not None:
                 take_s = info.seconds
@@ -200,34 +253,39 @@ def run_backup_bench(
             train_step(step)
             step += 1
         sync()
+        elapsed = time.perf_counter() - started
         if replicator is not None:
             replicator.steps.join()
-        return time.perf_counter() - started, take_s
+        return elapsed, take_s
 
     plain: list[float] = []
-    backed: list[float] = []
+    backed: dict[str, list[float]] = {m: [] for m in modes}
     takes: list[float] = []
     groups = max(1, steps // every // 2)
+    # Each group is a palindrome of block kinds (ABBA; with both modes A B C C B A, and
+    # A C B B C A in every other group), so a linear drift of the machine's speed cancels
+    # between them, and no mode keeps the places next to the plain blocks.
+    orders: list[list[str | None]] = [
+        [None, *order, *reversed(order), None] for order in (modes, modes[::-1])
+    ]
 
-    def train_phase(replicator: _Replicator | None) -> None:
-        for _ in range(2):  # warm up both kinds of block
-            block(False, replicator)
-            block(True, replicator)
+    def train_phase() -> None:
+        for _ in range(2):  # warm up every kind of block
+            for kind in orders[0][: len(modes) + 1]:
+                block(kind)
         for i in range(groups):
-            for with_backup in (False, True, True, False):
-                seconds, take_s = block(with_backup, replicator)
-                (backed if with_backup else plain).append(seconds)
+            for kind in orders[i % 2]:
+                seconds, take_s = block(kind)
+                (plain if kind is None else backed[kind]).append(seconds)
                 if take_s is not None:
                     takes.append(take_s)
             if (i + 1) % max(1, groups // 5) == 0:
                 _progress(progress, f"  training: {i + 1}/{groups} ABBA groups")
 
-    replicator = _Replicator(hot, replicas) if replicas else None
-    if replicator is not None:
-        with replicator:
-            train_phase(replicator)
-    else:
-        train_phase(None)
+    with contextlib.ExitStack() as running:
+        for replicator in replicators.values():
+            running.enter_context(replicator)
+        train_phase()
 
     # Throughput, apart from the timed blocks (a copy there would burden the plain blocks too):
     # after some training, a take and a plain copy of the same tensors, in alternating order.
@@ -256,7 +314,8 @@ def run_backup_bench(
         verifies.append(time.perf_counter() - started)
 
     step_plain = statistics.median(plain) / every
-    step_backed = statistics.median(backed) / every
+    step_by_mode = {m: statistics.median(backed[m]) / every for m in modes}
+    step_backed = step_by_mode[modes[-1]]
     take_s = statistics.median(takes)
     copy_s = statistics.median(copies)
     snapshot_gbps = nbytes / statistics.median(bench_takes) / GB
@@ -269,6 +328,7 @@ def run_backup_bench(
         "every": every,
         "steps": len(plain) * every,
         "replicas": replicas,
+        "security": security or "off",
         "state_mb": round(nbytes / MIB, 3),
         "step_s_no_backup": round(step_plain, 6),
         "step_s_backup": round(step_backed, 6),
@@ -284,6 +344,18 @@ def run_backup_bench(
         "skipped": hot.skipped,
         "reserved_mb": round(hot.reserved_bytes / MIB, 3),
     }
-    if replicator is not None and replicator.seconds:
-        result["replicate_s"] = round(statistics.median(replicator.seconds), 6)
+    if replicators:
+        result["replication_errors"] = sum(len(r.errors) for r in replicators.values())
+    for mode, replicator in replicators.items():
+        if replicator.seconds:
+            tail = f"_{mode}" if len(modes) > 1 else ""
+            result[f"replicate_s{tail}"] = round(statistics.median(replicator.seconds), 6)
+    if len(modes) > 1:
+        for mode in modes:
+            result[f"step_s_backup_{mode}"] = round(step_by_mode[mode], 6)
+            result[f"overhead_{mode}"] = round(step_by_mode[mode] / step_plain - 1, 4)
+        # The step time with backups, security on over off (minus one): the cost of security.
+        ratio = step_by_mode["on"] / step_by_mode["off"] - 1
+        result["security_cost"] = round(ratio, 4)
+        result["within_10pct"] = abs(ratio) <= 0.10
     return result

@@ -18,6 +18,7 @@ import collections
 import contextlib
 import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -34,10 +35,16 @@ from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy
 from pydantic import BaseModel, ValidationError
 
-from controlplane.bus import auth_options
+from controlplane.bus import auth_options, filtered_jetstream
 from controlplane.publish import MSG_ID_HEADER
 from controlplane.subjects import BROADCAST, command_subject, event_subject
 from rank_runtime.identity import Identity
+from schemas.auth import (
+    COMMAND_KEY_ENV,
+    SIGNATURE_HEADER,
+    CommandVerifier,
+    command_message,
+)
 from schemas.commands import COMMAND_ADAPTER, Reallocate, Start, Stop
 from schemas.common import Phase
 from schemas.events import EVENT_ADAPTER
@@ -47,6 +54,16 @@ log = logging.getLogger(__name__)
 
 #: Events sent per round before waiting for the server's acknowledgements.
 _WINDOW = 512
+#: ``command.refused`` reports per minute at most (the rest are counted into the next one), so
+#: a flood of forged commands does not become a flood of events from every member.
+_REFUSALS_PER_MINUTE = 10
+#: ``EventClient(command_key=FROM_ENV)``: read the verifying key from ``ELASTIC_COMMAND_KEY``.
+FROM_ENV = "env"
+
+
+def command_verifier(text: str | None) -> CommandVerifier | None:
+    """The verifier of ``ELASTIC_COMMAND_KEY``'s hex (None when unset or empty)."""
+    return CommandVerifier.from_hex(text) if text and text.strip() else None
 
 
 @dataclass(slots=True)
@@ -60,6 +77,8 @@ class ClientStats:
     dropped: int = 0
     connects: int = 0
     commands: int = 0
+    #: Commands refused: unsigned, a signature that did not verify, another job's.
+    refused: int = 0
 
 
 class EventClient:
@@ -72,9 +91,24 @@ class EventClient:
         buffer_limit: int = 100_000,
         ack_timeout_s: float = 5.0,
         commands: bool = True,
+        command_key: CommandVerifier | str | None = FROM_ENV,
     ) -> None:
         self.identity = identity
         self._follow_commands = commands
+        #: Verifies the control plane's signature on every command (None: nothing verified).
+        self.verifier = (
+            command_verifier(os.environ.get(COMMAND_KEY_ENV))
+            if command_key == FROM_ENV
+            else command_verifier(command_key)
+            if isinstance(command_key, str)
+            else command_key
+        )
+        if self.verifier is None and commands:
+            log.warning("%s is unset: commands are obeyed without checking who sent them",
+                        COMMAND_KEY_ENV)  # fmt: skip
+        self._refusal_times: collections.deque[float] = collections.deque()
+        self._newest_generation = 0
+        self._unreported = 0
         self.incarnation = uuid.uuid4().hex[:16]
         #: The generation this member believes current (stamped on every event).
         self.generation = 0
@@ -98,6 +132,7 @@ class EventClient:
         self._closing = threading.Event()
         self._connected = threading.Event()
         self._started = threading.Event()
+        self._credential_warned = False
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -201,17 +236,61 @@ class EventClient:
             return None
 
     async def _on_command(self, msg: Msg) -> None:
+        if self.verifier is not None:
+            signature = (msg.headers or {}).get(SIGNATURE_HEADER)
+            if not signature:
+                self._refuse(msg, "unsigned")
+                return
+            if not self.verifier.verify(command_message(msg.subject, msg.data), signature):
+                self._refuse(msg, "signature does not verify")
+                return
         try:
             command = COMMAND_ADAPTER.validate_json(msg.data)
         except ValidationError as exc:
             log.warning("ignoring a malformed command on %s: %s", msg.subject, exc)
             return
+        if command.job_id != self.identity.job_id:
+            self._refuse(msg, f"a command of job {command.job_id}")
+            return
+        if not isinstance(command, Stop):
+            # A genuine command of an older generation (replayed, or re-sent late) is
+            # superseded: neither members nor the launcher's fencing act on it.
+            if command.generation < self._newest_generation:
+                log.info("ignoring generation %d's command: generation %d is newer",
+                         command.generation, self._newest_generation)  # fmt: skip
+                return
+            self._newest_generation = command.generation
         key = str(command.command_id)
         if key in self._seen_commands:
             return  # re-published: applied once
         self._seen_commands.add(key)
         self.stats.commands += 1
         self._commands.put(command)
+
+    def _refuse(self, msg: Msg, reason: str) -> None:
+        """Drop a command that did not verify, log it, and report it (``command.refused``,
+        at most ``_REFUSALS_PER_MINUTE`` a minute; the rest are counted into the next)."""
+        self.stats.refused += 1
+        command_id = _claimed_id(msg.data)
+        log.warning("refused a command on %s (%s)%s", msg.subject, reason,
+                    f", claiming to be {command_id}" if command_id else "")  # fmt: skip
+        now = time.monotonic()
+        times = self._refusal_times
+        while times and now - times[0] > 60.0:
+            times.popleft()
+        if len(times) >= _REFUSALS_PER_MINUTE:
+            self._unreported += 1
+            return
+        times.append(now)
+        payload: dict[str, Any] = {"subject": msg.subject[:256], "reason": reason[:256],
+                                   "suppressed": self._unreported}  # fmt: skip
+        if command_id:
+            payload["command_id"] = command_id
+        self._unreported = 0
+        try:
+            self.publish("command.refused", payload)
+        except ValueError as exc:  # a subject or reason the schema does not take
+            log.warning("could not report the refused command: %s", exc)
 
     # ------------------------------------------------------------------ the thread
 
@@ -267,7 +346,13 @@ class EventClient:
 
     async def _connect(self) -> Client:
         identity = self.identity
-        auth = auth_options(identity.nats_creds, identity.nats_user, identity.nats_password)
+        try:
+            auth = auth_options(identity.nats_creds, identity.nats_user, identity.nats_password)
+        except OSError as exc:  # retried like an unreachable server; said once
+            if not self._credential_warned:
+                self._credential_warned = True
+                log.warning("cannot read the NATS credential %s: %s", identity.nats_creds, exc)
+            raise
 
         async def disconnected() -> None:
             self._connected.clear()
@@ -298,7 +383,8 @@ class EventClient:
     async def _subscribe(self, nc: Client) -> bool:
         """Follow this job's commands; False while the command stream does not exist yet."""
         identity = self.identity
-        js = nc.jetstream()
+        # Consumers named and filtered: what a node credential may create (controlplane/creds.py).
+        js = filtered_jetstream(nc)
         try:
             for target in (BROADCAST, identity.member):
                 await js.subscribe(
@@ -360,3 +446,12 @@ class EventClient:
                 future.cancel()
                 failed.append(item)
         return failed
+
+
+def _claimed_id(data: bytes) -> str | None:
+    """The ``command_id`` refused bytes claim, when they hold a readable one."""
+    try:
+        claimed = json.loads(data).get("command_id")
+        return str(uuid.UUID(claimed)) if isinstance(claimed, str) else None
+    except (ValueError, AttributeError, TypeError):
+        return None

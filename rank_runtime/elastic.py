@@ -33,12 +33,23 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from controlplane.rendezvous import parse_endpoint
 from rank_runtime import checkpoint, faults
 from rank_runtime.client import EventClient
 from rank_runtime.identity import Identity
-from rank_runtime.replication import Held, PeerStore, ReplicationError, checksum, fetch, send
-from rank_runtime.snapshot import HotSnapshot, SnapshotNotFound, from_bytes
+from rank_runtime.replication import (
+    ADVERTISE_ENV,
+    DigestMismatch,
+    Held,
+    PeerStore,
+    ReplicationError,
+    bind_address,
+    digest,
+    fetch,
+    send,
+    server_tls,
+)
+from rank_runtime.snapshot import CorruptSnapshot, HotSnapshot, SnapshotNotFound, from_bytes
+from schemas.auth import JOB_SECRET_ENV, parse_secret
 from schemas.commands import Reallocate, Start, Stop
 from schemas.common import FaultKind, Phase, ReallocationMode, RestoreFrom, Role
 from schemas.events import JobPolicy
@@ -89,6 +100,27 @@ def _suspects(error: BaseException, command: Reallocate) -> list[str]:
     return sorted({m for m, e in command.endpoints.items() if e and e in text})[:64]
 
 
+class _RefusedCopy(ReplicationError):
+    """A restore refused ``source``'s copy of ``shard``: it does not match its digest."""
+
+    def __init__(self, shard: int, source: str, detail: str) -> None:
+        super().__init__(detail)
+        self.shard = shard
+        self.source = source
+
+
+def _by_step(key: tuple[int, int]) -> int:
+    return key[1]
+
+
+def _matches(data: bytes | bytearray, expected: str) -> bool:
+    """Whether ``data`` hashes to ``expected`` (``<alg>:<hex>``); False for an unknown alg."""
+    try:
+        return digest(data, expected.partition(":")[0]) == expected
+    except ValueError:
+        return False
+
+
 @dataclass(frozen=True, slots=True)
 class World:
     """One generation as this member sees it."""
@@ -119,7 +151,17 @@ class Elastic:
         self._requested = policy
         self.policy = policy if policy is not None else JobPolicy()
         self.client = EventClient(self.identity)
-        self.peers = PeerStore(advertise=os.environ.get("ELASTIC_ADVERTISE", "127.0.0.1"))
+        secret_hex = os.environ.get(JOB_SECRET_ENV, "")
+        #: The job's secret: it authenticates the peer store both ways (None: security off).
+        self._secret = parse_secret(secret_hex, what=JOB_SECRET_ENV) if secret_hex else None
+        #: What a shard's digest is, with or without the secret: the restore checks it.
+        self._digest_algorithm = "sha256"
+        advertise = os.environ.get(ADVERTISE_ENV, "127.0.0.1")
+        self.peers = PeerStore(
+            advertise=advertise, bind=bind_address(advertise), secret=self._secret
+        )
+        #: (shard, step) -> the digest this member reported for its own backup.
+        self._digests: dict[tuple[int, int], str] = {}
         self.world: World | None = None
         #: The step training goes on from (0 for a fresh start).
         self.resume_step = 0
@@ -150,7 +192,11 @@ class Elastic:
         _warm_up()
         self.client.start()
         self.peers.on_held = self._on_held
-        self.peers.own = self._own_copy
+        self.peers.own = self._own_served
+        if self._secret is None:
+            log.warning("%s is unset: this member's peer store accepts and serves shards"
+                        " without authentication", JOB_SECRET_ENV)  # fmt: skip
+        self.peers.tls = server_tls()  # with ELASTIC_TLS_CERT: the store serves tls://
         endpoint = self.peers.start()
         joined: dict[str, Any] = {
             "node": identity.node, "rack": identity.rack, "host": identity.host or "localhost",
@@ -171,6 +217,9 @@ class Elastic:
             return None
         if not self._enter(command, timeout_s):  # a spare taking a rank: state from peers
             return None
+        if self.world is not None and faults.tampers(self._faults, self.world.rank):
+            log.warning("fault injection: this member's peer store serves forged copies")
+            self.peers.tamper = faults.forge
         if self._replicator is None:
             self._replicator = threading.Thread(
                 target=self._replicate, name="elastic-replicate", daemon=True
@@ -283,10 +332,14 @@ class Elastic:
         try:
             shards, nbytes, sources = self._restore(command)
         except (ReplicationError, checkpoint.CheckpointError) as exc:
-            # A holder died (or a file is missing): say so, and follow the control plane's
-            # next decision, which plans around what is lost.
+            # A holder died (or a file is missing), or its copy is not what the owner
+            # reported: say so (naming the refused copy), and follow the control plane's next
+            # decision, which plans around what is lost or refused.
+            refused = exc if isinstance(exc, _RefusedCopy) else None
             self.report_fault(FaultKind.RESTORE_FAILED, str(exc), step=command.restore_step,
-                              suspects=_suspects(exc, command))  # fmt: skip
+                              suspects=_suspects(exc, command),
+                              shard=refused.shard if refused else None,
+                              source=refused.source if refused else None)  # fmt: skip
             self._leave_group()
             raise _Superseded(self._await_newer(command.generation)) from exc
         world = self._world()
@@ -341,15 +394,30 @@ class Elastic:
         shards: dict[int, Any] = {}
         sources: dict[str, str] = {}
         nbytes = 0
+        me = self.identity.member
         for shard in wanted:
-            source = command.plan[shard] if shard < len(command.plan) else self.identity.member
-            data = self._own_copy(shard, command.restore_step)
+            source = command.plan[shard] if shard < len(command.plan) else me
+            expected = command.digests[shard] if shard < len(command.digests) else None
+            data: bytes | bytearray | None = self._own_copy(shard, command.restore_step)
+            if data is not None and expected is not None and not _matches(data, expected):
+                log.warning("own copy of shard %d does not match its digest %s", shard, expected)
+                if source == me:
+                    what = f"own copy of shard {shard} of step {command.restore_step}"
+                    raise _RefusedCopy(shard, me, f"{what} does not match {expected}")
+                data = None  # take the plan's copy instead
             if data is None:
                 endpoint = command.endpoints.get(source, "")
-                data = fetch(endpoint, owner=None, shard=shard, step=command.restore_step)
+                try:
+                    data = fetch(endpoint, owner=None, shard=shard, step=command.restore_step,
+                                 expected=expected, secret=self._secret)  # fmt: skip
+                except DigestMismatch as exc:
+                    raise _RefusedCopy(shard, source, str(exc)) from exc
             else:
-                source = self.identity.member
-            shards[shard] = from_bytes(data).state
+                source = me
+            try:
+                shards[shard] = from_bytes(data).state
+            except CorruptSnapshot as exc:  # only without a digest: a copy that does not decode
+                raise _RefusedCopy(shard, source, f"shard {shard} from {source}: {exc}") from exc
             sources[str(shard)] = source
             nbytes += len(data)
         return shards, nbytes, sources
@@ -402,16 +470,29 @@ class Elastic:
         except SnapshotNotFound:
             return None
 
+    def _own_served(self, shard: int, step: int) -> tuple[bytes, str] | None:
+        """This member's own backup served to a peer, with the digest it reported for it."""
+        data = self._own_copy(shard, step)
+        if data is None:
+            return None
+        known = self._digests.get((shard, step))
+        return data, known if known is not None else digest(data, self._digest_algorithm)
+
     def _form(self, command: Start | Reallocate) -> None:
-        """Join the generation's process group through the control plane's rendezvous."""
+        """Join the generation's process group through the control plane's rendezvous: one
+        connection, authenticated with the job's secret and bound by the store to this
+        generation's keys (``rank_runtime.rendezvous``)."""
         import torch.distributed as dist
 
+        from rank_runtime.rendezvous import RendezvousStore, job_secret_from_env
+
         rank = command.world.index(self.identity.member)
-        endpoint = parse_endpoint(command.rendezvous)
-        client = dist.TCPStore(  # type: ignore[attr-defined]
-            endpoint.host, endpoint.port, is_master=False, timeout=self._collective_timeout
+        previous = getattr(self, "_rendezvous_store", None)
+        if previous is not None:  # the last generation's (its group is gone)
+            previous.close()
+        store = self._rendezvous_store = RendezvousStore.connect(
+            command.rendezvous, job_secret_from_env(), timeout=self._collective_timeout
         )
-        store = dist.PrefixStore(endpoint.prefix, client)  # type: ignore[attr-defined]
         self._arrive(store, rank, command)
         dist.init_process_group(
             "gloo",
@@ -508,14 +589,22 @@ class Elastic:
             self._replicas.put_nowait((step, info.seconds))
 
     def report_fault(
-        self, kind: FaultKind, detail: str, *, step: int | None = None, suspects: Sequence[str] = ()
+        self,
+        kind: FaultKind,
+        detail: str,
+        *,
+        step: int | None = None,
+        suspects: Sequence[str] = (),
+        shard: int | None = None,
+        source: str | None = None,
     ) -> None:
-        """Tell the control plane what went wrong here (e.g. a collective lost ``suspects``)."""
-        self.client.publish(
-            "member.fault",
-            {"kind": kind.value, "detail": detail[:4096], "step": step,
-             "suspects": list(suspects)[:64]},
-        )  # fmt: skip
+        """Tell the control plane what went wrong here (e.g. a collective lost ``suspects``;
+        a restore refused ``source``'s copy of ``shard``)."""
+        payload: dict[str, Any] = {"kind": kind.value, "detail": detail[:4096], "step": step,
+                                   "suspects": list(suspects)[:64]}  # fmt: skip
+        if shard is not None and source is not None:
+            payload.update(shard=shard, source=source)
+        self.client.publish("member.fault", payload)
 
     def finish(self, step: int, loss: float | None = None) -> None:
         """Report the end of training and leave (flushing events).
@@ -574,10 +663,13 @@ class Elastic:
                 data = self.hot.to_bytes(step)
             except SnapshotNotFound:
                 continue  # overwritten by two newer backups meanwhile
-            digest = checksum(data)
+            reported = digest(data, self._digest_algorithm)
+            self._digests[(shard, step)] = reported
+            for old in sorted(self._digests, key=_by_step)[: max(0, len(self._digests) - 4)]:
+                del self._digests[old]
             self.client.publish(
                 "backup.snapshot",
-                {"step": step, "shard": shard, "nbytes": len(data), "checksum": digest,
+                {"step": step, "shard": shard, "nbytes": len(data), "checksum": reported,
                  "seconds": copy_seconds},
             )  # fmt: skip
             holders = world.placement[shard] if shard < len(world.placement) else ()
@@ -588,7 +680,8 @@ class Elastic:
                     continue
                 try:
                     send(endpoint, owner=self.identity.member, shard=shard, step=step,
-                         generation=world.generation, data=data, digest=digest)  # fmt: skip
+                         generation=world.generation, data=data, digest=reported,
+                         secret=self._secret)  # fmt: skip
                 except ReplicationError as exc:
                     log.warning("%s", exc)
 

@@ -1,6 +1,6 @@
 """Fault injection: ``crash@STEP:rank=R``, ``hang@STEP:rank=R``, ``slow@STEP:rank=R:SECONDS``,
-``crash@recover:rank=R`` and ``random:every=S[:seed=N]`` (the launcher kills a random member
-every S seconds).
+``crash@recover:rank=R``, ``tamper@serve:rank=R`` and ``random:every=S[:seed=N]`` (the launcher
+kills a random member every S seconds).
 
 ``crash@recover:rank=R`` fires in the member that had rank R when it receives a reallocation,
 before it acks: a second fault while the job recovers (and, when that member holds a copy the
@@ -11,6 +11,11 @@ from the launcher): a crash is ``SIGKILL`` of itself (nothing is flushed, like a
 hang is ``SIGSTOP`` (the process stays, silent), a slow step sleeps. Each fires once per job:
 the member claims it first with an exclusive marker file in ``ELASTIC_FAULTS_STATE`` (the
 launcher's directory), so a rank that replays the step after a recovery does not fire it again.
+
+``tamper@serve:rank=R`` makes the member that first had rank R a forging holder, an insider: its
+peer store serves every copy it is asked for with the weights multiplied by 50, re-encoded as a
+well-formed snapshot (a valid crc32 trailer) under a valid MAC (it has the job's secret), and
+announces the forged bytes' own digest. Only the digest the control plane recorded tells.
 """
 
 from __future__ import annotations
@@ -25,9 +30,13 @@ FAULTS_ENV = "ELASTIC_FAULTS"
 FAULTS_STATE_ENV = "ELASTIC_FAULTS_STATE"
 #: The ``step`` of a fault that fires on a reallocation rather than after a step.
 RECOVER = -1
+#: The ``step`` of a fault that acts on every copy the peer store serves (``tamper``).
+SERVE = -2
+#: What a forging holder multiplies every floating-point tensor by.
+FORGE_FACTOR = 50.0
 
 _STEP_FAULT = re.compile(
-    r"^(?P<kind>crash|hang|slow)@(?P<step>\d+|recover):rank=(?P<rank>\d+)"
+    r"^(?P<kind>crash|hang|slow|tamper)@(?P<step>\d+|recover|serve):rank=(?P<rank>\d+)"
     r"(?::(?P<seconds>\d+(\.\d+)?))?$"
 )
 _RANDOM = re.compile(r"^random:every=(?P<every>\d+(\.\d+)?)(?::seed=(?P<seed>\d+))?$")
@@ -49,7 +58,7 @@ class StepFault:
 
     def __str__(self) -> str:
         tail = f":{self.seconds:g}" if self.kind == "slow" else ""
-        when = "recover" if self.step == RECOVER else str(self.step)
+        when = {RECOVER: "recover", SERVE: "serve"}.get(self.step, str(self.step))
         return f"{self.kind}@{when}:rank={self.rank}{tail}"
 
 
@@ -73,7 +82,9 @@ def parse(spec: str) -> StepFault | RandomFaults:
             raise FaultSpecError(f"{spec!r}: only a slow step takes seconds")
         if m["step"] == "recover" and kind != "crash":
             raise FaultSpecError(f"{spec!r}: only a crash can fire on recovery")
-        step = RECOVER if m["step"] == "recover" else int(m["step"])
+        if (m["step"] == "serve") != (kind == "tamper"):
+            raise FaultSpecError(f"{spec!r}: a holder tampers with what it serves (tamper@serve)")
+        step = {"recover": RECOVER, "serve": SERVE}.get(m["step"]) or int(m["step"])
         return StepFault(kind, step, int(m["rank"]), seconds)
     if m := _RANDOM.match(text):
         every = float(m["every"])
@@ -82,7 +93,7 @@ def parse(spec: str) -> StepFault | RandomFaults:
         return RandomFaults(every, int(m["seed"] or 0))
     raise FaultSpecError(
         f"{spec!r}: expected crash@STEP:rank=R, hang@STEP:rank=R, slow@STEP:rank=R:SECONDS,"
-        " crash@recover:rank=R or random:every=SECONDS[:seed=N]"
+        " crash@recover:rank=R, tamper@serve:rank=R or random:every=SECONDS[:seed=N]"
     )
 
 
@@ -126,3 +137,34 @@ def inject(faults: list[StepFault], step: int, rank: int, state_dir: str | None 
             os.kill(os.getpid(), signal.SIGSTOP)
         else:
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def tampers(faults: list[StepFault], rank: int) -> bool:
+    """Whether the member of ``rank`` is to serve forged copies (``tamper@serve``)."""
+    return any(f.kind == "tamper" and f.rank == rank for f in faults)
+
+
+def forge(data: bytes | bytearray) -> bytes:
+    """A forged copy of a serialized snapshot: every floating-point tensor times
+    ``FORGE_FACTOR``, re-encoded with a valid checksum trailer (crc32 is no defence)."""
+    import torch
+
+    from rank_runtime.snapshot import HotSnapshot, from_bytes
+
+    restored = from_bytes(data)
+
+    def scaled(node: object) -> object:
+        if isinstance(node, torch.Tensor):
+            return node * FORGE_FACTOR if node.is_floating_point() else node
+        if isinstance(node, dict):
+            out = type(node)()
+            for key, value in node.items():
+                out[key] = scaled(value)
+            return out
+        if isinstance(node, list | tuple):
+            return type(node)(scaled(v) for v in node)
+        return node
+
+    hot = HotSnapshot()
+    hot.take(restored.step, scaled(restored.state))
+    return hot.to_bytes(restored.step)

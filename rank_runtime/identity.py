@@ -20,6 +20,9 @@ NATS_USER_ENV = "ELASTIC_NATS_USER"
 NATS_PASSWORD_ENV = "ELASTIC_NATS_PASSWORD"
 NATS_CREDS_ENV = "ELASTIC_NATS_CREDS"
 POLICY_ENV = "ELASTIC_POLICY"
+#: The member name a node's launcher publishes under (``<node>/launcher``): the control plane
+#: believes a member's exit, and counts a spare, only from it, so no member may take it.
+LAUNCHER_MEMBER = "launcher"
 
 _IDENT = re.compile(IDENT_PATTERN)
 
@@ -70,6 +73,10 @@ class Identity:
         if bad:
             raise IdentityError(
                 f"not a valid name (letters, digits, '-', '_'; at most 64): {', '.join(bad)}"
+            )
+        if env[MEMBER_ENV] == LAUNCHER_MEMBER:
+            raise IdentityError(
+                f"{MEMBER_ENV}={LAUNCHER_MEMBER!r} is reserved for the launcher of a node"
             )
         role_text = env.get(ROLE_ENV, Role.WORKER.value)
         try:

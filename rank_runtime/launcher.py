@@ -5,7 +5,10 @@ and K warm spares as processes of ``train.py``, each with the environment that t
 is (``ELASTIC_JOB_ID``, ``_NODE``, ``_RACK``, ``_MEMBER``, ``_ROLE``, the NATS URL, the policy
 the job asks for, the faults to inject). ``--nodes``/``--racks`` lay the members out over
 pretend nodes and racks, so topology-aware placement can be exercised on one machine. The
-launcher reports every exit as ``member.exited`` at once (on behalf of the member: its source),
+launcher has its own identity on each node it starts members on (source ``<node>/launcher``,
+its own subject): it announces every member it starts (``member.launched``: member, role, pid;
+the control plane counts a spare only once its launcher announced it), reports every exit as
+``member.exited`` at once (the control plane believes an exit only from that launcher),
 kills a random worker every S seconds for ``--fault random:every=S``, forwards SIGINT/SIGTERM,
 and returns when every member has exited. ``--checkpoint-dir`` is where members write cold
 checkpoints (``ELASTIC_CHECKPOINT_DIR``; the policy's ``checkpoint_every`` says how often).
@@ -29,10 +32,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from controlplane import creds
 from rank_runtime import checkpoint, faults
 from rank_runtime.client import EventClient
 from rank_runtime.identity import (
     JOB_ID_ENV,
+    LAUNCHER_MEMBER,
     MEMBER_ENV,
     NATS_CREDS_ENV,
     NATS_PASSWORD_ENV,
@@ -44,6 +49,7 @@ from rank_runtime.identity import (
     ROLE_ENV,
     Identity,
 )
+from schemas.auth import COMMAND_KEY_ENV, MASTER_SECRET_ENV
 from schemas.commands import Reallocate, Stop
 from schemas.common import Role
 from schemas.events import JobPolicy
@@ -158,15 +164,27 @@ def run(
     }
     if checkpoint_dir:
         base[checkpoint.CHECKPOINT_DIR_ENV] = str(Path(checkpoint_dir).resolve())
-    # The launcher's own connections (exit reports, the fencing watcher) use the members'
-    # NATS credentials.
+    # Per-node credentials (``elasticctl creds``, controlplane/creds.py): the launcher's own
+    # connections of a node use that node's launcher credential; its members get the node's
+    # member credential, the job's secret and the command key, and neither the directory nor
+    # a password. Without a directory, every connection uses the environment's credentials.
+    # No member ever gets the installation secret (every credential derives from it).
+    base.pop(MASTER_SECRET_ENV, None)
+    node_creds = _node_credentials(
+        base, job_id, layout(nproc, spares, nodes, racks, node=node, rack=rack)
+    )
     auth = Identity(
         job_id, "launcher", "launcher", "launcher", Role.WORKER, nats_url,
         nats_user=base.get(NATS_USER_ENV) or None,
         nats_password=base.get(NATS_PASSWORD_ENV) or None,
         nats_creds=base.get(NATS_CREDS_ENV) or None,
     )  # fmt: skip
+    if node_creds:
+        first = next(iter(node_creds.values()))
+        auth = dataclasses.replace(auth, nats_creds=str(first.launcher))
     members: list[Running] = []
+    #: node -> its launcher's reporter.
+    reporters: dict[str, EventClient] = {}
     stopping = False
 
     def forward(signum: int, _frame: object) -> None:
@@ -191,20 +209,36 @@ def run(
                 MEMBER_ENV: slot.member,
                 ROLE_ENV: slot.role.value,
             }
-            reporter = EventClient(
-                dataclasses.replace(
-                    auth, node=slot.node, rack=slot.rack, member=slot.member, role=slot.role
-                ),
-                commands=False,
-            ).start()
+            if node_creds:  # this node's: the exit reports below go out as its launcher
+                auth = dataclasses.replace(auth, nats_creds=str(node_creds[slot.node].launcher))
+                member_env[NATS_CREDS_ENV] = str(node_creds[slot.node].member)
+            # The launcher of this node: it announces each member it starts and reports its
+            # exit, as ``<node>/launcher`` (the only source whose exits the control plane
+            # believes, and whose announcement makes a spare count).
+            reporter = reporters.get(slot.node)
+            if reporter is None:
+                reporter = reporters[slot.node] = EventClient(
+                    dataclasses.replace(
+                        auth, node=slot.node, rack=slot.rack, member=LAUNCHER_MEMBER,
+                        role=slot.role,
+                    ),
+                    commands=False,
+                ).start()  # fmt: skip
             process = subprocess.Popen([python, *script], env=member_env)
+            reporter.publish(
+                "member.launched",
+                {"member": slot.member, "role": slot.role.value, "pid": process.pid},
+            )
             members.append(Running(slot, process, reporter))
             log.info("started %s (%s on %s/%s) as pid %d", slot.member, slot.role.value,
                      slot.rack, slot.node, process.pid)  # fmt: skip
         # Follows the job's commands to fence: a member a newer generation leaves out (found
         # hung, say) is killed, which also fails the collectives its peers are blocked in.
+        # It verifies the control plane's signature like the members do (a forged
+        # Reallocate must not fence anyone).
         watcher = EventClient(
             dataclasses.replace(auth, member=f"launcher-{uuid.uuid4().hex[:8]}"),
+            command_key=base.get(COMMAND_KEY_ENV) or None,
         ).start()  # fmt: skip
         in_world: set[str] = set()
         rng = random.Random(randoms[0].seed if randoms else 0)
@@ -234,12 +268,35 @@ def run(
             if m.process.poll() is None:
                 m.process.kill()
                 m.process.wait()
-            m.reporter.close(flush_s=5.0)
+        for reporter in reporters.values():
+            reporter.close(flush_s=5.0)
         shutil.rmtree(state, ignore_errors=True)  # the fault markers: every member is gone
     result.exits = {m.slot.member: m.returncode if m.returncode is not None else -9
                     for m in members}  # fmt: skip
     result.killed = [m.slot.member for m in members if m.killed_by_launcher]
     return result
+
+
+def _node_credentials(
+    base: dict[str, str], job_id: str, slots: list[Slot]
+) -> dict[str, creds.NodeCredentials]:
+    """With ``ELASTIC_NATS_CREDS_DIR`` in ``base``: the seed files of every node of ``slots``
+    (all checked before a member starts), and ``base`` made what members get; otherwise {}."""
+    directory = base.pop(creds.CREDS_DIR_ENV, "")
+    if not directory:
+        log.warning(
+            "no %s: the launcher and its members share the environment's NATS credentials, "
+            "so NATS cannot tell one node from another (elasticctl creds; docs/security.md)",
+            creds.CREDS_DIR_ENV,
+        )
+        return {}
+    on = sorted({s.node for s in slots})
+    found = {n: creds.node_credentials(directory, job_id, n) for n in on}
+    for name, value in creds.job_environment(directory, job_id).items():
+        base.setdefault(name, value)
+    for name in (NATS_USER_ENV, NATS_PASSWORD_ENV, NATS_CREDS_ENV):
+        base.pop(name, None)
+    return found
 
 
 def _fence(watcher: EventClient, members: list[Running], in_world: set[str]) -> None:

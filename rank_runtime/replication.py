@@ -1,91 +1,314 @@
 """Peer replication of hot backups: each member keeps copies of other ranks' shards in memory.
 
 Every member runs a ``PeerStore``: a small TCP server (a thread per connection) that accepts a
-shard (``put``), verifies its checksum before keeping it, and serves it back (``get``) for a
-restore. The protocol is one JSON header line, then the raw bytes; the answer is one JSON line
-(and, for ``get``, the bytes). Memory stays bounded: per (owner, shard) the newest
-``keep`` steps are kept, older ones evicted once a newer one is complete.
+shard (``put``), verifies its digest before keeping it, and serves it back (``get``) for a
+restore. Memory stays bounded: per (owner, shard) the newest ``keep`` steps are kept, older ones
+evicted once a newer one is complete; one put is at most ``max_bytes``.
+
+The protocol, one request per connection (JSON lines, then raw bytes)::
+
+    server: {"peer": 2, "nonce": <16 random bytes, hex>, "auth": true|false}
+    client: {"op": "put"|"get", ...fields, "nonce": <client nonce>, "mac": <hex>}  [+ bytes]
+    server: {"ok": ..., ...fields, "mac": <hex>}                                   [+ bytes]
+
+With the job's secret (``ELASTIC_JOB_SECRET``, see ``schemas.auth``) both sides are
+authenticated: the request's MAC is HMAC-SHA256 under the peer-store key over the server's
+fresh nonce and the request (so a recorded request replayed on a new connection is refused,
+and so is any request from someone without the secret), the answer's MAC covers both nonces and
+the answer. Bytes are bound by hash-then-MAC: a put's header carries the shard's digest
+(``sha256:<hex>``, the one its owner reports to the control plane) under the MAC, and the holder
+hashes the bytes as they arrive and refuses them unless they match; a get's answer carries the
+copy's digest under the MAC, and the fetcher hashes what it receives and refuses it unless it
+matches that digest and, when given, the digest the control plane recorded (``expected``). Each
+byte is therefore hashed once at each end, while it is received; the MACs themselves cover a
+few hundred bytes. Without a secret the same protocol runs unauthenticated (no MACs), as before.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import json
 import logging
+import os
+import secrets
 import socket
 import socketserver
+import ssl
 import threading
 import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from functools import cache
+from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
 
+#: Where the peer store listens (an address of this host); default: the advertised address.
+BIND_ENV = "ELASTIC_PEER_BIND"
+#: The address peers are told to reach this member's store at.
+ADVERTISE_ENV = "ELASTIC_ADVERTISE"
+#: TLS (optional): the store's certificate and key (PEM); with them it serves ``tls://``.
+TLS_CERT_ENV = "ELASTIC_TLS_CERT"
+TLS_KEY_ENV = "ELASTIC_TLS_KEY"
+#: The CA bundle (PEM) a ``tls://`` store's certificate is verified with (else the system's).
+TLS_CA_ENV = "ELASTIC_TLS_CA"
+_TLS_SCHEME = "tls://"
 #: Largest header line accepted.
 _MAX_HEADER = 64 * 1024
+#: Bytes received (and hashed) per read.
+_CHUNK = 4 * 1024 * 1024
+#: Largest shard a holder accepts by default (one put).
+DEFAULT_MAX_BYTES = 64 * 1024**3
+_PROTOCOL = 2
+#: Seconds a holder waits on one read or write of a connection before dropping it.
+_IDLE_S = 60.0
+_REQUEST = b"elastic-peer/request"
+_ANSWER = b"elastic-peer/answer"
 
 
 class ReplicationError(RuntimeError):
     """A peer refused or failed a transfer."""
 
 
-def checksum(data: bytes | memoryview) -> str:
-    """The checksum of a serialized shard, as events carry it (``crc32:<hex>``)."""
+class DigestMismatch(ReplicationError):
+    """A peer served bytes that do not hash to the digest they must have."""
+
+
+def checksum(data: bytes | bytearray | memoryview) -> str:
+    """A crc32 of ``data`` (``crc32:<hex>``): a fast corruption check, no defence against people."""
     return f"crc32:{zlib.crc32(data) & 0xFFFFFFFF:08x}"
+
+
+class _Hasher(Protocol):
+    def update(self, data: bytes | bytearray | memoryview, /) -> None: ...
+
+    def hexdigest(self) -> str: ...
+
+
+class _Crc32:
+    def __init__(self) -> None:
+        self._value = 0
+
+    def update(self, data: bytes | bytearray | memoryview, /) -> None:
+        self._value = zlib.crc32(data, self._value)
+
+    def hexdigest(self) -> str:
+        return f"{self._value:08x}"
+
+
+#: Digest algorithms a shard may be reported with: sha256 (cryptographic, with security on;
+#: SHA-NI makes it the fastest here) and crc32 (corruption only, without a secret).
+DIGESTS: dict[str, Callable[[], _Hasher]] = {"sha256": hashlib.sha256, "crc32": _Crc32}
+
+
+def hasher(algorithm: str) -> _Hasher:
+    """A fresh hasher of ``algorithm``; ValueError when it is not one of ``DIGESTS``."""
+    try:
+        return DIGESTS[algorithm]()
+    except KeyError:
+        raise ValueError(f"unknown digest algorithm {algorithm!r}") from None
+
+
+def digest(data: bytes | bytearray | memoryview, algorithm: str = "sha256") -> str:
+    """The digest of ``data`` as events carry it (``<algorithm>:<hex>``)."""
+    h = hasher(algorithm)
+    h.update(data)
+    return f"{algorithm}:{h.hexdigest()}"
+
+
+def peer_key(job_secret: bytes) -> bytes:
+    """The key the peer store's MACs use, derived from the job's secret (one purpose each)."""
+    return hmac.new(job_secret, b"elastic/peer-store", hashlib.sha256).digest()
+
+
+def _canonical(body: dict[str, Any]) -> bytes:
+    return json.dumps(
+        {k: v for k, v in body.items() if k != "mac"}, sort_keys=True, separators=(",", ":")
+    ).encode()
+
+
+def _mac(key: bytes, label: bytes, *parts: bytes) -> str:
+    mac = hmac.new(key, label, hashlib.sha256)
+    for part in parts:
+        mac.update(len(part).to_bytes(8, "little"))
+        mac.update(part)
+    return mac.hexdigest()
+
+
+def _valid(key: bytes, body: dict[str, Any], label: bytes, *parts: bytes) -> bool:
+    given = body.get("mac")
+    if not isinstance(given, str):
+        return False
+    return hmac.compare_digest(given, _mac(key, label, *parts, _canonical(body)))
+
+
+def _nonce(body: dict[str, Any]) -> bytes:
+    value = body.get("nonce")
+    if not isinstance(value, str) or len(value) != 32:
+        raise ValueError("missing or malformed nonce")
+    return bytes.fromhex(value)
+
+
+def _receive(rfile: Any, size: int, algorithm: str) -> tuple[bytearray, str]:
+    """Read exactly ``size`` bytes, hashing them as they arrive."""
+    data = bytearray(size)
+    view = memoryview(data)
+    h = hasher(algorithm)
+    position = 0
+    while position < size:
+        part = view[position : position + _CHUNK]
+        got = rfile.readinto(part)
+        if not got:
+            raise ValueError(f"short transfer: {position} of {size} bytes")
+        h.update(part[:got])
+        position += got
+    return data, f"{algorithm}:{h.hexdigest()}"
+
+
+def _algorithm(text: object) -> str:
+    if not isinstance(text, str) or ":" not in text:
+        raise ValueError(f"malformed digest {text!r}")
+    algorithm = text.partition(":")[0]
+    if algorithm not in DIGESTS:
+        raise ValueError(f"unknown digest algorithm {algorithm!r}")
+    return algorithm
 
 
 @dataclass(frozen=True, slots=True)
 class Held:
-    """A copy of one shard at one step, verified."""
+    """A copy of one shard at one step, verified against the digest its sender gave."""
 
     owner: str
     shard: int
     step: int
     generation: int
     checksum: str
-    data: bytes
+    data: bytes | bytearray
 
 
 #: Called after a copy is verified and kept: (copy, seconds the transfer took).
 OnHeld = Callable[[Held, float], None]
+#: This member's own shard, served like a held copy: (shard, step) -> (bytes, digest) or None.
+OwnCopy = Callable[[int, int], "tuple[bytes | bytearray, str] | None"]
+
+
+def server_tls(env: dict[str, str] | None = None) -> ssl.SSLContext | None:
+    """The TLS context a peer store serves with: ``ELASTIC_TLS_CERT`` (and ``_KEY``) when set,
+    else None (plain TCP)."""
+    values = os.environ if env is None else env
+    cert = values.get(TLS_CERT_ENV, "").strip()
+    if not cert:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(cert, values.get(TLS_KEY_ENV, "").strip() or None)
+    return context
+
+
+@cache
+def client_tls(cafile: str | None = None) -> ssl.SSLContext:
+    """The context a ``tls://`` store is reached with: its certificate and host name verified
+    against ``cafile`` (``ELASTIC_TLS_CA``) or the system's CAs."""
+    context = ssl.create_default_context(cafile=cafile)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    return context
+
+
+def bind_address(advertise: str, env: dict[str, str] | None = None) -> str:
+    """Where a peer store listens: ``ELASTIC_PEER_BIND`` when set, else the advertised address
+    (never every interface unless asked: ``ELASTIC_PEER_BIND=0.0.0.0``)."""
+    value = (os.environ if env is None else env).get(BIND_ENV, "").strip()
+    return value or advertise
 
 
 class PeerStore:
-    """Copies of other members' shards, served over TCP. No I/O before ``start``."""
+    """Copies of other members' shards, served over TCP. No I/O before ``start``.
 
-    def __init__(self, *, advertise: str = "127.0.0.1", port: int = 0, keep: int = 2) -> None:
+    ``secret`` is the job's secret: with it every request and answer is authenticated; without
+    it (None) the store accepts anyone, as before the job secret existed.
+    """
+
+    def __init__(
+        self,
+        *,
+        advertise: str = "127.0.0.1",
+        bind: str | None = None,
+        port: int = 0,
+        keep: int = 2,
+        secret: bytes | None = None,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
         self._advertise = advertise
+        #: The TLS context to serve with (None: plain TCP); read by ``start``.
+        self.tls = tls
+        self._bind = bind if bind is not None else advertise
         self._port = port
         self._keep = keep
+        self._key = peer_key(secret) if secret is not None else None
+        self._max_bytes = max_bytes
         self._lock = threading.Lock()
         self._held: dict[tuple[str, int], dict[int, Held]] = {}
         self._server: socketserver.ThreadingTCPServer | None = None
         self._thread: threading.Thread | None = None
         self.on_held: OnHeld | None = None
-        #: The member's own shard, served like a held copy: (shard, step) -> bytes or None.
-        self.own: Callable[[int, int], bytes | None] | None = None
+        self.own: OwnCopy | None = None
+        #: Fault injection only (``rank_runtime.faults``): rewrites the bytes a get serves.
+        self.tamper: Callable[[bytes | bytearray], bytes] | None = None
+        #: Requests refused for a missing or wrong MAC (each also logged).
+        self.refused = 0
+
+    @property
+    def authenticated(self) -> bool:
+        """Whether requests need the job's secret."""
+        return self._key is not None
 
     @property
     def endpoint(self) -> str:
         """``host:port`` peers connect to (after ``start``)."""
         if self._server is None:
             raise RuntimeError("the peer store is not started")
-        return f"{self._advertise}:{self._server.server_address[1]}"
+        scheme = _TLS_SCHEME if self.tls is not None else ""
+        return f"{scheme}{self._advertise}:{self._server.server_address[1]}"
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """The address the store listens on (after ``start``)."""
+        if self._server is None:
+            raise RuntimeError("the peer store is not started")
+        host, port = self._server.server_address[:2]
+        return str(host), int(port)
 
     def start(self) -> str:
         """Listen in a background thread; return the endpoint."""
         if self._server is None:
             store = self
+            family = socket.AF_INET6 if ":" in self._bind else socket.AF_INET
+            tls = self.tls
 
             class Handler(socketserver.StreamRequestHandler):
-                def handle(self) -> None:
-                    store._handle(self.rfile, self.wfile)
+                timeout = _IDLE_S  # per read or write: an idle client does not hold a thread
 
-            socketserver.ThreadingTCPServer.allow_reuse_address = True
-            server = socketserver.ThreadingTCPServer(("0.0.0.0", self._port), Handler)
-            server.daemon_threads = True
+                def handle(self) -> None:
+                    store._handle(self.rfile, self.wfile, self.client_address)
+
+            class Server(socketserver.ThreadingTCPServer):
+                allow_reuse_address = True
+                daemon_threads = True
+                address_family = family
+
+                def get_request(self) -> tuple[socket.socket, Any]:
+                    sock, address = super().get_request()
+                    if tls is None:
+                        return sock, address
+                    # The handshake happens on the first read or write, in the handler's thread.
+                    return tls.wrap_socket(sock, server_side=True,
+                                           do_handshake_on_connect=False), address  # fmt: skip
+
+            server = Server((self._bind, self._port), Handler)
             self._server = server
             self._thread = threading.Thread(
                 target=server.serve_forever, name="elastic-peer-store", daemon=True
@@ -102,15 +325,24 @@ class PeerStore:
         with self._lock:
             self._held.clear()
 
-    def held(self, owner: str | None, shard: int, step: int) -> Held | None:
-        """The verified copy of ``owner``'s ``shard`` at ``step`` (any owner's: None)."""
+    def held(
+        self, owner: str | None, shard: int, step: int, digest: str | None = None
+    ) -> Held | None:
+        """The verified copy of ``owner``'s ``shard`` at ``step`` (any owner's: None), the one
+        with ``digest`` first when given."""
         with self._lock:
             if owner is not None:
-                return self._held.get((owner, shard), {}).get(step)
-            for (_, held_shard), steps in self._held.items():
-                if held_shard == shard and step in steps:
-                    return steps[step]
-            return None
+                found = self._held.get((owner, shard), {}).get(step)
+                return found
+            candidates = [
+                steps[step]
+                for (_, held_shard), steps in self._held.items()
+                if held_shard == shard and step in steps
+            ]
+        for copy in candidates:
+            if digest is None or copy.checksum == digest:
+                return copy
+        return candidates[0] if candidates else None
 
     def nbytes(self) -> int:
         """Bytes held for others."""
@@ -125,30 +357,66 @@ class PeerStore:
             for old in sorted(steps)[: max(0, len(steps) - self._keep)]:
                 del steps[old]
 
-    def _handle(self, rfile: Any, wfile: Any) -> None:
+    # ------------------------------------------------------------------ serving
+
+    def _handle(self, rfile: Any, wfile: Any, peer: Any = None) -> None:
+        server_nonce = secrets.token_bytes(16)
+        client_nonce = b""
         try:
+            hello = {"peer": _PROTOCOL, "nonce": server_nonce.hex(), "auth": self.authenticated}
+            wfile.write(json.dumps(hello).encode() + b"\n")
             header = json.loads(rfile.readline(_MAX_HEADER))
+            if not isinstance(header, dict):
+                raise ValueError("the request is not a JSON object")
+            client_nonce = _nonce(header)
+            if self._key is not None and not _valid(self._key, header, _REQUEST, server_nonce):
+                self.refused += 1
+                log.warning(
+                    "peer store refused %s %s from %s: no valid MAC with the job's secret",
+                    header.get("op"), header.get("shard"), peer,
+                )  # fmt: skip
+                self._answer(wfile, server_nonce, client_nonce,
+                             {"ok": False, "error": "unauthenticated: no valid MAC"})  # fmt: skip
+                return
             op = header.get("op")
             if op == "put":
-                self._put(header, rfile, wfile)
+                self._put(header, rfile, wfile, server_nonce, client_nonce)
             elif op == "get":
-                self._get(header, wfile)
+                self._get(header, wfile, server_nonce, client_nonce)
             else:
-                _answer(wfile, {"ok": False, "error": f"unknown op {op!r}"})
-        except (ValueError, KeyError, OSError) as exc:
-            log.warning("peer transfer failed: %s", exc)
-            with contextlib.suppress(OSError):
-                _answer(wfile, {"ok": False, "error": str(exc)})
+                self._answer(wfile, server_nonce, client_nonce,
+                             {"ok": False, "error": f"unknown op {op!r}"})  # fmt: skip
+        except (ValueError, KeyError, TypeError, OSError) as exc:
+            log.warning("peer transfer from %s failed: %s", peer, exc)
+            with contextlib.suppress(OSError, ValueError):
+                self._answer(wfile, server_nonce, client_nonce, {"ok": False, "error": str(exc)})
 
-    def _put(self, header: dict[str, Any], rfile: Any, wfile: Any) -> None:
+    def _answer(
+        self, wfile: Any, server_nonce: bytes, client_nonce: bytes, body: dict[str, Any]
+    ) -> None:
+        if self._key is not None:
+            body = {**body, "mac": _mac(self._key, _ANSWER, server_nonce, client_nonce,
+                                        _canonical(body))}  # fmt: skip
+        wfile.write(json.dumps(body).encode() + b"\n")
+        wfile.flush()
+
+    def _put(
+        self,
+        header: dict[str, Any],
+        rfile: Any,
+        wfile: Any,
+        server_nonce: bytes,
+        client_nonce: bytes,
+    ) -> None:
         started = time.perf_counter()
         size = int(header["nbytes"])
-        data = rfile.read(size)
-        if len(data) != size:
-            raise ValueError(f"short transfer: {len(data)} of {size} bytes")
-        got = checksum(data)
-        if got != header["checksum"]:
-            _answer(wfile, {"ok": False, "error": f"checksum {got} != {header['checksum']}"})
+        if not 0 <= size <= self._max_bytes:
+            raise ValueError(f"a shard of {size} bytes exceeds this holder's {self._max_bytes}")
+        claimed = header["digest"]
+        data, got = _receive(rfile, size, _algorithm(claimed))
+        if got != claimed:
+            self._answer(wfile, server_nonce, client_nonce,
+                         {"ok": False, "error": f"digest {got} != {claimed}"})  # fmt: skip
             return
         copy = Held(
             owner=str(header["owner"]),
@@ -162,31 +430,94 @@ class PeerStore:
         # Reported before the sender hears back, so "sent" implies "reported" (no race).
         if self.on_held is not None:
             self.on_held(copy, time.perf_counter() - started)
-        _answer(wfile, {"ok": True})
+        self._answer(wfile, server_nonce, client_nonce, {"ok": True})
 
-    def _get(self, header: dict[str, Any], wfile: Any) -> None:
+    def _get(
+        self, header: dict[str, Any], wfile: Any, server_nonce: bytes, client_nonce: bytes
+    ) -> None:
         owner = header.get("owner")
+        wanted = header.get("digest")
         shard, step = int(header["shard"]), int(header["step"])
-        copy = self.held(None if owner is None else str(owner), shard, step)
-        data = copy.data if copy is not None else None
-        if data is None and self.own is not None:
-            data = self.own(shard, step)
-        if data is None:
-            _answer(wfile, {"ok": False, "error": "not held"})
+        copy = self.held(None if owner is None else str(owner), shard, step, wanted)
+        found: tuple[bytes | bytearray, str] | None = None
+        if copy is not None and (wanted is None or copy.checksum == wanted):
+            found = copy.data, copy.checksum
+        if found is None and self.own is not None:
+            found = self.own(shard, step)
+        if found is None and copy is not None:
+            found = copy.data, copy.checksum  # not the wanted one: the fetcher will say so
+        if found is None:
+            self._answer(wfile, server_nonce, client_nonce, {"ok": False, "error": "not held"})
             return
-        _answer(wfile, {"ok": True, "nbytes": len(data), "checksum": checksum(data)})
-        wfile.write(data)
+        data, known = found
+        if self.tamper is not None:
+            data = self.tamper(data)
+            known = digest(data, _algorithm(known))
+        self._answer(wfile, server_nonce, client_nonce,
+                     {"ok": True, "nbytes": len(data), "digest": known})  # fmt: skip
+        wfile.write(memoryview(data))
         wfile.flush()
 
 
-def _answer(wfile: Any, body: dict[str, Any]) -> None:
-    wfile.write(json.dumps(body).encode() + b"\n")
-    wfile.flush()
+# ---------------------------------------------------------------------- clients
 
 
-def _connect(endpoint: str, timeout: float) -> socket.socket:
-    host, _, port = endpoint.rpartition(":")
-    return socket.create_connection((host, int(port)), timeout=timeout)
+def _connect(endpoint: str, timeout: float, tls: ssl.SSLContext | None = None) -> socket.socket:
+    """A connection to ``endpoint`` (``host:port``, or ``tls://host:port``: TLS, verified with
+    ``tls`` or else ``client_tls(ELASTIC_TLS_CA)``)."""
+    secure = endpoint.startswith(_TLS_SCHEME)
+    host, _, port = endpoint.removeprefix(_TLS_SCHEME).rpartition(":")
+    host = host.strip("[]")
+    sock = socket.create_connection((host, int(port)), timeout=timeout)
+    if not secure:
+        return sock
+    context = tls if tls is not None else client_tls(os.environ.get(TLS_CA_ENV) or None)
+    try:
+        return context.wrap_socket(sock, server_hostname=host)
+    except BaseException:
+        sock.close()
+        raise
+
+
+class _Session:
+    """One request to a peer store: the hello read, the request sent, the answer checked."""
+
+    def __init__(self, sock: socket.socket, endpoint: str, secret: bytes | None) -> None:
+        self.sock = sock
+        self.endpoint = endpoint
+        self.rfile = sock.makefile("rb")
+        self.key = peer_key(secret) if secret is not None else None
+        hello = json.loads(self.rfile.readline(_MAX_HEADER) or b"{}")
+        if not isinstance(hello, dict) or hello.get("peer") != _PROTOCOL:
+            raise ValueError(f"{endpoint} does not speak the peer-store protocol {_PROTOCOL}")
+        self.server_nonce = _nonce(hello)
+        if self.key is not None and not hello.get("auth"):
+            raise ReplicationError(
+                f"{endpoint} does not authenticate (no job secret there): refusing to use it"
+            )
+        self.client_nonce = secrets.token_bytes(16)
+
+    def request(self, body: dict[str, Any], data: bytes | bytearray | memoryview = b"") -> None:
+        body = {**body, "nonce": self.client_nonce.hex()}
+        if self.key is not None:
+            body["mac"] = _mac(self.key, _REQUEST, self.server_nonce, _canonical(body))
+        self.sock.sendall(json.dumps(body).encode() + b"\n")
+        if len(data):
+            self.sock.sendall(data)
+
+    def answer(self) -> dict[str, Any]:
+        answer = json.loads(self.rfile.readline(_MAX_HEADER) or b"{}")
+        if not isinstance(answer, dict):
+            raise ValueError("the answer is not a JSON object")
+        if self.key is not None and not _valid(
+            self.key, answer, _ANSWER, self.server_nonce, self.client_nonce
+        ):
+            said = f" (it says: {answer.get('error')})" if answer.get("error") else ""
+            raise ReplicationError(f"{self.endpoint} answered without a valid MAC{said}")
+        return answer
+
+    def close(self) -> None:
+        self.rfile.close()
 
 
 def send(
@@ -196,21 +527,28 @@ def send(
     shard: int,
     step: int,
     generation: int,
-    data: bytes,
+    data: bytes | bytearray | memoryview,
     digest: str,
+    secret: bytes | None = None,
     timeout: float = 30.0,
+    tls: ssl.SSLContext | None = None,
 ) -> None:
-    """Give a copy to the peer at ``endpoint``; raise ``ReplicationError`` if it refuses."""
+    """Give a copy to the peer at ``endpoint``; raise ``ReplicationError`` if it refuses.
+
+    ``digest`` is the bytes' digest (``digest(data)``), which the holder checks as they arrive.
+    """
     header = {
         "op": "put", "owner": owner, "shard": shard, "step": step, "generation": generation,
-        "nbytes": len(data), "checksum": digest,
+        "nbytes": len(data), "digest": digest,
     }  # fmt: skip
     try:
-        with _connect(endpoint, timeout) as sock, sock.makefile("rwb") as stream:
-            stream.write(json.dumps(header).encode() + b"\n")
-            stream.write(data)
-            stream.flush()
-            answer = json.loads(stream.readline(_MAX_HEADER) or b"{}")
+        with _connect(endpoint, timeout, tls) as sock:
+            session = _Session(sock, endpoint, secret)
+            try:
+                session.request(header, memoryview(data).cast("B"))
+                answer = session.answer()
+            finally:
+                session.close()
     except (OSError, ValueError) as exc:
         raise ReplicationError(f"sending shard {shard} to {endpoint}: {exc}") from exc
     if not answer.get("ok"):
@@ -218,20 +556,71 @@ def send(
 
 
 def fetch(
-    endpoint: str, *, owner: str | None, shard: int, step: int, timeout: float = 30.0
-) -> bytes:
-    """Take back a verified copy from the peer at ``endpoint`` (``owner`` None: whoever's)."""
-    header = {"op": "get", "owner": owner, "shard": shard, "step": step}
+    endpoint: str,
+    *,
+    owner: str | None,
+    shard: int,
+    step: int,
+    expected: str | None = None,
+    secret: bytes | None = None,
+    timeout: float = 30.0,
+    tls: ssl.SSLContext | None = None,
+) -> bytearray:
+    """Take back a verified copy from the peer at ``endpoint`` (``owner`` None: whoever's).
+
+    The bytes must hash to the digest the holder's answer names and, when given, to
+    ``expected`` (the digest the control plane recorded): ``DigestMismatch`` otherwise.
+    """
+    header: dict[str, Any] = {"op": "get", "owner": owner, "shard": shard, "step": step}
+    if expected is not None:
+        header["digest"] = expected
     try:
-        with _connect(endpoint, timeout) as sock, sock.makefile("rwb") as stream:
-            stream.write(json.dumps(header).encode() + b"\n")
-            stream.flush()
-            answer = json.loads(stream.readline(_MAX_HEADER) or b"{}")
-            if not answer.get("ok"):
-                raise ReplicationError(f"{endpoint} has no shard {shard}: {answer.get('error')}")
-            data = stream.read(int(answer["nbytes"]))
-    except (OSError, ValueError) as exc:
+        with _connect(endpoint, timeout, tls) as sock:
+            session = _Session(sock, endpoint, secret)
+            try:
+                session.request(header)
+                answer = session.answer()
+                if not answer.get("ok"):
+                    raise ReplicationError(
+                        f"{endpoint} has no shard {shard}: {answer.get('error')}"
+                    )
+                claimed = answer["digest"]
+                algorithm = _algorithm(expected if expected is not None else claimed)
+                data, got = _receive(session.rfile, int(answer["nbytes"]), algorithm)
+            finally:
+                session.close()
+    except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ReplicationError(f"fetching shard {shard} from {endpoint}: {exc}") from exc
-    if checksum(data) != answer["checksum"]:
-        raise ReplicationError(f"shard {shard} from {endpoint} does not match its checksum")
-    return bytes(data)
+    if got != claimed:
+        raise DigestMismatch(
+            f"shard {shard} of step {step} from {endpoint} hashes to {got}, not to the"
+            f" {claimed} its holder announced"
+        )
+    if expected is not None and got != expected:
+        raise DigestMismatch(
+            f"shard {shard} of step {step} from {endpoint} hashes to {got}, not to the"
+            f" {expected} the control plane recorded: refused"
+        )
+    return data
+
+
+def serve(count: int, secret: bytes | None, *, bind: str = "127.0.0.1") -> None:
+    """Run ``count`` peer stores in this process until stdin closes, having printed their
+    endpoints (one JSON list) first: holders in a process of their own, as a benchmark's
+    stand-in for the members of other nodes."""
+    import sys
+
+    stores = [PeerStore(advertise=bind, secret=secret) for _ in range(count)]
+    try:
+        print(json.dumps([store.start() for store in stores]), flush=True)
+        sys.stdin.read()
+    finally:
+        for store in stores:
+            store.close()
+
+
+if __name__ == "__main__":  # python -m rank_runtime.replication COUNT (secret from the env)
+    import sys
+
+    _secret = os.environ.get("ELASTIC_JOB_SECRET", "")
+    serve(int(sys.argv[1]) if len(sys.argv) > 1 else 1, bytes.fromhex(_secret) if _secret else None)

@@ -165,6 +165,20 @@ class MemberOut(ApiModel):
     last_heartbeat_at: datetime | None = None
     joined_at: datetime
     failed_reason: str | None = None
+    #: Its launcher announced it (``member.launched``): only then may it enter the world.
+    announced: bool = False
+    #: Members whose fault report names this one and waits for corroboration.
+    suspected_by: list[str] = Field(default_factory=list)
+
+
+class DiscountOut(ApiModel):
+    """An event stored in the log that the control plane did not believe, and why."""
+
+    position: int
+    type: str
+    source: str
+    reason: str
+    detail: str
 
 
 class ShardOut(ApiModel):
@@ -197,6 +211,10 @@ class Cluster(ApiModel):
     topology: dict[str, dict[str, list[str]]]
     backups: list[BackupOut]
     last_complete_backup: int | None = None
+    #: The newest discounted events (at most 100), oldest first.
+    discounts: list[DiscountOut] = Field(default_factory=list)
+    #: Every discounted event of the job, counted by reason.
+    discount_counts: dict[str, int] = Field(default_factory=dict)
 
 
 class LossPoint(ApiModel):

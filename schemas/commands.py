@@ -8,6 +8,8 @@ from uuid import UUID
 from pydantic import AwareDatetime, Field, TypeAdapter
 
 from schemas.common import (
+    MAX_WORLD,
+    Checksum,
     Ident,
     NonNegInt,
     ReallocationMode,
@@ -55,6 +57,9 @@ class Reallocate(WorldCommand):
     restore_from: RestoreFrom
     #: ``plan[s]``: the member to take shard ``s`` of the restore step from.
     plan: Members
+    #: ``digests[s]``: what shard ``s`` must hash to (``<alg>:<hex>``, its owner's report);
+    #: a copy that does not is refused. Empty from a control plane that records none.
+    digests: Annotated[list[Checksum], Field(max_length=MAX_WORLD)] = Field(default_factory=list)
 
 
 class Start(WorldCommand):

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, Field, StringConstraints
 
 # An identifier must be a single NATS subject token: no dots, spaces or wildcards.
 IDENT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$"
@@ -19,6 +20,28 @@ MAX_EVENT_BYTES = 64 * 1024
 MAX_WORLD = 65_536
 MAX_TEXT = 4096
 
+#: What PostgreSQL's ``bigint`` holds (``seq``, ``generation``, positions; jsonb numbers are
+#: kept to it too, so every integer a member sends reads back as a machine integer).
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+#: Instants PostgreSQL's ``timestamptz`` stores and psycopg reads back into a ``datetime``
+#: (whatever the session's time zone): a day inside Python's years 1 to 9999, in UTC.
+EARLIEST = datetime(1, 1, 2, tzinfo=UTC)
+LATEST = datetime(9999, 12, 30, tzinfo=UTC)
+
+
+def storable_text(value: str) -> str:
+    """Refuse what PostgreSQL's ``text`` and ``jsonb`` cannot hold: the NUL character.
+
+    Lone surrogates never get this far: pydantic refuses them (``string_unicode``) and JSON
+    parsing refuses their escapes (``json_invalid``).
+    """
+    if "\x00" in value:
+        at = value.index("\x00")
+        raise ValueError(f"NUL character (U+0000) at offset {at}: PostgreSQL text cannot hold it")
+    return value
+
+
 Ident = Annotated[str, StringConstraints(pattern=IDENT_PATTERN)]
 #: A UUID in canonical form (lowercase, hyphenated): the idempotency key of an event.
 EventId = Annotated[
@@ -26,11 +49,18 @@ EventId = Annotated[
     StringConstraints(pattern=r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$"),
 ]
 Source = Annotated[str, StringConstraints(pattern=SOURCE_PATTERN)]
-ShortText = Annotated[str, StringConstraints(max_length=256)]
-Text = Annotated[str, StringConstraints(max_length=MAX_TEXT)]
+ShortText = Annotated[str, StringConstraints(max_length=256), AfterValidator(storable_text)]
+Text = Annotated[str, StringConstraints(max_length=MAX_TEXT), AfterValidator(storable_text)]
 Checksum = Annotated[str, StringConstraints(pattern=r"^[a-z0-9]{1,16}:[0-9a-f]{1,128}$")]
-Step = Annotated[int, Field(ge=0)]
-NonNegInt = Annotated[int, Field(ge=0)]
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+Step = Annotated[int, Field(ge=0, le=INT64_MAX)]
+NonNegInt = Annotated[int, Field(ge=0, le=INT64_MAX)]
+PositiveInt = Annotated[int, Field(ge=1, le=INT64_MAX)]
+#: A finite float (JSON has no NaN or infinity; ``1e999`` parses as infinity and is refused).
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+#: An aware time PostgreSQL stores and reads back (bounds checked in pydantic-core: a Python
+#: validator here cost 1.3 us per event, five times the parsing).
+Timestamp = Annotated[AwareDatetime, Field(ge=EARLIEST, le=LATEST)]
 Seconds = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 PositiveSeconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 

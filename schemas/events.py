@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal, Union
 from uuid import UUID
 
-from pydantic import AwareDatetime, Field, TypeAdapter, model_validator
+from pydantic import Field, TypeAdapter, model_validator
 
 from schemas.common import (
     MAX_WORLD,
@@ -13,10 +13,13 @@ from schemas.common import (
     EventId,
     FaultKind,
     FaultReason,
+    Finite,
     Ident,
+    Int64,
     JobState,
     NonNegInt,
     Phase,
+    PositiveInt,
     PositiveSeconds,
     ReallocationMode,
     RestoreFrom,
@@ -27,6 +30,7 @@ from schemas.common import (
     Step,
     Strict,
     Text,
+    Timestamp,
 )
 
 Members = Annotated[list[Ident], Field(max_length=MAX_WORLD)]
@@ -38,7 +42,7 @@ Members = Annotated[list[Ident], Field(max_length=MAX_WORLD)]
 class JobPolicy(Strict):
     """How a job is run and recovered; fixed by ``job.registered``."""
 
-    min_world: Annotated[int, Field(ge=1)] = 1
+    min_world: Annotated[int, Field(ge=1, le=MAX_WORLD)] = 1
     max_world: Annotated[int, Field(ge=1, le=MAX_WORLD)] = 1024
     heartbeat_interval_s: PositiveSeconds = 1.0
     #: Heartbeat timeout per phase; a phase not listed falls back to ``train``.
@@ -51,7 +55,7 @@ class JobPolicy(Strict):
             Phase.RESTORE: 30.0,
         }
     )
-    backup_interval: Annotated[int, Field(ge=1)] = 10
+    backup_interval: PositiveInt = 10
     redundancy: Annotated[int, Field(ge=0, le=8)] = 2
     recovery_deadline_s: PositiveSeconds = 60.0
     #: A cold checkpoint every this many backups (0: never).
@@ -89,7 +93,7 @@ class MemberJoined(Strict):
     node: Ident
     rack: Ident
     host: ShortText
-    pid: Annotated[int, Field(ge=0)]
+    pid: NonNegInt
     role: Role
     device: ShortText = "cpu"
     backup_endpoint: ShortText = ""
@@ -104,7 +108,7 @@ class MemberHeartbeat(Strict):
 
 class TrainStep(Strict):
     step: Step
-    loss: Annotated[float, Field(allow_inf_nan=False)]
+    loss: Finite
     step_seconds: Seconds
     samples: NonNegInt
 
@@ -145,16 +149,41 @@ class MemberFault(Strict):
     step: Step | None = None
     #: Peers the reporter blames, e.g. the rank a collective lost its connection to.
     suspects: Annotated[list[Ident], Field(max_length=64)] = Field(default_factory=list)
+    #: ``restore_failed`` only: the shard (of backup ``step``) whose copy was refused, and the
+    #: member that served it (the reporter itself for its own memory): its copy does not match
+    #: the digest the control plane recorded. Evidence against that copy, not that member.
+    shard: NonNegInt | None = None
+    source: Ident | None = None
 
 
 class MemberExited(Strict):
     member: Ident
-    exit_code: int | None = None
+    exit_code: Int64 | None = None
     signal: Annotated[int, Field(ge=1, le=64)] | None = None
+
+
+class MemberLaunched(Strict):
+    """A launcher started a member (from ``<node>/launcher``): its spare counts once it joins."""
+
+    member: Ident
+    role: Role
+    pid: NonNegInt
 
 
 class CommandAcked(Strict):
     command_id: UUID
+
+
+class CommandRefused(Strict):
+    """A command a member did not obey: unsigned, or its signature did not verify."""
+
+    #: The subject it came on.
+    subject: ShortText
+    reason: ShortText
+    #: Its ``command_id``, when the refused bytes held a readable one (the forger's claim).
+    command_id: UUID | None = None
+    #: Refusals since the previous report that were not reported (reports are rate-limited).
+    suppressed: NonNegInt = 0
 
 
 class RestoreCompleted(Strict):
@@ -163,7 +192,9 @@ class RestoreCompleted(Strict):
     bytes: NonNegInt
     seconds: Seconds
     #: Shard -> member it was restored from (the member itself for local copies).
-    sources: Annotated[dict[str, Ident], Field(max_length=MAX_WORLD)] = Field(default_factory=dict)
+    sources: Annotated[dict[ShortText, Ident], Field(max_length=MAX_WORLD)] = Field(
+        default_factory=dict
+    )
 
 
 class TrainResumed(Strict):
@@ -173,7 +204,7 @@ class TrainResumed(Strict):
 
 class TrainCompleted(Strict):
     step: Step
-    loss: Annotated[float, Field(allow_inf_nan=False)] | None = None
+    loss: Finite | None = None
 
 
 #: The members holding copies of one shard.
@@ -196,7 +227,7 @@ class Evidence(Strict):
     member: Ident
     what: ShortText
     position: NonNegInt | None = None
-    at: AwareDatetime | None = None
+    at: Timestamp | None = None
 
 
 class FaultDetected(Strict):
@@ -224,6 +255,9 @@ class ReallocationIssued(Strict):
     #: ``plan[s]``: the member shard ``s`` of the restore step is taken from (the member
     #: itself when it holds it); empty when restoring from a checkpoint or the initial state.
     plan: Members = Field(default_factory=list)
+    #: ``digests[s]``: the digest shard ``s``'s owner reported for the restore step (its copy
+    #: must hash to it); parallel to ``plan``, empty where ``plan`` is.
+    digests: Annotated[list[Checksum], Field(max_length=MAX_WORLD)] = Field(default_factory=list)
     rendezvous: ShortText
     reason: Text
 
@@ -257,9 +291,9 @@ class EnvelopeBase(Strict):
     source: Source
     #: Identifies one run of the producing process; ``seq`` restarts with it.
     incarnation: Ident
-    seq: Annotated[int, Field(ge=1)]
+    seq: PositiveInt
     generation: NonNegInt
-    emitted_at: AwareDatetime
+    emitted_at: Timestamp
     payload: Any
 
     @property
@@ -341,12 +375,28 @@ class MemberExitedEvent(EnvelopeBase):
     payload: MemberExited
 
 
+class MemberLaunchedEvent(EnvelopeBase):
+    """``member.launched``, version 1."""
+
+    type: Literal["member.launched"]
+    v: Literal[1]
+    payload: MemberLaunched
+
+
 class CommandAckedEvent(EnvelopeBase):
     """``command.acked``, version 1."""
 
     type: Literal["command.acked"]
     v: Literal[1]
     payload: CommandAcked
+
+
+class CommandRefusedEvent(EnvelopeBase):
+    """``command.refused``, version 1."""
+
+    type: Literal["command.refused"]
+    v: Literal[1]
+    payload: CommandRefused
 
 
 class RestoreCompletedEvent(EnvelopeBase):
@@ -439,7 +489,9 @@ MEMBER_EVENT_TYPES: dict[str, type[Strict]] = {
     "checkpoint.saved": CheckpointSaved,
     "member.fault": MemberFault,
     "member.exited": MemberExited,
+    "member.launched": MemberLaunched,
     "command.acked": CommandAcked,
+    "command.refused": CommandRefused,
     "restore.completed": RestoreCompleted,
     "train.resumed": TrainResumed,
     "train.completed": TrainCompleted,
@@ -471,7 +523,9 @@ Event = Annotated[
         CheckpointSavedEvent,
         MemberFaultEvent,
         MemberExitedEvent,
+        MemberLaunchedEvent,
         CommandAckedEvent,
+        CommandRefusedEvent,
         RestoreCompletedEvent,
         TrainResumedEvent,
         TrainCompletedEvent,

@@ -84,13 +84,18 @@ class Scenario:
         role: str = "worker",
         *,
         policy: JobPolicy | None = None,
+        announce: bool = True,
     ) -> None:
+        """``member`` joins on ``node``, and its launcher announces it (``announce``; after
+        the join, the order a fast member and a slow launcher give: it counts from then)."""
         self.nodes[member] = node
         payload: dict[str, Any] = {"role": role}
         if self._first_join:
             payload["policy"] = (policy or self.policy).model_dump(mode="json")
             self._first_join = False
         self.add(self.ev.joined(member, node=node, rack=rack, payload=payload))
+        if announce:
+            self.launched(member, node, role)
 
     def cluster(self, racks: int, nodes_per_rack: int, spares: int = 0) -> list[str]:
         """Join one worker per node over ``racks`` racks, then ``spares`` spares (rack by
@@ -105,6 +110,18 @@ class Scenario:
             r = s % racks
             self.join(f"spare{s}", f"spare-node-{s}", f"rack{r}", role="spare")
         return workers
+
+    def launched(
+        self, member: str, node: str, role: str = "worker", *, pid: int = 1, source: str = ""
+    ) -> None:
+        """The launcher of ``node`` (or ``source``) announces that it started ``member``."""
+        self.add(
+            self.ev.make(
+                "member.launched",
+                {"member": member, "role": role, "pid": pid},
+                source=source or f"{node}/launcher",
+            )
+        )
 
     def _src(self, member: str) -> str:
         return f"{self.nodes[member]}/{member}"
@@ -130,13 +147,15 @@ class Scenario:
         alive = [m for m, member in self.v.members.items() if member.status.value == "active"]
         self.heartbeat(*alive, step=step, phase=phase)
 
-    def exited(self, member: str, *, signal: int | None = 9, code: int | None = None) -> None:
+    def exited(
+        self, member: str, *, signal: int | None = 9, code: int | None = None, source: str = ""
+    ) -> None:
+        """The launcher of ``member``'s node (or ``source``) reports its exit."""
         self.add(
             self.ev.make(
                 "member.exited",
                 {"member": member, "signal": signal, "exit_code": code},
-                source=self._src(member),
-                generation=self._gen(),
+                source=source or f"{self.nodes[member]}/launcher",
             )
         )
 

@@ -27,12 +27,17 @@ from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest, make_wsgi_app
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from controlplane.api.auth import Denied, TokenAuth
 from controlplane.core.records import StoredEvent
-from controlplane.core.view import JobView
+from controlplane.core.view import DiscountReason, JobView
 from schemas.common import CONTROLPLANE_SOURCE, JobState
 
 #: Upper bounds of the MTTR histogram's buckets, in seconds.
@@ -52,8 +57,10 @@ class _ViewCollector(Collector):
         states: Tally[JobState] = Tally()
         outcomes: Tally[tuple[str, str]] = Tally()
         downtimes: list[float] = []
+        discounted: Tally[str] = Tally()
         for view in self._views():
             states[view.state] += 1
+            discounted.update(view.discount_counts)
             for incident in view.incidents.values():
                 outcome = incident.outcome or "open"
                 outcomes[outcome, incident.kind] += 1
@@ -75,6 +82,15 @@ class _ViewCollector(Collector):
             for kind in kinds:
                 incidents.add_metric([outcome, kind], outcomes[outcome, kind])
         yield incidents
+        events = CounterMetricFamily(
+            "elastic_events_discounted",
+            "Events stored in the log that the control plane did not believe, by reason"
+            " (see the discounts of GET /api/v1/jobs/{job}/cluster).",
+            labels=["reason"],
+        )
+        for reason in sorted({*(r.value for r in DiscountReason), *discounted}):
+            events.add_metric([reason], discounted[reason])
+        yield events
         yield _histogram(
             "elastic_mttr_seconds",
             "Downtime of recovered faults: the fault to the first step of the new generation.",

@@ -8,12 +8,14 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from controlplane.core.decide import natural_key
+from controlplane.core.detect import accusations
 from controlplane.core.timeline import PHASES, POINTS, timeline
 from controlplane.core.view import Decision, Incident, JobView, Member, StepBackup
 from schemas.api import (
     BackupOut,
     Cluster,
     DecisionOut,
+    DiscountOut,
     IncidentSummary,
     IncidentTimeline,
     JobDetail,
@@ -162,7 +164,7 @@ def incident_timeline(incident: Incident) -> IncidentTimeline:
     )
 
 
-def member_out(member: Member) -> MemberOut:
+def member_out(member: Member, suspected_by: list[str] | None = None) -> MemberOut:
     """A member as ``GET /jobs/{job}/cluster`` describes it."""
     return MemberOut(
         member_id=member.member_id,
@@ -177,6 +179,8 @@ def member_out(member: Member) -> MemberOut:
         last_heartbeat_at=member.last_heartbeat_at,
         joined_at=member.joined_at,
         failed_reason=member.failed_reason,
+        announced=member.announced_position is not None,
+        suspected_by=suspected_by or [],
     )
 
 
@@ -214,6 +218,7 @@ def _topology(members: Iterable[Member]) -> dict[str, dict[str, list[str]]]:
 def cluster(view: JobView) -> Cluster:
     """``GET /jobs/{job}/cluster``: members, topology, backups and state."""
     redundancy = view.effective_policy.redundancy
+    suspects = accusations(view)
     return Cluster(
         job_id=view.job_id,
         state=view.state,
@@ -222,11 +227,19 @@ def cluster(view: JobView) -> Cluster:
         rendezvous=view.rendezvous,
         placement=[list(holders) for holders in view.placement],
         placement_note=view.placement_note,
-        members=[member_out(m) for m in view.members.values()],
+        members=[member_out(m, suspects.get(m.member_id)) for m in view.members.values()],
         topology=_topology(view.members.values()),
         backups=[_backup(b, redundancy) for _, b in sorted(view.backups.items())],
         last_complete_backup=view.last_complete_backup,
-    )
+        discounts=[
+            DiscountOut(
+                position=d.position, type=d.type, source=d.source, reason=d.reason.value,
+                detail=d.detail,
+            )
+            for d in view.discounts
+        ],
+        discount_counts=dict(view.discount_counts),
+    )  # fmt: skip
 
 
 def loss_curve(view: JobView, losses: Mapping[int, StepLoss]) -> LossCurve:

@@ -23,7 +23,7 @@ from datetime import datetime
 from anyio import to_thread
 
 from controlplane.api.render import StepLoss
-from controlplane.core.fold import fold
+from controlplane.core.fold import fold_noting
 from controlplane.core.records import StoredEvent
 from controlplane.core.view import JobView
 from controlplane.store.port import EventStore
@@ -221,11 +221,14 @@ class LiveViews:
         added: dict[str, JobEntry] = {}
         for job_id, batch in by_job.items():
             entry = jobs.get(job_id)
+            # The fold says which events it did not believe: their steps and losses count
+            # nowhere (a forged step of 10^15 is in the log, not on the loss curve).
+            view, ignored = fold_noting(entry.view if entry is not None else None, batch)
             if entry is None:
-                entry = added[job_id] = JobEntry(fold(None, batch))
+                entry = added[job_id] = JobEntry(view)
             else:
-                entry.view = fold(entry.view, batch)
-            _count_losses(entry.losses, batch)
+                entry.view = view
+            _count_losses(entry.losses, batch, ignored)
             entry.count_times(batch)
         if added:
             self._jobs = {**jobs, **added}
@@ -249,10 +252,12 @@ def settle_heap() -> None:
     gc.freeze()
 
 
-def _count_losses(losses: dict[int, StepLoss], events: list[StoredEvent]) -> None:
+def _count_losses(
+    losses: dict[int, StepLoss], events: list[StoredEvent], ignored: frozenset[int] = frozenset()
+) -> None:
     for stored in events:
         event = stored.event
-        if event.type != "train.step":
+        if event.type != "train.step" or (ignored and stored.position in ignored):
             continue
         step, loss = event.payload.step, event.payload.loss
         known = losses.get(step)

@@ -81,6 +81,8 @@ class RecordedJob:
     #: What was recorded and not yet handed out by ``take``.
     out: list[EnvelopeBase] = field(default_factory=list)
     sources: dict[str, _Source] = field(default_factory=dict)
+    #: node -> its launcher (``<node>/launcher``: announces members, reports exits).
+    launchers: dict[str, _Source] = field(default_factory=dict)
     position: int = 0
     recorded: int = 0
     #: Recorded and not yet folded: (recorded time, event).
@@ -111,8 +113,15 @@ class RecordedJob:
         # Time-ordered, as members' ids are (``schemas.ids``); the time is the event's.
         return uuid7(int(self.now.timestamp() * 1000), self.rng.getrandbits(74))
 
-    def _event(self, member: str, type_: str, payload: dict[str, Any]) -> EnvelopeBase:
+    def _event(
+        self, member: str, type_: str, payload: dict[str, Any], *, launcher: bool = False
+    ) -> EnvelopeBase:
+        """An event of ``member`` (``launcher``: of the launcher of its node)."""
         source = self.sources[member]
+        if launcher:
+            node = source.node
+            source = self.launchers.setdefault(node, _Source(node, source.rack, f"l-{node}"))
+            member = "launcher"
         source.seq += 1
         return EVENT_CLASSES[type_].model_validate(
             {
@@ -159,7 +168,9 @@ class RecordedJob:
         }  # fmt: skip
         if policy is not None:
             payload["policy"] = policy.model_dump(mode="json")
-        self._add([self._event(member, "member.joined", payload)])
+        launched = {"member": member, "role": role, "pid": payload["pid"]}
+        self._add([self._event(member, "member.launched", launched, launcher=True),
+                   self._event(member, "member.joined", payload)])  # fmt: skip
 
     def _active(self) -> list[str]:
         return [m for m, s in self._roster.members.items() if s.status is MemberStatus.ACTIVE]
@@ -215,7 +226,8 @@ class RecordedJob:
     def _crash(self, victim: str) -> int:
         """``victim`` is killed; the world recovers; return the step training goes on from."""
         self._add([self._event(victim, "member.exited",
-                               {"member": victim, "signal": 9, "exit_code": None})])  # fmt: skip
+                               {"member": victim, "signal": 9, "exit_code": None},
+                               launcher=True)])  # fmt: skip
         if not self._decide():
             raise RuntimeError(f"the decider did not act on {victim}'s exit")
         incident = self.v.incidents[self.v.open_incident or ""]

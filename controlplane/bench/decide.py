@@ -217,7 +217,13 @@ async def _scenario(
         if progress:
             _progress(f"{len(job.members)} members join")
         names = list(job.members)
+        # Each node's launcher announces the members it started (a spare counts only then).
         await world.send(lambda: [
+            job.envelope(m, "member.launched",
+                         {"member": m, "role": job.members[m].role, "pid": 1},
+                         by=job.launcher(m))
+            for m in names
+        ] + [
             job.envelope(m, "member.joined", job.joined(m, policy if m == names[0] else None))
             for m in names
         ])  # fmt: skip
@@ -261,7 +267,13 @@ async def _scenario(
             if k % 2 == 0:
                 world.silent.add(victim)
                 # Its emitted_at (the trigger) is taken when the send's turn comes.
-                await world.send_one(victim, "member.exited", {"member": victim, "signal": 9})
+                # ... reported by the launcher of its node (the only source believed).
+                exit_ = {"member": victim, "signal": 9}
+                await world.send(
+                    lambda v=victim, p=exit_: [  # type: ignore[misc]
+                        job.envelope(v, "member.exited", p, by=job.launcher(v))
+                    ]
+                )
                 how = "crash"
             else:
                 world.silent.add(victim)

@@ -46,9 +46,24 @@ class SimulatedJob:
         self.members = {m.member: m for m in members}
         for m in self.members.values():
             m.incarnation = m.incarnation or uuid.uuid4().hex[:12]
+        #: node -> its launcher (``<node>/launcher``: announces members, reports exits).
+        self.launchers: dict[str, SimMember] = {}
 
-    def envelope(self, member: str, type_: str, payload: dict[str, Any]) -> Outgoing:
-        m = self.members[member]
+    def launcher(self, member: str) -> SimMember:
+        """The launcher of ``member``'s node."""
+        node = self.members[member].node
+        found = self.launchers.get(node)
+        if found is None:
+            found = self.launchers[node] = SimMember(
+                "launcher", node, self.members[member].rack, incarnation=uuid.uuid4().hex[:12]
+            )
+        return found
+
+    def envelope(
+        self, member: str, type_: str, payload: dict[str, Any], *, by: SimMember | None = None
+    ) -> Outgoing:
+        """An event of ``member`` (or of ``by``, its launcher)."""
+        m = by or self.members[member]
         m.seq += 1
         event_id = new_event_id()
         data = {
@@ -87,8 +102,16 @@ class SimulatedJob:
         return payload
 
     async def join(self, members: Iterable[str], policy: dict[str, Any] | None = None) -> None:
+        """Each member's launcher announces it, then it joins."""
+        names = list(members)
+        launched = [
+            self.envelope(n, "member.launched",
+                          {"member": n, "role": self.members[n].role, "pid": 1},
+                          by=self.launcher(n))
+            for n in names
+        ]  # fmt: skip
         await self.send(
-            [self.envelope(n, "member.joined", self.joined(n, policy)) for n in members]
+            launched + [self.envelope(n, "member.joined", self.joined(n, policy)) for n in names]
         )
 
     async def heartbeat(self, members: Iterable[str], step: int, phase: str = "train") -> None:
@@ -97,8 +120,10 @@ class SimulatedJob:
         )
 
     async def exited(self, member: str, signal: int = 9) -> None:
+        """The launcher of ``member``'s node reports its exit."""
         await self.send([self.envelope(member, "member.exited", {"member": member,
-                                                                 "signal": signal})])  # fmt: skip
+                                                                 "signal": signal},
+                                       by=self.launcher(member))])  # fmt: skip
 
     async def step(self, members: Iterable[str], step: int, loss: float = 1.0) -> None:
         await self.send(

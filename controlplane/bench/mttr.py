@@ -15,6 +15,13 @@ and lose the same ranks at the same steps (SIGKILL of itself, after the step):
   0.1 s (``--monitor-interval``), so its detection is as quick as the launcher's.
 
 ``ratio`` is ``mttr_median_s / baseline_median_s``, both measured in this one run.
+
+``security`` (``off``, ``on`` or ``both``): with ``on`` the control plane has an installation
+secret (``ELASTIC_SECRET``: an authenticated rendezvous store, signed commands) and the
+launcher hands its members the job's secret and the command key, as deployed. ``both`` runs
+the elastic job with security on and off, alternating (on, off; then off, on; ...) for
+``rounds`` rounds on the same services, and reports each one's MTTR and ``security_ratio``
+(median MTTR on over off).
 """
 
 from __future__ import annotations
@@ -38,6 +45,13 @@ from controlplane.core.timeline import timeline
 from controlplane.core.view import JobView
 from controlplane.settings import NATS_URL_ENV
 from controlplane.store.postgres import PostgresEventStore
+from schemas.auth import (
+    COMMAND_KEY_ENV,
+    JOB_SECRET_ENV,
+    MASTER_SECRET_ENV,
+    command_public_key,
+    job_secret,
+)
 from schemas.common import JobState
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -90,8 +104,11 @@ def elastic_run(
     backup_interval: int,
     workdir: Path,
     timeout: float = 600.0,
+    master: bytes | None = None,
 ) -> JobView:
-    """Run the job with in-process recovery; return its folded view once it completed."""
+    """Run the job with in-process recovery; return its folded view once it completed.
+    ``master``: the control plane's installation secret, whose job secret and command key
+    the launcher hands the members (None: security off)."""
     job_id = f"bench-mttr-{uuid.uuid4().hex[:8]}"
     command = [
         sys.executable, "-m", "controlplane", "run", "--nproc", str(RANKS),
@@ -102,7 +119,12 @@ def elastic_run(
         command += ["--fault", f"crash@{step}:rank={rank}"]
     command += [str(_example("train.py")), "--steps", str(steps)]
     env = {**os.environ, NATS_URL_ENV: services.nats_url, "ELASTIC_LOG_LEVEL": "WARNING"}
-    _run(command, env, timeout, workdir / "elastic.log")
+    for name in (MASTER_SECRET_ENV, JOB_SECRET_ENV, COMMAND_KEY_ENV):
+        env.pop(name, None)
+    if master is not None:
+        env[JOB_SECRET_ENV] = job_secret(master, job_id).hex()
+        env[COMMAND_KEY_ENV] = command_public_key(master).hex()
+    _run(command, env, timeout, workdir / f"elastic-{job_id}.log")
     store = PostgresEventStore.from_url(services.database_url)
     try:
         deadline = time.monotonic() + 30
@@ -164,47 +186,98 @@ def baseline_run(
     return seconds
 
 
+#: The installation secret of a run with security on (fixed: a benchmark, not a deployment).
+BENCH_SECRET = bytes(range(32))
+SECURITY = ("off", "on", "both")
+
+
+def _summary(incidents: list[dict[str, Any]], crashes: list[tuple[int, int]]) -> dict[str, Any]:
+    mttr = [i["downtime_s"] for i in incidents]
+    if len(mttr) != len(crashes):
+        raise BenchError(f"{len(crashes)} faults injected, {len(mttr)} incidents recorded")
+    return {
+        "faults": len(crashes),
+        "recovered": len(mttr),
+        "mttr_median_s": statistics.median(mttr),
+        "mttr_p90_s": _percentile(mttr, 0.9),
+        "mttr_s": mttr,
+        "phases_median_s": {
+            phase: statistics.median(i["phases"][phase] for i in incidents)
+            for phase in incidents[0]["phases"]
+        },
+        "steps_lost": [i["steps_lost"] for i in incidents],
+    }
+
+
+def _modes(security: str, rounds: int) -> list[bool]:
+    """Security on (True) or off for each elastic run, in order."""
+    if security == "on":
+        return [True] * rounds
+    if security == "off":
+        return [False] * rounds
+    return [m for r in range(rounds) for m in ((True, False) if r % 2 == 0 else (False, True))]
+
+
 def run_mttr_bench(
     *,
     faults: int = 5,
     backup_interval: int = 10,
     baseline: bool = True,
+    security: str = "off",
+    rounds: int = 1,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Run both and summarise (see the module docstring)."""
+    if security not in SECURITY:
+        raise BenchError(f"security is one of {', '.join(SECURITY)}, not {security!r}")
     say = progress or (lambda _message: None)
     crashes = schedule(faults, backup_interval)
     steps = crashes[-1][0] + 2 * backup_interval
     with tempfile.TemporaryDirectory(prefix="elastic-bench-mttr-") as tmp:
         workdir = Path(tmp)
-        with stack() as services, serving(services):
-            say(f"elastic: {RANKS} ranks + {faults} spares, {steps} steps, kills at {crashes}")
-            started = time.monotonic()
-            view = elastic_run(
-                services, crashes, steps=steps, backup_interval=backup_interval, workdir=workdir
-            )
-            elastic_seconds = time.monotonic() - started
-        incidents = elastic_mttr(view)
-        mttr = [i["downtime_s"] for i in incidents]
-        say(f"elastic: {len(mttr)} recoveries, downtimes {[round(m, 2) for m in mttr]}")
+        runs: dict[bool, list[dict[str, Any]]] = {True: [], False: []}
+        elastic_seconds = 0.0
+        with stack() as services:
+            for secured in _modes(security, max(1, rounds)):
+                label = "on" if secured else "off"
+                # Any free port: another control plane on this machine may hold 29400.
+                env = {"ELASTIC_RENDEZVOUS_PORT": "0"}
+                if secured:
+                    env[MASTER_SECRET_ENV] = BENCH_SECRET.hex()
+                with serving(services, **env):
+                    say(f"elastic (security {label}): {RANKS} ranks + {faults} spares,"
+                        f" {steps} steps, kills at {crashes}")  # fmt: skip
+                    started = time.monotonic()
+                    view = elastic_run(
+                        services, crashes, steps=steps, backup_interval=backup_interval,
+                        workdir=workdir, master=BENCH_SECRET if secured else None,
+                    )  # fmt: skip
+                    elastic_seconds += time.monotonic() - started
+                incidents = elastic_mttr(view)
+                _summary(incidents, crashes)
+                runs[secured] += incidents
+                say(f"elastic (security {label}): downtimes"
+                    f" {[round(i['downtime_s'], 3) for i in incidents]}")  # fmt: skip
+        main = runs[True] if security == "on" else runs[False] if security == "off" else runs[True]
         result: dict[str, Any] = {
+            **_summary(main, crashes * (len(main) // len(crashes))),
             "faults": len(crashes),
-            "recovered": len(mttr),
-            "mttr_median_s": statistics.median(mttr),
-            "mttr_p90_s": _percentile(mttr, 0.9),
-            "mttr_s": mttr,
-            "phases_median_s": {
-                phase: statistics.median(i["phases"][phase] for i in incidents)
-                for phase in incidents[0]["phases"]
-            },
-            "steps_lost": [i["steps_lost"] for i in incidents],
+            "security": security,
             "elastic_run_s": elastic_seconds,
             "ranks": RANKS,
             "steps": steps,
             "backup_interval": backup_interval,
         }
-        if len(mttr) != len(crashes):
-            raise BenchError(f"{len(crashes)} faults injected, {len(mttr)} incidents recorded")
+        if security == "both":
+            on, off = (_summary(runs[m], crashes * max(1, rounds)) for m in (True, False))
+            ratio = on["mttr_median_s"] / off["mttr_median_s"]
+            result |= {
+                "security_on": on,
+                "security_off": off,
+                "rounds": max(1, rounds),
+                "security_ratio": ratio,
+                "security_within_10pct": abs(ratio - 1.0) <= 0.10,
+            }
         if baseline:
             say("baseline: torchrun --max-restarts, torch.save checkpoints")
             started = time.monotonic()
@@ -217,6 +290,6 @@ def run_mttr_bench(
                 "baseline_p90_s": _percentile(base, 0.9),
                 "baseline_s": base,
                 "baseline_run_s": time.monotonic() - started,
-                "ratio": statistics.median(mttr) / statistics.median(base),
+                "ratio": result["mttr_median_s"] / statistics.median(base),
             }
     return result

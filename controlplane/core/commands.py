@@ -88,6 +88,7 @@ def _reallocate(view: JobView, incident_id: str, decision: Decision) -> Realloca
         restore_step=decision.restore_step,
         restore_from=decision.restore_from,
         plan=list(decision.plan),
+        digests=list(decision.digests),
         placement=placement,
         rendezvous=decision.rendezvous,
         endpoints=_endpoints(view, decision.world),

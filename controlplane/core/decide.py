@@ -30,11 +30,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from controlplane.core.detect import Finding, detect, heartbeat_timeout
+from controlplane.core.detect import Finding, detect, heartbeat_timeout, report_deadline
 from controlplane.core.fold import fold
 from controlplane.core.placement import place_columns
 from controlplane.core.records import StoredEvent
-from controlplane.core.restore import plan_restore
+from controlplane.core.restore import plan_restore, refused_sources, restore_digests
 from controlplane.core.statemachine import TERMINAL
 from controlplane.core.timeline import timeline
 from controlplane.core.view import Decision, Incident, JobView, Member, MemberStatus
@@ -198,6 +198,10 @@ def next_deadline(view: JobView) -> datetime | None:
             oldest[member.phase] = last
     for phase, last in oldest.items():
         deadlines.append(last + timedelta(seconds=heartbeat_timeout(view, phase)))
+    # A peer's report that waits for its suspect's silence to corroborate it.
+    waiting = report_deadline(view)
+    if waiting is not None:
+        deadlines.append(waiting)
     if view.state is _S.RECOVERING and view.open_incident is not None:
         incident = view.incidents[view.open_incident]
         if incident.decisions:
@@ -286,12 +290,15 @@ class _Round:
         return silent <= heartbeat_timeout(self.view, member.phase)
 
     def _usable(self, member: Member) -> bool:
-        """A member outside the world that could join it: alive, never failed, fresh, and
-        nothing ``detect`` would hold against it once it is in the world."""
+        """A member outside the world that could join it: started by its launcher (which
+        announced this process: a spare, or a worker that joined late, counts only then),
+        alive, never failed, fresh, and nothing ``detect`` would hold against it once it is
+        in the world."""
         if self.flagged.members is None:
             self.flagged.members = {f.member for f in detect(self.view, self.now)}
         return (
             member.rank is None
+            and member.announced_position is not None
             and member.status is MemberStatus.ACTIVE
             and member.detected_position is None
             and member.member_id not in self.flagged.members
@@ -497,6 +504,7 @@ class _Round:
                 restore_step=plan.restore_step,
                 restore_from=plan.restore_from,
                 plan=list(plan.sources),
+                digests=list(restore_digests(self.view, plan.restore_step, plan.sources)),
                 rendezvous=self._rendezvous(generation),
                 reason=plan.reason[:_MAX_TEXT],
             ),
@@ -614,6 +622,14 @@ class _Round:
         if findings:
             self._detected(incident.incident_id, findings)
             self._state(_S.REALLOCATING, f"while recovering: {_summary(findings)}")
+            return
+        refused = refused_sources(view, decision)
+        if refused:  # a copy of the plan is not what its owner reported: plan without it
+            what = ", ".join(f"shard {s} from {m}" for s, m in refused[:8])
+            self._state(
+                _S.REALLOCATING,
+                f"while recovering: the restore refused {what} (not the recorded digest)",
+            )
             return
         late = (self.now - decision.at).total_seconds()
         if late <= policy.recovery_deadline_s:

@@ -1,10 +1,24 @@
 """Fault detection: which members have failed, by the evidence in a job view at time ``now``.
 
 Pure: the view and the time are arguments. A member has failed when its launcher reported its
-exit, when it reported an error of its own (an exception, running out of memory), when a peer
-reported a collective error that names it, or when its last heartbeat is older than the timeout
-of the phase it last reported (backup and restore get their own, longer timeouts). A member
-already named by a ``fault.detected`` is not found again, so detection is idempotent.
+exit (the fold believes an exit only from the launcher of the member's node), when it reported
+an error of its own (an exception, running out of memory), when peers reported a fault that
+names it *and* that is corroborated (see below), or when its last heartbeat is older than the
+timeout of the phase it last reported (backup and restore get their own, longer timeouts). A
+member already named by a ``fault.detected`` is not found again, so detection is idempotent.
+
+A peer naming a suspect is evidence, not proof: one member (or one node's credential) must not
+be able to fence a healthy peer. A report naming a suspect, made since the current generation
+started and since the suspect joined, fences it only when one of these holds:
+
+- the suspect is silent: no heartbeat for ``SILENCE_BEATS`` heartbeat intervals of the policy
+  (a healthy member's heartbeat thread beats every interval, whatever its phase);
+- it exited (its launcher reported it: that finding is an exit);
+- reporters on at least ``INDEPENDENT_NODES`` different nodes name it (one node's credential
+  can forge reports from every member of that node, not from another node's).
+
+Until then the report waits in the view (``Member.last_fault``); ``report_deadline`` says when
+the silence would corroborate it, so the decider wakes then.
 """
 
 from __future__ import annotations
@@ -12,13 +26,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from controlplane.core.view import JobView, Member, MemberStatus
+from controlplane.core.view import FaultReport, JobView, Member, MemberStatus
 from schemas.common import FaultKind, FaultReason, Phase
 
 #: Faults a member reports about itself: it cannot go on.
 SELF_FAULTS = frozenset({FaultKind.EXCEPTION, FaultKind.OOM, FaultKind.NAN_LOSS, FaultKind.OTHER})
 #: Faults a member reports about peers (named as suspects).
 PEER_FAULTS = frozenset({FaultKind.COLLECTIVE_ERROR, FaultKind.TIMEOUT, FaultKind.RESTORE_FAILED})
+#: A suspect silent for this many heartbeat intervals corroborates a report naming it.
+SILENCE_BEATS = 3
+#: Reports from members on this many different nodes corroborate each other.
+INDEPENDENT_NODES = 2
 _WHERE: dict[str, str] = {
     FaultKind.COLLECTIVE_ERROR: "in a collective",
     FaultKind.TIMEOUT: "in a collective",
@@ -63,6 +81,114 @@ def heartbeat_timeout(view: JobView, phase: Phase) -> float:
     """Seconds of silence after which a member in ``phase`` has failed."""
     timeouts = view.effective_policy.heartbeat_timeout_s
     return timeouts.get(phase, timeouts.get(Phase.TRAIN, 5.0))
+
+
+def silence_limit(view: JobView) -> float:
+    """Seconds without a heartbeat after which a suspect named by a peer counts as silent."""
+    return SILENCE_BEATS * view.effective_policy.heartbeat_interval_s
+
+
+def _accusations(view: JobView, reporters: list[Member]) -> dict[str, list[Member]]:
+    """Suspect -> the members whose current report names it (about a peer, made since the
+    current generation started and since the suspect joined), in the order given."""
+    members = view.members
+    since = view.generation_mark.position if view.generation_mark is not None else -1
+    out: dict[str, list[Member]] = {}
+    for reporter in reporters:
+        report = reporter.last_fault
+        if report is None or report.kind not in PEER_FAULTS or report.position < since:
+            continue
+        for suspect_id in dict.fromkeys(report.suspects):
+            suspect = members.get(suspect_id)
+            # A report from before the suspect's current incarnation joined is stale.
+            if (
+                suspect is None
+                or suspect_id == reporter.member_id
+                or not _watched(suspect)
+                or report.position < suspect.joined_position
+            ):
+                continue
+            out.setdefault(suspect_id, []).append(reporter)
+    return out
+
+
+def accusations(view: JobView) -> dict[str, list[str]]:
+    """Suspect -> the members whose report names it and still waits (not detected yet)."""
+    reporters = [m for m in view.members.values() if m.last_fault is not None]
+    if not reporters:
+        return {}
+    return {
+        suspect: [a.member_id for a in sorted(accusers, key=_report_position)]
+        for suspect, accusers in _accusations(view, reporters).items()
+    }
+
+
+def report_deadline(view: JobView) -> datetime | None:
+    """When the silence of a suspect that a waiting report names would corroborate it."""
+    reporters = [m for m in view.members.values() if m.last_fault is not None]
+    if not reporters:
+        return None
+    limit = timedelta(seconds=silence_limit(view))
+    deadlines = []
+    for suspect_id in _accusations(view, reporters):
+        suspect = view.members[suspect_id]
+        # Only a member of the world opens an incident (a spare's failure is no decision).
+        if suspect.status is MemberStatus.ACTIVE and suspect.rank is not None:
+            deadlines.append((suspect.last_heartbeat_at or suspect.joined_at) + limit)
+    return min(deadlines, default=None)
+
+
+def _corroborated(
+    view: JobView, suspect: Member, accusers: list[Member], now: datetime
+) -> Finding | None:
+    """The finding against ``suspect`` when the reports naming it are corroborated."""
+    accusers = sorted(accusers, key=_report_position)  # the earliest evidence first
+    first = accusers[0]
+    report = first.last_fault
+    assert report is not None
+    what = f"{first.member_id} lost {suspect.member_id} {_WHERE[report.kind]}: {report.detail}"
+    cited = tuple(_cite(a.member_id, a.last_fault) for a in accusers)
+    nodes = sorted({a.node for a in accusers})
+    if len(nodes) >= INDEPENDENT_NODES:
+        return Finding(
+            suspect.member_id,
+            FaultReason.REPORTED,
+            f"{what}; corroborated by {len(accusers)} reporters on {len(nodes)} nodes"
+            f" ({', '.join(a.member_id for a in accusers[:8])})"[:4096],
+            cited,
+        )
+    last = suspect.last_heartbeat_at or suspect.joined_at
+    silent = (now - last).total_seconds()
+    limit = silence_limit(view)
+    if silent >= limit:
+        heard = (
+            suspect.member_id,
+            "member.heartbeat" if suspect.last_heartbeat_at else "member.joined",
+            suspect.last_heartbeat_position or suspect.joined_position,
+            last,
+        )
+        return Finding(
+            suspect.member_id,
+            FaultReason.REPORTED,
+            f"{what}; corroborated by its silence: no heartbeat for {silent:.1f}s"
+            f" ({SILENCE_BEATS} intervals of {view.effective_policy.heartbeat_interval_s:g}s)"[
+                :4096
+            ],
+            (*cited, heard),
+        )
+    return None
+
+
+def _report_position(member: Member) -> int:
+    return member.last_fault.position if member.last_fault is not None else -1
+
+
+_Cited = tuple[str, str, int | None, datetime | None]
+
+
+def _cite(member_id: str, report: FaultReport | None) -> _Cited:
+    assert report is not None
+    return (member_id, "member.fault", report.position, report.at)
 
 
 def detect(view: JobView, now: datetime) -> list[Finding]:
@@ -131,26 +257,13 @@ def detect(view: JobView, now: datetime) -> list[Finding]:
                     ((reporter.member_id, "member.fault", report.position, report.at),),
                 ),
             )
-        elif report.kind in PEER_FAULTS:
-            for suspect_id in report.suspects:
-                suspect = members.get(suspect_id)
-                # A report from before the suspect's current incarnation joined is stale.
-                if (
-                    suspect is None
-                    or not _watched(suspect)
-                    or report.position < suspect.joined_position
-                ):
-                    continue
-                findings.setdefault(
-                    suspect_id,
-                    Finding(
-                        suspect_id,
-                        FaultReason.REPORTED,
-                        f"{reporter.member_id} lost {suspect_id} {_WHERE[report.kind]}:"
-                        f" {report.detail}"[:4096],
-                        ((reporter.member_id, "member.fault", report.position, report.at),),
-                    ),
-                )
+    if reporters:
+        for suspect_id, accusers in _accusations(view, reporters).items():
+            if suspect_id in findings:
+                continue  # its exit (or its own report) already shows it
+            finding = _corroborated(view, members[suspect_id], accusers, now)
+            if finding is not None:
+                findings[suspect_id] = finding
 
     for member, silent, limit in silent_members:
         if member.member_id in findings:

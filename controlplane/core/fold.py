@@ -19,12 +19,18 @@ from controlplane.core.statemachine import TERMINAL, can_transition
 from controlplane.core.view import (
     DEFAULT_POLICY,
     KEEP_COMPLETE_BACKUPS,
+    LAUNCHER,
     MAX_ANOMALIES,
+    MAX_DISCOUNTS,
+    MAX_STEP_LEAD,
     CheckpointStep,
     Decision,
+    Discount,
+    DiscountReason,
     FaultReport,
     Incident,
     JobView,
+    Launched,
     Mark,
     Member,
     MemberStatus,
@@ -33,7 +39,7 @@ from controlplane.core.view import (
     StateChange,
     StepBackup,
 )
-from schemas.common import JobState, ReallocationMode
+from schemas.common import FaultKind, JobState, ReallocationMode
 
 _VIEW_FIELDS = tuple(f.name for f in fields(JobView))
 
@@ -63,12 +69,21 @@ _copy_decision = _copier(Decision)
 
 def fold(view: JobView | None, events: Iterable[StoredEvent]) -> JobView:
     """Apply ``events`` (all of one job, in log order) to ``view`` and return the new view."""
+    return fold_noting(view, events)[0]
+
+
+def fold_noting(
+    view: JobView | None, events: Iterable[StoredEvent]
+) -> tuple[JobView, frozenset[int]]:
+    """``fold``, and the positions of the events of this call that changed nothing because
+    the fold did not believe them: discounted (``JobView.discounts``) or from a source that
+    never joined. A reader that counts events itself (the API's loss curve) skips those."""
     iterator = iter(events)
     first = next(iterator, None)
     if first is None:
         if view is None:
             raise ValueError("fold of no events needs a starting view")
-        return view
+        return view, frozenset()
     folder = _Fold(view if view is not None else JobView(job_id=first.event.job_id))
     job_id = folder.view.job_id
     handlers = _HANDLERS
@@ -85,7 +100,7 @@ def fold(view: JobView | None, events: Iterable[StoredEvent]) -> JobView:
     result.last_position = stored.position
     result.last_recorded_at = stored.recorded_at
     result.events += count
-    return result
+    return result, frozenset(folder.ignored)
 
 
 def fold_jobs(views: Mapping[str, JobView], events: Iterable[StoredEvent]) -> dict[str, JobView]:
@@ -102,7 +117,16 @@ def fold_jobs(views: Mapping[str, JobView], events: Iterable[StoredEvent]) -> di
 class _Fold:
     """A transient: owns a copy of the view and mutates it while applying one call's events."""
 
-    __slots__ = ("_by_source", "_own_backups", "_own_incidents", "_own_members", "view")
+    __slots__ = (
+        "_by_source",
+        "_own_backups",
+        "_own_discounts",
+        "_own_incidents",
+        "_own_launched",
+        "_own_members",
+        "ignored",
+        "view",
+    )
 
     def __init__(self, view: JobView) -> None:
         copy = JobView(**{name: getattr(view, name) for name in _VIEW_FIELDS})
@@ -118,6 +142,11 @@ class _Fold:
         self._by_source: dict[str, Member] = {}
         self._own_backups: set[int] = set()
         self._own_incidents: set[str] = set()
+        # Copied the first time this call changes them (most calls never do).
+        self._own_launched = False
+        self._own_discounts = False
+        #: Positions of events this call did not believe (see ``fold_noting``).
+        self.ignored: list[int] = []
 
     # ------------------------------------------------------------------ ownership
 
@@ -159,6 +188,34 @@ class _Fold:
             self._own_incidents.add(incident_id)
         return incident
 
+    def _discount(self, stored: StoredEvent, reason: DiscountReason, detail: str) -> None:
+        """Record that ``stored`` is not believed: it changes nothing but this record."""
+        view = self.view
+        if not self._own_discounts:
+            view.discounts = list(view.discounts)
+            view.discount_counts = dict(view.discount_counts)
+            self._own_discounts = True
+        event = stored.event
+        view.discounts.append(Discount(stored.position, event.type, event.source, reason, detail))
+        if len(view.discounts) > MAX_DISCOUNTS:
+            del view.discounts[0]
+        view.discount_counts[reason.value] = view.discount_counts.get(reason.value, 0) + 1
+        self.ignored.append(stored.position)
+
+    def _step_lead(self, stored: StoredEvent, member: Member, step: int) -> bool:
+        """Whether ``step`` is implausibly far ahead (then discounted): more than
+        MAX_STEP_LEAD beyond both the member's last step and the job's newest step."""
+        base = member.step if member.step > self.view.last_step else self.view.last_step
+        if step <= base + MAX_STEP_LEAD:
+            return False
+        self._discount(
+            stored,
+            DiscountReason.STEP_IMPLAUSIBLE,
+            f"step {step} of {member.member_id} is more than {MAX_STEP_LEAD} beyond its last"
+            f" step {member.step} and the job's newest step {self.view.last_step}",
+        )
+        return True
+
     def _anomaly(self, stored: StoredEvent, text: str) -> None:
         anomalies = self.view.anomalies
         anomalies.append(f"#{stored.position} {stored.event.type}: {text}")
@@ -189,6 +246,7 @@ class _Fold:
             else None,
             last_seen_at=stored.recorded_at,
             joined_step=self.view.last_step,
+            announced_position=self._announcement(member_id, p.node, p.role, p.pid),
         )
         if p.policy is not None and self.view.requested_policy is None:
             self.view.requested_policy = p.policy
@@ -196,8 +254,42 @@ class _Fold:
         # The member object was replaced (and may have moved node): drop cached lookups.
         self._by_source = {k: m for k, m in self._by_source.items() if m.member_id != member_id}
 
+    def _announcement(self, member_id: str, node: str, role: Any, pid: int) -> int | None:
+        """Position of the launcher's announcement of this process, if it made one."""
+        launched = self.view.launched.get(member_id)
+        if launched is None or (launched.node, launched.role, launched.pid) != (node, role, pid):
+            return None
+        return launched.position
+
+    def _launched(self, stored: StoredEvent, p: Any) -> None:
+        node, _, sender = stored.event.source.partition("/")
+        if sender != LAUNCHER:
+            self._discount(
+                stored,
+                DiscountReason.LAUNCH_NOT_FROM_LAUNCHER,
+                f"{stored.event.source} is not a launcher: only {node}/{LAUNCHER} announces"
+                f" the members it starts on {node}",
+            )
+            return
+        view = self.view
+        if not self._own_launched:
+            view.launched = dict(view.launched)
+            self._own_launched = True
+        view.launched[p.member] = Launched(node, p.role, p.pid, stored.position)
+        # The member may have joined first (its announcement was late): it counts from now.
+        member = view.members.get(p.member)
+        if (
+            member is not None
+            and member.announced_position is None
+            and (member.node, member.role, member.pid) == (node, p.role, p.pid)
+        ):
+            owned = self._member(p.member)
+            assert owned is not None
+            owned.announced_position = stored.position
+
     def _known_member(self, stored: StoredEvent) -> Member | None:
-        """The member that sent ``stored`` (owned by this fold), its last_seen_at moved."""
+        """The member that sent ``stored`` (owned by this fold), its last_seen_at moved;
+        None (and the event discounted or noted) when it cannot be believed."""
         source = stored.event.source
         member = self._by_source.get(source)
         if member is None:
@@ -205,23 +297,42 @@ class _Fold:
             member = self._member(member_id) if member_id else None
             if member is None:
                 self._anomaly(stored, f"from {source}, which never joined")
+                self.ignored.append(stored.position)
                 return None
             self._by_source[source] = member
-        member.last_seen_at = stored.recorded_at
         generation = stored.event.generation
         # Compared, not max(): this runs for almost every event, and the call costs more.
-        if generation > member.generation:  # noqa: PLR1730
+        # A member's generation never passes the view's (only believed events move it), so
+        # only a newer one than the member's can be ahead of the control plane.
+        if generation > member.generation:
+            if generation > self.view.generation:
+                self._discount(
+                    stored,
+                    DiscountReason.GENERATION_AHEAD,
+                    f"generation {generation} from {source}: the newest the control plane"
+                    f" issued is {self.view.generation}",
+                )
+                return None
             member.generation = generation
+        member.last_seen_at = stored.recorded_at
         return member
 
     def _heartbeat(self, stored: StoredEvent, p: Any) -> None:
         member = self._known_member(stored)
         if member is None:
             return
+        step = p.step
+        # Beyond both bounds (the common case is below either: compared inline, every
+        # member heartbeats).
+        if (
+            step > member.step + MAX_STEP_LEAD
+            and step > self.view.last_step + MAX_STEP_LEAD
+            and self._step_lead(stored, member, step)
+        ):
+            return
         member.last_heartbeat_at = stored.recorded_at
         member.last_heartbeat_position = stored.position
         member.phase = p.phase
-        step = p.step
         if step > member.step:  # noqa: PLR1730 (see _known_member)
             member.step = step
 
@@ -229,7 +340,15 @@ class _Fold:
         view = self.view
         member = self._known_member(stored)
         step = p.step
-        if member is not None and step > member.step:
+        if member is None:
+            return
+        if (
+            step > member.step + MAX_STEP_LEAD
+            and step > view.last_step + MAX_STEP_LEAD
+            and self._step_lead(stored, member, step)
+        ):
+            return
+        if step > member.step:  # noqa: PLR1730 (see _known_member)
             member.step = step
         if step >= view.last_step and stored.event.generation == view.generation:
             view.last_step = step
@@ -249,8 +368,10 @@ class _Fold:
 
     def _snapshot(self, stored: StoredEvent, p: Any) -> None:
         owner = self._known_member(stored)
+        if owner is None or self._step_lead(stored, owner, p.step):
+            return
         shard = self._shard(stored, p.step, p.shard)
-        if shard is None or owner is None:
+        if shard is None:
             return
         was = shard.is_satisfied(self._redundancy)
         shard.owner = owner.member_id
@@ -261,8 +382,10 @@ class _Fold:
 
     def _replicated(self, stored: StoredEvent, p: Any) -> None:
         member = self._known_member(stored)
+        if member is None or self._step_lead(stored, member, p.step):
+            return
         shard = self._shard(stored, p.step, p.shard)
-        if shard is None or member is None:
+        if shard is None:
             return
         holder = member.member_id
         if shard.owner is None:
@@ -326,7 +449,8 @@ class _Fold:
             self._own_backups.discard(old)
 
     def _checkpoint(self, stored: StoredEvent, p: Any) -> None:
-        if self._known_member(stored) is None:
+        member = self._known_member(stored)
+        if member is None or self._step_lead(stored, member, p.step):
             return
         view = self.view
         old = view.checkpoints.get(p.step)
@@ -353,12 +477,35 @@ class _Fold:
             step=p.step,
             suspects=tuple(p.suspects),
         )
+        if p.kind == FaultKind.RESTORE_FAILED and p.source is not None and p.shard is not None:
+            self._refute(p.step, p.shard, p.source)
+
+    def _refute(self, step: int | None, shard_no: int, source: str) -> None:
+        """A restore refused ``source``'s copy of the shard (it does not hash to the digest its
+        owner reported): that copy is never planned from again."""
+        backup = self._backup(step) if step is not None else None
+        shard = backup.shards.get(shard_no) if backup is not None else None
+        if shard is not None and source not in shard.refuted:
+            shard.refuted = (*shard.refuted, source)
 
     def _exited(self, stored: StoredEvent, p: Any) -> None:
-        member = self._member(p.member)
-        if member is None:
+        known = self.view.members.get(p.member)
+        if known is None:
             self._anomaly(stored, f"exit of {p.member}, which never joined")
             return
+        # Only the launcher that watches the process may say it ended: the one of the node
+        # the member joined on.
+        launcher = f"{known.node}/{LAUNCHER}"
+        if stored.event.source != launcher:
+            self._discount(
+                stored,
+                DiscountReason.EXIT_NOT_FROM_LAUNCHER,
+                f"exit of {p.member} reported by {stored.event.source}: only {launcher}, the"
+                f" launcher of its node, reports its exit",
+            )
+            return
+        member = self._member(p.member)
+        assert member is not None
         member.status = MemberStatus.EXITED
         member.exit_code = p.exit_code
         member.exit_signal = p.signal
@@ -393,6 +540,13 @@ class _Fold:
                     return
         self._anomaly(stored, f"ack of unknown or closed command {command_id}")
 
+    def _command_refused(self, stored: StoredEvent, p: Any) -> None:
+        """A member refused a command that did not verify: kept visible in the anomalies."""
+        more = f" (+{p.suppressed} unreported)" if p.suppressed else ""
+        claimed = f", claiming command {p.command_id}" if p.command_id else ""
+        self._anomaly(stored, f"{stored.event.source} refused a command on {p.subject}"
+                              f"{claimed}: {p.reason}{more}")  # fmt: skip
+
     def _restored(self, stored: StoredEvent, p: Any) -> None:
         member = self._known_member(stored)
         decision = self._decision(stored, p.generation)
@@ -408,7 +562,9 @@ class _Fold:
             decision.resumed.setdefault(member.member_id, Mark(stored.position, stored.recorded_at))
 
     def _train_completed(self, stored: StoredEvent, p: Any) -> None:
-        self._known_member(stored)
+        member = self._known_member(stored)
+        if member is None or self._step_lead(stored, member, p.step):
+            return
         view = self.view
         if view.completed_step is None or p.step > view.completed_step:
             view.completed_step = p.step
@@ -539,6 +695,7 @@ class _Fold:
                 restore_step=p.restore_step,
                 restore_from=p.restore_from,
                 plan=tuple(p.plan),
+                digests=tuple(p.digests),
                 rendezvous=p.rendezvous,
                 reason=p.reason,
             )
@@ -587,7 +744,9 @@ _HANDLERS: dict[str, Callable[[_Fold, StoredEvent, Any], None]] = {
     "checkpoint.saved": _Fold._checkpoint,
     "member.fault": _Fold._fault,
     "member.exited": _Fold._exited,
+    "member.launched": _Fold._launched,
     "command.acked": _Fold._acked,
+    "command.refused": _Fold._command_refused,
     "restore.completed": _Fold._restored,
     "train.resumed": _Fold._resumed,
     "train.completed": _Fold._train_completed,
@@ -601,4 +760,4 @@ _HANDLERS: dict[str, Callable[[_Fold, StoredEvent, Any], None]] = {
     "job.completed": _Fold._completed,
 }
 
-__all__ = ["fold", "fold_jobs"]
+__all__ = ["fold", "fold_jobs", "fold_noting"]

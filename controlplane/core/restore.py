@@ -5,17 +5,18 @@ on a surviving member (the owner's own snapshot counts while the owner survives;
 rejoined as a new process lost whatever its earlier process held). Each shard
 then comes from the member that will run it if that member holds a copy (local memory), else
 from a surviving holder on the same node, then the same rack, then anywhere, the least used
-source first, so one holder does not serve every shard.
+source first, so one holder does not serve every shard. A copy that a restore refused (it did
+not hash to the digest its owner reported: ``ShardBackup.refuted``) is never a source again.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Set
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 from typing import Protocol, cast
 
-from controlplane.core.view import JobView, ShardBackup, StepBackup
+from controlplane.core.view import Decision, JobView, ShardBackup, StepBackup
 
 
 class Located(Protocol):
@@ -48,9 +49,10 @@ def surviving_copies(
     """
     if shard.checksum is None:
         return []
+    refuted = shard.refuted
 
     def holds(member: str, position: int | None) -> bool:
-        if member not in survivors:
+        if member not in survivors or (refuted and member in refuted):
             return False
         return since is None or position is None or position > since.get(member, 0)
 
@@ -129,6 +131,10 @@ def _sources(
         for shard_no, owner, snapshot in zip(range(len(owners)), owners, snapshots, strict=True)
         if owner not in home or snapshot <= joins[owner]
     ]
+    # An owner whose own copy a restore refused (its memory does not match its report).
+    refuted = [n for n in numbers if present[n].refuted and owners[n] in present[n].refuted]
+    if refuted:
+        elsewhere = sorted({*elsewhere, *refuted})
     sources = owners  # its owner, but ``elsewhere``: replaced below
     # The rest in shard order, each from the closest surviving copy, the least used source
     # first (counted in C, over the sources chosen before it, only when needed).
@@ -145,6 +151,31 @@ def _sources(
         counted = shard_no
         sources[shard_no] = _closest(copies, receiver, slots, served)
     return tuple(sources)
+
+
+def restore_digests(view: JobView, step: int, sources: Sequence[str]) -> tuple[str, ...]:
+    """What each shard of backup ``step`` must hash to: its owner's reported digest, parallel
+    to ``sources`` (empty without sources: a restore from a checkpoint or the initial state)."""
+    backup = view.backups.get(step)
+    if not sources or backup is None:
+        return ()
+    shards = backup.shards
+    digests = [shards[n].checksum if n in shards else None for n in range(len(sources))]
+    return () if None in digests else cast("tuple[str, ...]", tuple(digests))
+
+
+def refused_sources(view: JobView, decision: Decision) -> list[tuple[int, str]]:
+    """(shard, source) of ``decision``'s plan whose copy a restore has since refused."""
+    backup = view.backups.get(decision.restore_step)
+    if backup is None or not decision.plan:
+        return []
+    out = []
+    for shard_no, shard in backup.shards.items():
+        if shard.refuted and shard_no < len(decision.plan):
+            source = decision.plan[shard_no]
+            if source in shard.refuted:
+                out.append((shard_no, source))
+    return sorted(out)
 
 
 def _closest(

@@ -5,6 +5,12 @@ of the producing process); a new incarnation starts its own sequence. When a seq
 the numbers skipped are a *hole*: recorded as a gap, and still accepted if they arrive late
 (a producer that retries a failed publish delivers it after later ones). Any other seq at or
 below the highest seen is out of order and refused.
+
+A seq more than ``MAX_SEQ_JUMP`` past its source's highest (or, for a source's first event,
+past 0) is implausible: no client skips that many (the member client buffers at most 100,000
+events and drops the oldest beyond that), so it is refused as a dead letter and the cursor
+does not move. Accepted, it would record a hole nobody can fill and let one bad number
+(up to 2^63 - 1) decide what the source's honest later events count as.
 """
 
 from __future__ import annotations
@@ -19,6 +25,9 @@ CursorKey = tuple[str, str, str]
 Holes = tuple[tuple[int, int], ...]
 #: Open holes kept per cursor; a late event for an older, forgotten hole is refused.
 MAX_HOLES = 32
+#: The furthest a seq may land past its source's highest: the member client's buffer
+#: (``rank_runtime.client.EventClient``, 100,000 events) ten times over.
+MAX_SEQ_JUMP = 1_000_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +61,8 @@ class Sequenced:
     accepted: list[EnvelopeBase] = field(default_factory=list)
     #: Positions in the input of the accepted events.
     accepted_at: list[int] = field(default_factory=list)
-    #: Events at or below their source's highest seq and in no hole, with the reason.
+    #: Events at or below their source's highest seq and in no hole, or implausibly far
+    #: past it (``MAX_SEQ_JUMP``), with the reason.
     stale: list[tuple[EnvelopeBase, str]] = field(default_factory=list)
     gaps: list[SeqGap] = field(default_factory=list)
     #: Events accepted into a hole (late, after later events of their source).
@@ -86,6 +96,15 @@ def sequence(events: Iterable[EnvelopeBase], cursors: Mapping[CursorKey, Cursor]
         seq = event.seq
         if seq == top + 1:  # the common case
             last[key] = seq
+        elif seq - top > MAX_SEQ_JUMP:
+            out.stale.append(
+                (
+                    event,
+                    f"implausible seq: {seq} is {seq - top} past {top} from {event.source} "
+                    f"(incarnation {event.incarnation}); a source skips at most {MAX_SEQ_JUMP}",
+                )
+            )
+            continue
         elif seq > top:
             out.gaps.append(SeqGap(event.job_id, event.source, event.incarnation, top, seq))
             holes[key] = (*holes[key], (top + 1, seq - 1))[-MAX_HOLES:]

@@ -21,6 +21,46 @@ MAX_ANOMALIES = 100
 KEEP_COMPLETE_BACKUPS = 2
 #: The policy a job has before its registration is folded.
 DEFAULT_POLICY = JobPolicy()
+#: Discounted events kept per job (the newest; ``JobView.discount_counts`` counts them all).
+MAX_DISCOUNTS = 100
+#: The member name a node's launcher publishes under (``<node>/launcher``); no member has it.
+LAUNCHER = "launcher"
+#: A member's step (in ``train.step``, ``member.heartbeat`` or a backup) may lead the larger
+#: of its own last step and the job's newest step by at most this many steps.
+MAX_STEP_LEAD = 10_000
+
+
+class DiscountReason(StrEnum):
+    """Why an event stored in the log was not believed (it changed nothing)."""
+
+    #: ``member.exited`` whose source is not the launcher of the member's node.
+    EXIT_NOT_FROM_LAUNCHER = "exit_not_from_launcher"
+    #: ``member.launched`` whose source is not a launcher.
+    LAUNCH_NOT_FROM_LAUNCHER = "launch_not_from_launcher"
+    #: An envelope generation newer than any the control plane issued.
+    GENERATION_AHEAD = "generation_ahead"
+    #: A step too far beyond the member's and the job's progress.
+    STEP_IMPLAUSIBLE = "step_implausible"
+
+
+@dataclass(frozen=True, slots=True)
+class Discount:
+    """One event the fold did not believe, and why."""
+
+    position: int
+    type: str
+    source: str
+    reason: DiscountReason
+    detail: str
+
+
+class Launched(NamedTuple):
+    """A launcher's announcement (``member.launched``) that it started a member."""
+
+    node: str
+    role: Role
+    pid: int
+    position: int
 
 
 class Mark(NamedTuple):
@@ -85,6 +125,9 @@ class Member:
     joined_step: int = 0
     #: The newest generation this member's events carried (it knows of that generation).
     generation: int = 0
+    #: Position of the ``member.launched`` of this member's launcher that vouches for this
+    #: process (same node, role and pid), None while no launcher announced it.
+    announced_position: int | None = None
 
 
 @dataclass(slots=True)
@@ -107,12 +150,19 @@ class ShardBackup:
     checksum: str | None = None
     snapshot_position: int | None = None
     replicas: dict[str, ReplicaCopy] = field(default_factory=dict)
+    #: Members whose copy a restore refused (it did not hash to ``checksum``): never a source.
+    refuted: tuple[str, ...] = ()
 
     def verified_holders(self) -> list[str]:
-        """Holders whose copy matches the owner's checksum."""
+        """Holders whose copy matches the owner's checksum (and no restore refused)."""
         if self.checksum is None:
             return []
-        return [h for h, c in self.replicas.items() if c.checksum == self.checksum]
+        refuted = self.refuted
+        return [
+            h
+            for h, c in self.replicas.items()
+            if c.checksum == self.checksum and not (refuted and h in refuted)
+        ]
 
     def is_satisfied(self, redundancy: int) -> bool:
         """The owner's snapshot is known and ``redundancy`` holders have a matching copy."""
@@ -173,6 +223,8 @@ class Decision:
     restore_from: RestoreFrom
     #: ``plan[s]``: the member shard ``s`` is restored from (memory restores only).
     plan: tuple[str, ...] = ()
+    #: ``digests[s]``: what shard ``s`` of the restore step must hash to (parallel to plan).
+    digests: tuple[str, ...] = ()
     rendezvous: str = ""
     reason: str = ""
     #: member -> the first event that shows it (position and time).
@@ -260,6 +312,12 @@ class JobView:
     last_recorded_at: datetime | None = None
     events: int = 0
     anomalies: list[str] = field(default_factory=list)
+    #: member -> the newest announcement of a launcher that it started it.
+    launched: dict[str, Launched] = field(default_factory=dict)
+    #: The newest events the fold discounted (at most MAX_DISCOUNTS), oldest first.
+    discounts: list[Discount] = field(default_factory=list)
+    #: Every discounted event of the job, counted by reason.
+    discount_counts: dict[str, int] = field(default_factory=dict)
 
     @property
     def effective_policy(self) -> JobPolicy:

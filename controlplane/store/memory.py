@@ -8,14 +8,27 @@ from datetime import UTC, datetime
 
 from controlplane.core.records import DeadLetter, StoredEvent
 from controlplane.core.sequence import Cursor, CursorKey, SeqGap, sequence
-from controlplane.errors import ConcurrencyError
+from controlplane.errors import ConcurrencyError, StoreRefused
 from controlplane.store.planning import refused_letters, split_stale, unique
 from controlplane.store.port import AppendResult, JobHead, StoredDeadLetter, paged
+from schemas.common import INT64_MAX
 from schemas.events import EnvelopeBase
 
 
 def _utcnow() -> datetime:
     return datetime.now(UTC)
+
+
+def refusal(event: EnvelopeBase) -> str | None:
+    """Why PostgreSQL would refuse to store ``event`` (None: it would not), so that this
+    store refuses the same input (``StoreRefused``) as the PostgreSQL one. The schemas let
+    none of it through; an event built without validation (``model_construct``) can hold it."""
+    for name in ("seq", "generation"):
+        if not 0 <= getattr(event, name) <= INT64_MAX:
+            return f"value {getattr(event, name)} is out of range for type bigint ({name})"
+    if "\\u0000" in event.model_dump_json():
+        return "unsupported Unicode escape sequence: \\u0000 cannot be converted to text"
+    return None
 
 
 class InMemoryEventStore:
@@ -65,6 +78,9 @@ class InMemoryEventStore:
                     raise ConcurrencyError(
                         f"job {expected.job_id} is at {last}, writer expected {expected.position}"
                     )
+            for event in events:
+                if (why := refusal(event)) is not None:
+                    raise StoreRefused(f"event {event.event_id}: {why}")
             batch = unique(events, encoded)
             sequenced = sequence(batch.events, self._cursors)
             duplicates, refused = split_stale(sequenced, self._ids)

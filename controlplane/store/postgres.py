@@ -21,7 +21,14 @@ from sqlalchemy import Engine, create_engine
 
 from controlplane.core.records import DeadLetter, StoredEvent
 from controlplane.core.sequence import Cursor, CursorKey, SeqGap, sequence
-from controlplane.errors import ConcurrencyError, SchemaNotMigrated, StoreError, StoreUnavailable
+from controlplane.decode import storable
+from controlplane.errors import (
+    ConcurrencyError,
+    SchemaNotMigrated,
+    StoreError,
+    StoreRefused,
+    StoreUnavailable,
+)
 from controlplane.settings import libpq_url, sqlalchemy_url
 from controlplane.store.planning import gap_rows, refused_letters, split_stale, unique
 from controlplane.store.port import AppendResult, JobHead, StoredDeadLetter, paged
@@ -52,13 +59,17 @@ _UPSERT_CURSORS = (
     " ON CONFLICT (job_id, source, incarnation) DO UPDATE SET last_seq = EXCLUDED.last_seq,"
     " holes = EXCLUDED.holes, updated_at = EXCLUDED.updated_at"
 )
+#: Every dead letter of an append in one statement (one per letter made a batch of fuzzed
+#: input, two thirds dead letters, take twice as long; ``elasticctl bench fuzz``).
 _INSERT_DEAD = (
     "INSERT INTO dead_letters (stream_seq, event_id, subject, job_id, raw, reason, received_at)"
-    " VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT DO NOTHING"
+    " SELECT q, e, s, j, r, why, %s FROM unnest(%s::int8[], %s::text[], %s::text[], %s::text[],"
+    " %s::bytea[], %s::text[]) AS d(q, e, s, j, r, why) ON CONFLICT DO NOTHING"
 )
 _INSERT_GAP = (
     "INSERT INTO seq_gaps (job_id, source, incarnation, after_seq, next_seq, recorded_at)"
-    " VALUES (%s, %s, %s, %s, %s, %s)"
+    " SELECT j, s, i, a, n, %s FROM unnest(%s::text[], %s::text[], %s::text[], %s::int8[],"
+    " %s::int8[]) AS g(j, s, i, a, n)"
 )
 
 
@@ -68,12 +79,19 @@ def raw_connection(engine: Engine) -> Iterator[psycopg.Connection[Any]]:
     (or dropped when that fails) on an error, back to the pool after."""
     with translated():
         pooled = engine.raw_connection()
+        conn = pooled.driver_connection
         try:
-            conn = pooled.driver_connection
             assert isinstance(conn, psycopg.Connection)
             yield conn
         except BaseException:
             try:
+                if (
+                    not isinstance(conn, psycopg.Connection)
+                    or conn.pgconn.pipeline_status != psycopg.pq.PipelineStatus.OFF
+                ):
+                    # A statement failed inside a pipeline: libpq may still hold its results
+                    # ("cannot exit pipeline mode while busy"); the connection is not reused.
+                    raise StoreError("left in pipeline mode")
                 pooled.rollback()
             except Exception:
                 pooled.invalidate()
@@ -82,25 +100,50 @@ def raw_connection(engine: Engine) -> Iterator[psycopg.Connection[Any]]:
             pooled.close()
 
 
+#: SQLSTATE classes of a server that is unreachable, going away, short of resources or in a
+#: transient conflict: the same statements may succeed later, so they are waited for.
+#: 08 connection exception, 25 invalid transaction state, 40 transaction rollback
+#: (serialization, deadlock), 53 insufficient resources, 55 object not in prerequisite state
+#: (lock not available), 57 operator intervention (57P01-03 shutdown, 57014 cancelled),
+#: 58 system error (I/O).
+TRANSIENT_CLASSES = frozenset({"08", "25", "40", "53", "55", "57", "58"})
+
+
+def classify(exc: psycopg.Error) -> StoreError:
+    """The project's error for a driver error: by its SQLSTATE when the server sent one.
+
+    Any other class (22 data exception, 23 integrity, 54 program limit, 42 and the rest) is
+    the input's fault: ``StoreRefused``, isolated and dead-lettered by the ingest. Without a
+    SQLSTATE the error is the client's: a lost or unusable connection (``OperationalError``,
+    ``InterfaceError``: unavailable; "cannot exit pipeline mode while busy" is one), else
+    something about the statement or its values (``DataError``, ...: refused).
+    """
+    message = str(exc).strip()
+    state = exc.sqlstate
+    if state is None:
+        if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError):
+            return StoreUnavailable(message)
+        return StoreRefused(message)
+    if state == "42P01":  # undefined_table
+        return SchemaNotMigrated(f"{message}: run `elasticctl migrate` first")
+    if state[:2] in TRANSIENT_CLASSES:
+        return StoreUnavailable(message)
+    return StoreRefused(message)
+
+
 @contextmanager
 def translated() -> Iterator[None]:
     """Turn driver errors into the project's own (the core never sees a driver type)."""
     try:
         yield
-    except psycopg.errors.UndefinedTable as exc:
-        raise SchemaNotMigrated(f"{exc}: run `elasticctl migrate` first") from exc
-    except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
-        raise StoreUnavailable(str(exc).strip()) from exc
-    except sa.exc.DBAPIError as exc:
-        if exc.connection_invalidated or isinstance(
-            exc.orig, psycopg.OperationalError | psycopg.InterfaceError
-        ):
-            raise StoreUnavailable(str(exc.orig).strip()) from exc
-        if isinstance(exc.orig, psycopg.errors.UndefinedTable):
-            raise SchemaNotMigrated(f"{exc.orig}: run `elasticctl migrate` first") from exc
-        raise StoreError(str(exc)) from exc
     except psycopg.Error as exc:
-        raise StoreError(str(exc).strip()) from exc
+        raise classify(exc) from exc
+    except sa.exc.DBAPIError as exc:
+        if exc.connection_invalidated:
+            raise StoreUnavailable(str(exc.orig).strip()) from exc
+        if isinstance(exc.orig, psycopg.Error):
+            raise classify(exc.orig) from exc
+        raise StoreError(str(exc)) from exc
 
 
 def make_engine(database_url: str, *, pool_size: int = 4) -> Engine:
@@ -260,6 +303,8 @@ class _Query:
     sql: str
     params: Any = None
     fetch: str = "none"  # none | one | all | rowcount
+    #: Parameters in binary (bytea as bytes, not hex text: dead letters' raw bytes).
+    binary: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -478,16 +523,24 @@ def _append_steps(
                 ),
             )
         )
-    closing.extend(_Query(_INSERT_GAP, (*gap, now)) for gap in gap_rows(sequenced.gaps))
-    letters = [*dead_letters, *refused_letters(refused)]
-    for letter in letters:
-        row = (letter.stream_seq, letter.event_id, letter.subject, letter.job_id, letter.raw,
-               letter.reason, now)  # fmt: skip
-        closing.append(_Query(_INSERT_DEAD, row, fetch="rowcount"))
-    # The writes after the COPY and the commit: one round trip. The dead letters come last;
-    # their row counts say how many were new.
+    # Gaps and dead letters: one statement each, sent on their own (not in the pipeline
+    # below: libpq's pipeline stalled on a statement with megabytes of parameters). Only a
+    # batch with gaps or dead letters pays the round trips.
+    if sequenced.gaps:
+        columns = [list(c) for c in zip(*gap_rows(sequenced.gaps), strict=True)]
+        yield _Query(_INSERT_GAP, (now, *columns))
+    # Whatever a letter holds, its text columns are made storable (no NUL, no surrogate).
+    letters = [storable(d) for d in (*dead_letters, *refused_letters(refused))]
+    added = 0
+    if letters:
+        columns = [
+            [d.stream_seq for d in letters], [d.event_id for d in letters],
+            [d.subject for d in letters], [d.job_id for d in letters],
+            [d.raw for d in letters], [d.reason for d in letters],
+        ]  # fmt: skip
+        added = yield _Query(_INSERT_DEAD, (now, *columns), fetch="rowcount", binary=True)
+    # The writes after the COPY and the commit: one round trip.
     results = yield _Batch(tuple(closing), commit=True)
-    added = sum(results[len(closing) - len(letters) :])
     if cache is not None:
         cache.settle(results[0][0] if moved else token, valid, {**read, **sequenced.cursors})
     return AppendResult(
@@ -524,7 +577,7 @@ def _run_sync(conn: psycopg.Connection[Any], steps: _Steps) -> AppendResult:
                             raise
                         result = _CONFLICT
                     continue
-                cur.execute(step.sql, step.params)
+                cur.execute(step.sql, step.params, binary=step.binary)
                 result = _fetched(cur, step.fetch)
     except StopIteration as done:
         return done.value  # type: ignore[no-any-return]
@@ -594,9 +647,15 @@ class AsyncAppender:
                 try:
                     result = await _run_async(conn, steps)
                     await conn.commit()  # committed by the last step already
-                except BaseException:
+                except BaseException as exc:
                     self.cursors.clear()
-                    if not conn.closed:
+                    if isinstance(exc, psycopg.Error):
+                        # A failed statement can leave libpq in pipeline mode with results
+                        # it still waits for ("cannot exit pipeline mode while busy"): the
+                        # next batch starts on a new connection.
+                        self._conn = None
+                        await conn.close()
+                    elif not conn.closed:
                         await conn.rollback()
                     raise
         except StoreUnavailable:
@@ -629,7 +688,7 @@ async def _run_async(conn: psycopg.AsyncConnection[Any], steps: _Steps) -> Appen
                             raise
                         result = _CONFLICT
                     continue
-                await cur.execute(step.sql, step.params)
+                await cur.execute(step.sql, step.params, binary=step.binary)
                 result = await _fetched_async(cur, step.fetch)
     except StopIteration as done:
         return done.value  # type: ignore[no-any-return]

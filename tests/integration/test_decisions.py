@@ -193,7 +193,7 @@ async def test_a_restarted_control_plane_republishes_what_no_member_acked(settin
 
 
 async def test_the_rendezvous_store_lives_in_the_control_plane(settings, bus):
-    import torch.distributed as dist
+    from rank_runtime.rendezvous import RendezvousStore
 
     async with running_controlplane(settings) as cp:
         job = cluster(bus.jetstream(), "job-rdzv")
@@ -201,15 +201,15 @@ async def test_the_rendezvous_store_lives_in_the_control_plane(settings, bus):
         start = await start_job(job, commands)
         assert cp.rendezvous is not None and cp.rendezvous.base is not None
         assert start.rendezvous == f"{cp.rendezvous.base}/job-rdzv/1"
-        endpoint = parse_endpoint(start.rendezvous)
+        assert parse_endpoint(start.rendezvous).prefix == "job-rdzv/1"
 
         def meet() -> bytes:
-            client = dist.TCPStore(  # type: ignore[attr-defined]
-                endpoint.host, endpoint.port, is_master=False, timeout=timedelta(seconds=5)
-            )
-            store = dist.PrefixStore(endpoint.prefix, client)  # type: ignore[attr-defined]
+            # No ELASTIC_SECRET in these settings: the store runs unauthenticated.
+            store = RendezvousStore.connect(start.rendezvous, None, timeout=timedelta(seconds=5))
             store.set("rank0", "here")
-            return bytes(store.get("rank0"))
+            got = store.get("rank0")
+            store.close()
+            return got
 
         assert await asyncio.to_thread(meet) == b"here"
 

@@ -84,3 +84,52 @@ def test_the_cli_refuses_a_bad_fault_and_a_missing_script(tmp_path):
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert missing.returncode == 2 and "no training script" in missing.stderr
+
+
+async def test_the_launcher_of_each_node_announces_its_members_and_reports_their_exits(
+    settings, pg_store, tmp_path
+):
+    import asyncio
+
+    from tests.integration.helpers import running_controlplane
+
+    script = tmp_path / "member.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, pathlib, time
+        pathlib.Path({str(tmp_path)!r}, os.environ["ELASTIC_MEMBER"]).write_text(str(os.getpid()))
+        time.sleep(0.5)
+    """))  # fmt: skip
+    async with running_controlplane(settings):
+        result = await asyncio.to_thread(
+            run, [str(script)], nproc=2, spares=1, nodes=2, job_id="job-announce",
+            nats_url=settings.nats_url,
+        )  # fmt: skip
+        await wait_until(
+            lambda: len(pg_store.read(job_id="job-announce", types=["member.exited"])) == 3,
+            10,
+            "three exits reported",
+        )
+    assert result.ok
+    log = pg_store.read(job_id="job-announce", types=["member.launched", "member.exited"])
+    launched = {
+        s.event.payload.member: (s.event.source, s.event.payload.role, s.event.payload.pid)
+        for s in log
+        if s.event.type == "member.launched"
+    }
+    pid = {m: int((tmp_path / m).read_text()) for m in ("w0", "w1", "s0")}
+    assert launched == {
+        "w0": ("node0/launcher", Role.WORKER, pid["w0"]),
+        "w1": ("node1/launcher", Role.WORKER, pid["w1"]),
+        "s0": ("node0/launcher", Role.SPARE, pid["s0"]),
+    }
+    exits = {s.event.payload.member: s.event.source for s in log if s.event.type == "member.exited"}
+    assert exits == {"w0": "node0/launcher", "w1": "node1/launcher", "s0": "node0/launcher"}
+
+
+def test_no_member_may_call_itself_launcher():
+    from rank_runtime.identity import Identity, IdentityError
+
+    env = {"ELASTIC_JOB_ID": "j", "ELASTIC_NODE": "n0", "ELASTIC_RACK": "r0"}
+    assert Identity.from_env({**env, "ELASTIC_MEMBER": "w0"}).source == "n0/w0"
+    with pytest.raises(IdentityError, match="reserved for the launcher"):
+        Identity.from_env({**env, "ELASTIC_MEMBER": "launcher"})

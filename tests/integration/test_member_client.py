@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import os
 import signal
 import subprocess
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import nats
 import pytest
+from pydantic import SecretStr
 
 from controlplane.bus import ensure_command_stream, ensure_stream
 from controlplane.devstack import NatsServer
@@ -25,8 +27,10 @@ from controlplane.publish import MSG_ID_HEADER
 from controlplane.settings import Settings
 from rank_runtime.client import EventClient
 from rank_runtime.identity import Identity, IdentityError
-from schemas.commands import Stop
-from schemas.common import Phase, Role
+from rank_runtime.launcher import Running, Slot, _fence
+from schemas.auth import SIGNATURE_HEADER, CommandSigner, command_message, command_public_key
+from schemas.commands import Reallocate, Start, Stop
+from schemas.common import Phase, ReallocationMode, RestoreFrom, Role
 from tests.integration.helpers import running_controlplane, wait_until
 
 pytestmark = pytest.mark.usefixtures("clean_stream")
@@ -196,3 +200,153 @@ def test_an_invalid_event_is_refused_at_the_source():
     with pytest.raises(ValueError, match=r"invalid member\.heartbeat"):
         client.publish("member.heartbeat", {"step": -1, "phase": "train"})
     assert client.pending() == 0
+
+
+# --------------------------------------------------------------------------- signed commands
+
+MASTER = bytes(range(100, 132))
+
+
+def _secured(settings: Settings) -> Settings:
+    return settings.model_copy(update={"secret": SecretStr(MASTER.hex())})
+
+
+def _stop(job_id: str) -> Stop:
+    return Stop(command_id=uuid.uuid4(), job_id=job_id, decision_position=1,
+                issued_at=datetime.now(UTC), reason="forged")  # fmt: skip
+
+
+async def test_a_forged_command_is_refused_and_reported_and_a_signed_one_obeyed(settings, pg_store):
+    """With the control plane's key configured, a member obeys the Start the real control
+    plane signed, and refuses (and reports) an unsigned Stop, one signed with another key, and
+    a genuinely signed one moved to its job's subject from another job's."""
+    job_id = f"job-sig-{uuid.uuid4().hex[:6]}"
+    subject = f"elastic.cmd.{job_id}.all"
+    async with running_controlplane(_secured(settings)) as cp:
+        client = EventClient(
+            identity(job_id, settings.nats_url), command_key=command_public_key(MASTER).hex()
+        ).start()
+        nc = await nats.connect(settings.nats_url)
+        try:
+            client.publish("member.joined", {**joined(), "policy": {"world_size": 1}})
+            start = await asyncio.to_thread(client.next_command, 20.0)
+            assert isinstance(start, Start) and start.world == ["m0"]  # signed by serve: obeyed
+            js = nc.jetstream()
+            unsigned = _stop(job_id).model_dump_json().encode()
+            await js.publish(subject, unsigned)
+            wrong = _stop(job_id).model_dump_json().encode()
+            forged = CommandSigner(os.urandom(32)).sign(command_message(subject, wrong))
+            await js.publish(subject, wrong, headers={SIGNATURE_HEADER: forged})
+            elsewhere = "elastic.cmd.job-other.all"
+            moved = _stop(job_id).model_dump_json().encode()
+            genuine_there = CommandSigner(MASTER).sign(command_message(elsewhere, moved))
+            await js.publish(subject, moved, headers={SIGNATURE_HEADER: genuine_there})
+            assert await asyncio.to_thread(client.next_command, 2.0) is None
+            assert client.stats.refused == 3
+
+            def refusals() -> list[str]:
+                return [s.event.payload.reason
+                        for s in pg_store.read(job_id=job_id, types=["command.refused"])]  # fmt: skip
+
+            await wait_until(lambda: len(refusals()) == 3, 10, "three refusals in the log")
+            assert sorted(refusals()) == sorted(
+                ["unsigned", "signature does not verify", "signature does not verify"]
+            )
+            await wait_until(
+                lambda: sum("refused a command" in a for a in cp.views[job_id].anomalies) == 3,
+                10, "the refusals in the job's view",
+            )  # fmt: skip
+            # A genuinely signed command for this job is still obeyed.
+            stop = _stop(job_id)
+            data = stop.model_dump_json().encode()
+            signature = CommandSigner(MASTER).sign(command_message(subject, data))
+            await js.publish(subject, data, headers={SIGNATURE_HEADER: signature})
+            assert await asyncio.to_thread(client.next_command, 10.0) == stop
+        finally:
+            client.close()
+            await nc.close()
+
+
+def _reallocate(job_id: str, generation: int, world: list[str]) -> Reallocate:
+    return Reallocate(
+        command_id=uuid.uuid4(), job_id=job_id, decision_position=generation,
+        issued_at=datetime.now(UTC), generation=generation, world=world,
+        rendezvous=f"tcp://127.0.0.1:1/{job_id}/{generation}", incident_id=uuid.uuid4(),
+        mode=ReallocationMode.SHRINK, restore_step=0, restore_from=RestoreFrom.INITIAL, plan=[],
+    )  # fmt: skip
+
+
+async def test_the_launchers_fencing_obeys_only_signed_current_commands(settings):
+    """The launcher's fencing watcher kills a member that a Reallocate leaves out: never for
+    an unsigned one, nor for a genuinely signed one of an older generation (a replay)."""
+    job_id = f"job-fence-{uuid.uuid4().hex[:6]}"
+    subject = f"elastic.cmd.{job_id}.all"
+    nc = await nats.connect(settings.nats_url)
+    js = nc.jetstream()
+    await ensure_command_stream(js, settings)
+    signer = CommandSigner(MASTER)
+
+    async def send(command: Reallocate, *, signed: bool) -> None:
+        data = command.model_dump_json().encode()
+        headers = {SIGNATURE_HEADER: signer.sign(command_message(subject, data))} if signed else {}
+        await js.publish(subject, data, headers=headers)
+
+    watcher = EventClient(
+        identity(job_id, settings.nats_url, member="launcher-test"),
+        command_key=command_public_key(MASTER).hex(),
+    ).start()
+    members = [
+        Running(Slot(name, "node-a", "rack-a", Role.WORKER),
+                subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]),
+                EventClient(identity(job_id, settings.nats_url, member=name), commands=False))
+        for name in ("w0", "w1", "w2")
+    ]  # fmt: skip
+    in_world = {"w0", "w1", "w2"}
+
+    async def fence_for(seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            _fence(watcher, members, in_world)
+            await asyncio.sleep(0.05)
+
+    try:
+        assert watcher.wait_connected(10)
+        await send(_reallocate(job_id, 2, ["w1", "w2"]), signed=False)  # forged: w0 out
+        await fence_for(2.0)
+        assert members[0].process.poll() is None and watcher.stats.refused == 1
+        await send(_reallocate(job_id, 3, ["w0", "w2"]), signed=True)  # genuine: w1 out
+        await fence_for(2.0)
+        assert members[1].process.wait(5) is not None and members[1].killed_by_launcher
+        # A genuine command of generation 2 (older), signed and replayed: w2 stays.
+        await send(_reallocate(job_id, 2, ["w0"]), signed=True)
+        await fence_for(2.0)
+        assert members[0].process.poll() is None and members[2].process.poll() is None
+    finally:
+        watcher.close(flush_s=0.0)
+        for m in members:
+            m.process.kill()
+            m.process.wait()
+        await nc.close()
+
+
+def test_refusals_are_reported_at_most_ten_a_minute_and_the_rest_counted():
+    """A flood of forged commands is not multiplied into a flood of events by every member."""
+    from types import SimpleNamespace
+
+    client = EventClient(
+        identity("job-flood", "nats://127.0.0.1:1"), command_key=command_public_key(MASTER).hex()
+    )
+    subject = "elastic.cmd.job-flood.all"
+    for _ in range(25):
+        data = _stop("job-flood").model_dump_json().encode()
+        forged = SimpleNamespace(subject=subject, data=data, headers=None)
+        asyncio.run(client._on_command(forged))  # type: ignore[arg-type]
+    assert client.stats.refused == 25 and client.next_command() is None
+    reports = [json.loads(body)["payload"] for _, _, body in client._buffer]
+    assert len(reports) == 10 and all(r["reason"] == "unsigned" for r in reports)
+    assert all(uuid.UUID(r["command_id"]) for r in reports)
+    # The next report (after the minute) carries the 15 that were not reported.
+    client._refusal_times.clear()
+    data = _stop("job-flood").model_dump_json().encode()
+    asyncio.run(client._on_command(SimpleNamespace(subject=subject, data=data, headers=None)))  # type: ignore[arg-type]
+    assert json.loads(client._buffer[-1][2])["payload"]["suppressed"] == 15

@@ -267,10 +267,11 @@ def test_replay_command_prints_the_view_as_json(log_file):
 
 
 def test_replay_command_until_a_position(log_file):
-    result = CliRunner().invoke(app, ["replay", str(log_file), "--until", "415", "--json"])
+    # 420: spare0's ack of the first reallocation (after the launchers' five announcements).
+    result = CliRunner().invoke(app, ["replay", str(log_file), "--until", "420", "--json"])
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout)
-    assert (out["state"], out["position"], out["stopped_early"]) == ("RECOVERING", 415, True)
+    assert (out["state"], out["position"], out["stopped_early"]) == ("RECOVERING", 420, True)
     assert [i["outcome"] for i in out["incidents"]] == [None]
 
 

@@ -316,19 +316,28 @@ def test_a_spare_s_failure_opens_no_incident_and_it_is_no_candidate_any_more():
     assert realloc.world == ["w00", "spare1", "w10", "w11"]
 
 
-def test_a_reported_exception_fails_the_reporter_and_a_collective_error_the_suspect():
+def test_a_reported_exception_fails_the_reporter_and_a_corroborated_one_the_suspect():
     s = running(2)
     s.at(2)
     s.fault("w00", "exception")
     s.fault("w10", "collective_error", suspects=["w11"])
+    # w11 beat at t=1: at t=4 it has been silent for 3 heartbeat intervals, which
+    # corroborates w10's report (the others beat at t=3.5).
+    s.at(3.5)
+    s.heartbeat("w01", "w10", "spare0", "spare1")
+    s.at(4)
     decided = s.decide()
     assert kinds(decided) == CRASH
     detected = only(decided, "fault.detected")
     assert (detected.members, detected.reason) == (["w00", "w11"], FaultReason.REPORTED)
-    assert detected.detail == "w00 reported exception: boom; w10 lost w11 in a collective: boom"
+    assert detected.detail == (
+        "w00 reported exception: boom; w10 lost w11 in a collective: boom; corroborated by its"
+        " silence: no heartbeat for 3.0s (3 intervals of 1s)"
+    )
     assert [(e.member, e.what) for e in detected.evidence] == [
         ("w00", "member.fault"),
         ("w10", "member.fault"),
+        ("w11", "member.heartbeat"),
     ]
     assert only(decided, "reallocation.issued").world == ["spare0", "w01", "w10", "spare1"]
 

@@ -374,3 +374,79 @@ def test_command_subjects():
 def test_event_subject_round_trip_property(job: str, node: str, member: str, type_: str):
     parsed = parse_event_subject(event_subject(job, node, member, type_))
     assert parsed == EventSubject(job, node, member, type_)
+
+
+# --------------------------------------------------------------------------- fuzz (issue 20)
+#
+# decode -> encode -> append over valid events mutated anywhere: a NUL or a lone surrogate in
+# any string (keys too), huge and negative integers, NaN and infinities, wrong types, bytes
+# that are not UTF-8, truncation, random bytes, a subject that contradicts the envelope. The
+# property (``check_one``): nothing raises, and whatever comes out, event or dead letter, is
+# something PostgreSQL stores. ``tests/integration/test_ingest_poison.py`` runs it against a
+# real PostgreSQL; ``tests/fuzz/ingest_target.py`` is the same target for atheris.
+
+NASTY_STRINGS = ["\x00", "a\x00b", "\ud800", "\udfff", "x\udc80", "\U0001f600", "\\", '"', "",
+                 "\u2028", "é" * 300, "x" * 5000]  # fmt: skip
+NASTY_INTS = [2**63, 2**63 - 1, 2**63 + 1, 2**64, -(2**63) - 1, -(2**63), -1, 0, 10**30]
+nasty_text = st.one_of(st.text(max_size=20), st.sampled_from(NASTY_STRINGS))
+leaf = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.sampled_from(NASTY_INTS),
+    st.floats(allow_nan=True, allow_infinity=True),
+    nasty_text,
+)
+json_values = st.recursive(
+    leaf,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(nasty_text, inner, max_size=3),
+    max_leaves=6,
+)
+
+
+@st.composite
+def messages(draw: st.DrawFn) -> tuple[str, bytes]:
+    """A valid member event, mutated at one place of its envelope, its bytes or its subject."""
+    from controlplane.bench.fuzz import Generator, _leaves, _set
+
+    gen = Generator(draw(st.integers(0, 2**32)), "h", jobs=2, nodes=2, members=2)
+    env, (job, node, member) = gen.envelope()
+    subject = f"elastic.evt.{job}.{node}.{member}.{env['type']}"
+    how = draw(st.sampled_from(["value", "key", "bytes", "subject", "none"]))
+    if how == "value":
+        paths = [p for p, _ in _leaves(env) if p != ("event_id",)]
+        _set(env, draw(st.sampled_from(paths)), draw(json_values))
+    elif how == "key":
+        env["payload"][draw(nasty_text)] = draw(json_values)
+    elif how == "subject":
+        subject = draw(st.sampled_from([
+            subject + "\x00", subject.replace(job, job + "\udcff"), "elastic.evt." + "x" * 300,
+            subject.replace(member, draw(nasty_text) or "m"), "elastic.evt.a.b",
+        ]))  # fmt: skip
+    text = json.dumps(env, allow_nan=True, ensure_ascii=draw(st.booleans()))
+    data = text.encode("utf-8", "surrogatepass")
+    if how == "bytes":
+        at = draw(st.integers(0, len(data)))
+        op = draw(st.sampled_from(["cut", "insert", "replace"]))
+        junk = draw(st.binary(min_size=1, max_size=8))
+        data = {"cut": data[:at], "insert": data[:at] + junk + data[at:],
+                "replace": data[:at] + junk + data[at + len(junk):]}[op]  # fmt: skip
+    return subject, data
+
+
+@settings(max_examples=300, deadline=None)
+@given(messages())
+def test_fuzz_decode_encode_append_in_memory(message: tuple[str, bytes]):
+    from controlplane.bench.fuzz import check_one
+    from controlplane.store.memory import InMemoryEventStore
+
+    subject, data = message
+    check_one(subject, data, InMemoryEventStore())
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=400), st.text(max_size=60))
+def test_fuzz_random_bytes_on_any_subject(data: bytes, subject: str):
+    from controlplane.bench.fuzz import check_one
+
+    assert check_one(subject, data) == "dead" or data.startswith(b"{")

@@ -7,9 +7,10 @@
   exists with options it has, a policy the launcher accepts and fault specs that parse;
 - every ``ELASTIC_*`` variable set is a setting (``controlplane.settings.Settings``) or one the
   rank runtime reads;
-- ``deploy/nats/nats.conf`` gives each role the subjects of ``controlplane.subjects`` (a
-  static check), and a real ``nats-server`` started with it lets the control plane and a member
-  do what the code does, and refuses what they must not (marked ``services``);
+- ``deploy/nats/nats.conf`` loads the users ``elasticctl creds`` issues, which give each
+  identity the subjects of ``controlplane.subjects`` (a static check), and a real
+  ``nats-server`` started with it lets the control plane, a member and its launcher do what the
+  code does, and refuses what they must not (marked ``services``);
 - the Dockerfile copies what the services run, and the health check finds the ingest lock.
 """
 
@@ -57,6 +58,7 @@ IMAGE = "elastic-controlplane"
 TRAINER_SH = "/app/deploy/trainer.sh"
 #: The compose services that run the project's image, and what each must run.
 EXPECTED = {
+    "creds": "creds",
     "migrate": "migrate",
     "controlplane": "serve",
     "controlplane-standby": "serve",
@@ -195,7 +197,9 @@ def known_env() -> set[str]:
     """Every ``ELASTIC_*`` name a process of the image reads: the settings, and the names the
     rank runtime reads (its source names each as a string)."""
     names = {ENV_PREFIX + name.upper() for name in Settings.model_fields}
-    for path in (ROOT / "rank_runtime").glob("*.py"):
+    sources = [*(ROOT / "rank_runtime").glob("*.py"), ROOT / "schemas" / "auth.py"]
+    sources.append(ROOT / "controlplane" / "creds.py")  # what the launcher reads through it
+    for path in sources:
         names |= set(re.findall(r"\"(ELASTIC_[A-Z0-9_]+)\"", path.read_text()))
     return names
 
@@ -249,6 +253,8 @@ def test_start_up_order_and_health_checks() -> None:
         return {k: v["condition"] for k, v in services[name].get("depends_on", {}).items()}
 
     assert needs("migrate") == {"postgres": "service_healthy"}
+    assert needs("nats") == {"creds": "service_completed_successfully"}
+    assert services["creds"]["restart"] == "no"
     for name in ("controlplane", "controlplane-standby"):
         assert needs(name) == {
             "migrate": "service_completed_successfully",
@@ -260,10 +266,12 @@ def test_start_up_order_and_health_checks() -> None:
     assert services["migrate"]["restart"] == "no"
     assert services["postgres"]["volumes"][0].startswith("postgres-data:")
     assert "postgres-data" in compose()["volumes"]
-    # NATS runs with the per-role configuration, JetStream on.
+    # NATS runs with the configuration that loads the issued users, JetStream on.
     nats = services["nats"]
     assert "/etc/nats/nats.conf" in nats["command"]
     assert any(v.startswith("./deploy/nats/nats.conf:") for v in nats["volumes"])
+    assert "nats-creds:/etc/nats/auth:ro" in nats["volumes"]
+    assert re.search(r'^\s*include "auth/nats-users.conf"', NATS_CONF.read_text(), re.M)
     assert re.search(r"^jetstream\s*\{", NATS_CONF.read_text(), re.M)
 
 
@@ -335,9 +343,9 @@ def test_environment_names_are_settings_or_runtime_variables() -> None:
 
 
 def test_secrets_have_local_defaults_only_in_compose() -> None:
-    """Every password has a default for a laptop and can be set from the host environment."""
+    """Every secret has a default for a laptop and can be set from the host environment."""
     text = COMPOSE.read_text()
-    for var in ("NATS_CONTROLPLANE_PASSWORD", "NATS_TRAINER_PASSWORD", "POSTGRES_PASSWORD"):
+    for var in ("ELASTIC_SECRET", "POSTGRES_PASSWORD"):
         assert re.search(r"\$\{" + var + r":-[^}]+\}", text), f"{var} has no default"
     assert "ELASTIC_API_TOKENS" in service_env(compose()["services"]["api"])
     assert service_env(compose()["services"]["api"])["ELASTIC_API_TOKENS"] is None
@@ -373,11 +381,30 @@ def test_kubernetes_manifests_parse_and_run_real_commands(tmp_path: Path) -> Non
     assert container["name"] == "pytorch"
     env = {e["name"]: e for e in container["env"]}
     assert env["ELASTIC_NATS_URL"]["value"].startswith("nats://")
-    assert env["ELASTIC_NATS_USER"]["value"] == "trainer"
-    assert "secretKeyRef" in env["ELASTIC_NATS_PASSWORD"]["valueFrom"]
+    # Each pod mounts its own node's credentials only (elasticctl creds' layout), never a
+    # password nor the installation secret.
+    job_id = job["metadata"]["name"]
+    for role, replica in job["spec"]["pytorchReplicaSpecs"].items():
+        spec = replica["template"]["spec"]
+        (container,) = spec["containers"]
+        env = {e["name"]: e for e in container["env"]}
+        assert not {"ELASTIC_NATS_USER", "ELASTIC_NATS_PASSWORD", "ELASTIC_SECRET"} & set(env)
+        mount = env["ELASTIC_NATS_CREDS_DIR"]["value"]
+        (volume,) = [v for v in spec["volumes"] if v["name"] == "creds"]
+        assert {"name": "creds", "mountPath": mount, "readOnly": True} in container["volumeMounts"]
+        pod = f"{job_id}-{role.lower()}-0"  # the training operator's pod name: --node
+        paths = {i["path"] for i in volume["secret"]["items"]}
+        assert paths == {
+            f"{job_id}/{pod}/launcher.nk",
+            f"{job_id}/{pod}/member.nk",
+            f"{job_id}/job-secret",
+            f"{job_id}/command-key",
+        }
     controlplane = next(d for d in docs if d["metadata"]["name"] == "elastic-controlplane")
     (cp,) = containers(controlplane)
     cp_env = {e["name"]: e for e in cp["env"]}
+    assert cp_env["ELASTIC_NATS_CREDS"]["value"] == "/creds/controlplane.nk"
+    assert "secretKeyRef" in cp_env["ELASTIC_SECRET"]["valueFrom"]
     assert cp_env["ELASTIC_RENDEZVOUS_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == (
         "status.podIP"
     )
@@ -464,20 +491,30 @@ def test_health_check_sees_a_leader_through_the_lock(
 
 # --------------------------------------------------------------------------- NATS
 
+#: The job, nodes and secret of the static and the live checks.
+JOB = "job-1"
+NODES = ("node0", "node1")
+SECRET = bytes(range(32))
 
-def nats_permissions() -> dict[str, dict[str, list[str]]]:
-    """user -> {"publish": [...], "subscribe": [...]} allowed subjects, read from nats.conf."""
-    text = re.sub(r"#[^\n]*", "", NATS_CONF.read_text())
-    users: dict[str, dict[str, list[str]]] = {}
-    blocks = re.split(r"\buser:\s*", text)[1:]
-    for block in blocks:
-        name = block.split()[0]
-        perms: dict[str, list[str]] = {}
-        for kind in ("publish", "subscribe"):
-            m = re.search(kind + r":\s*\{\s*allow:\s*\[([^\]]*)\]", block, re.S)
-            perms[kind] = re.findall(r"\"([^\"]+)\"", m.group(1)) if m else []
-        users[name] = perms
-    return users
+
+def issued_users(directory: Path) -> dict[tuple[str, str], dict[str, Any]]:
+    """(job, node/kind) or ("", "controlplane") -> the user ``elasticctl creds`` issues."""
+    from controlplane import creds
+
+    creds.issue(SECRET, directory, JOB, NODES)
+    settings = Settings()
+    found: dict[tuple[str, str], dict[str, Any]] = {}
+    for entry in creds.users(
+        directory, events_stream=settings.stream, command_stream=settings.command_stream
+    ):
+        key = ("", creds.CONTROLPLANE)
+        for node in NODES:
+            for kind in creds.KINDS:
+                seed = creds.node_seed(SECRET, JOB, node, kind)
+                if entry["nkey"] == creds.public_key(seed):
+                    key = (JOB, f"{node}/{kind}")
+        found[key] = entry
+    return found
 
 
 def subject_matches(pattern: str, subject: str) -> bool:
@@ -491,26 +528,40 @@ def subject_matches(pattern: str, subject: str) -> bool:
     return len(p) == len(s)
 
 
-def allowed(patterns: list[str], subject: str) -> bool:
-    return any(subject_matches(p, subject) for p in patterns)
+def allowed(rules: dict[str, list[str]], subject: str) -> bool:
+    """Whether NATS lets ``subject`` through ``rules`` ({"allow": [...], "deny": [...]})."""
+    if any(subject_matches(p, subject) for p in rules.get("deny", [])):
+        return False
+    return any(subject_matches(p, subject) for p in rules.get("allow", []))
 
 
-def test_nats_roles_cover_the_subjects() -> None:
-    users = nats_permissions()
-    assert set(users) == {"controlplane", "trainer"}
-    cp, trainer = users["controlplane"], users["trainer"]
-    events = [event_subject("job-1", "node0", "w0", t) for t in ("member.joined", "train.step")]
-    commands = [command_subject("job-1"), command_subject("job-1", "w0")]
-    assert command_subject("job-1").endswith(BROADCAST)
-    for subject in events:
-        assert allowed(trainer["publish"], subject)
+def test_nats_identities_cover_the_subjects(tmp_path: Path) -> None:
+    users = issued_users(tmp_path)
+    assert len(users) == 1 + 2 * len(NODES)
+    cp = users[("", "controlplane")]["permissions"]
+    launcher = users[(JOB, "node0/launcher")]["permissions"]
+    member = users[(JOB, "node0/member")]["permissions"]
+    settings = Settings()
+    own = [event_subject(JOB, "node0", "w0", t) for t in ("member.joined", "train.step")]
+    for subject in own:
+        assert allowed(member["publish"], subject) and allowed(launcher["publish"], subject)
         assert not allowed(cp["publish"], subject), "the control plane never publishes events"
         assert subject_matches(EVENTS_WILDCARD, subject)
+    exits = event_subject(JOB, "node0", "launcher", "member.exited")
+    assert allowed(launcher["publish"], exits) and not allowed(member["publish"], exits)
+    for subject in (
+        event_subject(JOB, "node1", "w1", "member.exited"),
+        event_subject(JOB, "node1", "launcher", "member.exited"),
+        event_subject("job-2", "node0", "w0", "member.exited"),
+    ):
+        assert not allowed(member["publish"], subject), subject
+        assert not allowed(launcher["publish"], subject), subject
+    commands = [command_subject(JOB), command_subject(JOB, "w0")]
+    assert command_subject(JOB).endswith(BROADCAST)
     for subject in commands:
         assert allowed(cp["publish"], subject)
-        assert not allowed(trainer["publish"], subject), "only the control plane commands"
-        assert allowed(trainer["subscribe"], subject)
-    settings = Settings()
+        assert not allowed(member["publish"], subject), "only the control plane commands"
+        assert not allowed(launcher["publish"], subject), "only the control plane commands"
     # The control plane administers the streams and pulls from its durable consumer.
     for api in (
         f"$JS.API.STREAM.CREATE.{settings.stream}",
@@ -519,40 +570,78 @@ def test_nats_roles_cover_the_subjects() -> None:
         f"$JS.ACK.{settings.stream}.{settings.ingest_durable}.1.1.1.1.0",
     ):
         assert allowed(cp["publish"], api), api
-    # A member follows the commands stream, and may not read or change the events stream.
-    assert allowed(trainer["publish"], f"$JS.API.CONSUMER.CREATE.{settings.command_stream}")
-    for api in (
-        f"$JS.API.CONSUMER.CREATE.{settings.stream}",
-        f"$JS.API.STREAM.DELETE.{settings.command_stream}",
-        f"$JS.API.STREAM.PURGE.{settings.stream}",
-        f"$JS.ACK.{settings.stream}.x.1.1.1.1.0",
-    ):
-        assert not allowed(trainer["publish"], api), api
-    for perms in users.values():
-        assert allowed(perms["subscribe"], "_INBOX.abc.1"), "JetStream replies come to inboxes"
-    # Compose gives the users' passwords to the server and to the right clients.
+    # A node follows its job's commands through consumers filtered to that job only.
+    for perms in (member, launcher):
+        for target in (BROADCAST, "w0"):
+            api = f"$JS.API.CONSUMER.CREATE.{settings.command_stream}.c1.{command_subject(JOB, target)}"
+            assert allowed(perms["publish"], api), api
+        for api in (
+            f"$JS.API.CONSUMER.CREATE.{settings.command_stream}",
+            f"$JS.API.CONSUMER.CREATE.{settings.command_stream}.c1.{command_subject('job-2')}",
+            f"$JS.API.CONSUMER.CREATE.{settings.stream}",
+            f"$JS.API.CONSUMER.CREATE.{settings.stream}.c1.{EVENTS_WILDCARD}",
+            f"$JS.API.CONSUMER.DELETE.{settings.command_stream}.c1",
+            f"$JS.API.STREAM.DELETE.{settings.command_stream}",
+            f"$JS.API.STREAM.PURGE.{settings.stream}",
+            f"$JS.ACK.{settings.stream}.x.1.1.1.1.0",
+        ):
+            assert not allowed(perms["publish"], api), api
+    # Replies come to an inbox of each identity's own; nobody may read _INBOX.> or events.
+    inboxes = set()
+    for entry in users.values():
+        sub = entry["permissions"]["subscribe"]
+        (pattern,) = sub["allow"]
+        assert pattern.startswith("_INBOX_") and pattern.endswith(".>")
+        inboxes.add(pattern)
+        for subject in (
+            "_INBOX.abc.1",
+            "elastic.evt.job-1.node0.w0.train.step",
+            "elastic.cmd.x.all",
+        ):
+            assert not allowed(sub, subject), subject
+    assert len(inboxes) == len(users)
+
+
+def test_compose_gives_every_nats_client_its_own_credential(tmp_path: Path) -> None:
+    from controlplane import creds
+    from rank_runtime import launcher
+    from schemas.auth import MASTER_SECRET_ENV, parse_secret
+
     services = compose()["services"]
-    nats_env = service_env(services["nats"])
-    for var in re.findall(r"password:\s*\$(\w+)", NATS_CONF.read_text()):
-        assert nats_env.get(var), f"the nats service does not set {var}"
-    for name, user in (("controlplane", "controlplane"), ("trainer", "trainer")):
+    issue = check_cli([interpolate(str(c)) for c in services["creds"]["command"]], "creds")
+    argv = [interpolate(str(c)) for c in services["trainer"]["command"]]
+    job = argv[argv.index("--job-id") + 1]
+    nodes, racks = int(argv[argv.index("--nodes") + 1]), int(argv[argv.index("--racks") + 1])
+    nproc, spares = int(argv[argv.index("--nproc") + 1]), int(argv[argv.index("--spares") + 1])
+    assert issue.params["job"] == job and issue.params["nodes"] == nodes
+    assert f"nats-creds:{issue.params['out']}" in services["creds"]["volumes"]
+    secret = service_env(services["creds"])[MASTER_SECRET_ENV]
+    assert secret
+    for name in ("controlplane", "controlplane-standby"):
         env = service_env(services[name])
-        assert env["ELASTIC_NATS_USER"] == user
-    assert (
-        service_env(services["trainer"])["ELASTIC_NATS_PASSWORD"]
-        == nats_env["NATS_TRAINER_PASSWORD"]
-    )
-    assert (
-        service_env(services["controlplane"])["ELASTIC_NATS_PASSWORD"]
-        == nats_env["NATS_CONTROLPLANE_PASSWORD"]
-    )
+        assert env["ELASTIC_NATS_CREDS"] == f"/creds/{creds.CONTROLPLANE_FILE}"
+        assert env[MASTER_SECRET_ENV] == secret
+        assert "nats-creds:/creds:ro" in services[name]["volumes"]
+    trainer = service_env(services["trainer"])
+    assert trainer[creds.CREDS_DIR_ENV] == "/creds"
+    assert "nats-creds:/creds:ro" in services["trainer"]["volumes"]
+    assert MASTER_SECRET_ENV not in trainer, "members never hold the installation secret"
+    for env in (service_env(s) for s in services.values()):
+        assert "ELASTIC_NATS_USER" not in env and "ELASTIC_NATS_PASSWORD" not in env
+    # What the creds service writes is what the launcher looks for, node by node.
+    creds.issue(parse_secret(secret), tmp_path, job, [f"node{j}" for j in range(nodes)])
+    base = {creds.CREDS_DIR_ENV: str(tmp_path)}
+    found = launcher._node_credentials(base, job, launcher.layout(nproc, spares, nodes, racks))
+    assert len(found) == nodes and "ELASTIC_JOB_SECRET" in base
 
 
 @pytest.fixture
-def nats_with_roles(tmp_path: Path) -> Iterator[str]:
-    """A real nats-server running deploy/nats/nats.conf (its store and ports moved here)."""
+def nats_with_roles(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """A real nats-server running deploy/nats/nats.conf (its store and ports moved here) with
+    the users ``elasticctl creds`` issues under ``auth/`` beside it: (url, creds directory)."""
     from controlplane.devstack import free_port, nats_server_binary
 
+    issued_users(tmp_path / "auth")
     port, monitor = free_port(), free_port()
     conf = NATS_CONF.read_text()
     conf = re.sub(r"(?m)^listen: .*$", f"listen: 127.0.0.1:{port}", conf)
@@ -560,11 +649,9 @@ def nats_with_roles(tmp_path: Path) -> Iterator[str]:
     conf = conf.replace("store_dir: /data/jetstream", f"store_dir: {tmp_path / 'js'}")
     path = tmp_path / "nats.conf"
     path.write_text(conf)
-    env = {**os.environ, "NATS_CONTROLPLANE_PASSWORD": "cp-secret", "NATS_TRAINER_PASSWORD": "tr"}
     log = (tmp_path / "nats.log").open("wb")
     proc = subprocess.Popen(
         [nats_server_binary(), "-c", str(path)],
-        env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
@@ -581,7 +668,7 @@ def nats_with_roles(tmp_path: Path) -> Iterator[str]:
             except OSError:
                 assert time.monotonic() < deadline, "nats-server did not start"
                 time.sleep(0.05)
-        yield f"nats://127.0.0.1:{port}"
+        yield f"nats://127.0.0.1:{port}", tmp_path / "auth"
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -594,20 +681,21 @@ def nats_with_roles(tmp_path: Path) -> Iterator[str]:
 
 @pytest.mark.services
 @pytest.mark.timeout(90)
-async def test_nats_roles_let_each_side_do_its_part(nats_with_roles: str) -> None:
+async def test_nats_roles_let_each_side_do_its_part(nats_with_roles: tuple[str, Path]) -> None:
     import nats
     import nats.errors
+    import nkeys
 
-    from controlplane import bus
+    from controlplane import bus, creds
     from controlplane.publish import MSG_ID_HEADER
     from rank_runtime.client import EventClient
     from rank_runtime.identity import Identity
     from schemas.commands import Stop
     from schemas.common import Role
 
-    url = nats_with_roles
-    job = f"job-{uuid.uuid4().hex[:6]}"
-    settings = Settings(nats_url=url, nats_user="controlplane", nats_password="cp-secret")
+    url, directory = nats_with_roles
+    job = JOB
+    settings = Settings(nats_url=url, nats_creds=str(directory / creds.CONTROLPLANE_FILE))
     nc = await bus.connect(settings)
     member: EventClient | None = None
     try:
@@ -616,8 +704,9 @@ async def test_nats_roles_let_each_side_do_its_part(nats_with_roles: str) -> Non
         await bus.ensure_command_stream(js, settings)
 
         # A member publishes its events and follows its job's commands.
+        member_seed = directory / job / "node0" / "member.nk"
         identity = Identity(
-            job, "node0", "rack0", "w0", Role.WORKER, url, nats_user="trainer", nats_password="tr"
+            job, "node0", "rack0", "w0", Role.WORKER, url, nats_creds=str(member_seed)
         )
         member = EventClient(identity).start()
         member.publish("member.heartbeat", {"step": 0, "phase": "init"})
@@ -656,34 +745,51 @@ async def test_nats_roles_let_each_side_do_its_part(nats_with_roles: str) -> Non
             await js.publish(
                 event_subject(job, "node0", "w0", "member.heartbeat"), b"{}", timeout=1
             )
-        trainer = await nats.connect(url, user="trainer", password="tr")
+        launcher_seed = directory / job / "node0" / "launcher.nk"
+        options = creds.nkey_connect_options(launcher_seed)
+        assert options is not None
+        trainer = await nats.connect(url, **options)
         try:
             tjs = trainer.jetstream()
             with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError)):
                 await tjs.publish(command_subject(job), b"{}", timeout=1)
             with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError)):
                 await tjs.stream_info(settings.stream, subjects_filter=None)
+            with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError)):
+                await tjs.publish(
+                    event_subject(job, "node1", "w1", "member.exited"), b"{}", timeout=1
+                )
             ack = await tjs.publish(
-                event_subject(job, "node0", "w9", "member.heartbeat"), b"{}", timeout=5
+                event_subject(job, "node0", "launcher", "member.exited"), b"{}", timeout=5
             )
             assert ack.stream == settings.stream
         finally:
             await trainer.close()
-        # A wrong password is refused, and so is a client without credentials (every
-        # connection of a member and of its launcher passes ELASTIC_NATS_USER/PASSWORD).
-        # Raw protocol: a failed nats-py connect leaks its socket.
+        # A user of the old configuration, a key the server does not know, and a client
+        # without credentials are refused. Raw protocol: a failed nats-py connect leaks its
+        # socket.
+        stranger = nkeys.from_seed(
+            bytearray(creds.node_seed(os.urandom(32), job, "node0", "member"))
+        )
         host, port = url.removeprefix("nats://").split(":")
         for connect in (
-            {"user": "trainer", "pass": "wrong", "verbose": False, "pedantic": False},
-            {"verbose": False, "pedantic": False},
+            {"user": "trainer", "pass": "trainer-local"},
+            {"nkey": stranger.public_key.decode(), "sig": None},
+            {},
         ):
             reader, writer = await asyncio.open_connection(host, int(port))
             try:
-                await reader.readline()  # INFO
-                writer.write(f"CONNECT {json.dumps(connect)}\r\nPING\r\n".encode())
+                info = json.loads((await reader.readline()).split(b" ", 1)[1])
+                if "nkey" in connect:
+                    import base64
+
+                    signed = stranger.sign(info["nonce"].encode())
+                    connect["sig"] = base64.urlsafe_b64encode(signed).decode().rstrip("=")
+                hello = {**connect, "verbose": False, "pedantic": False}
+                writer.write(f"CONNECT {json.dumps(hello)}\r\nPING\r\n".encode())
                 await writer.drain()
                 answer = await asyncio.wait_for(reader.readline(), 10)
-                assert b"Authorization Violation" in answer, (connect, answer)
+                assert b"Authorization Violation" in answer, (hello, answer)
             finally:
                 writer.close()
                 with contextlib.suppress(ConnectionError):

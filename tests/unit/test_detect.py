@@ -87,10 +87,74 @@ def test_a_peer_names_its_lost_partner_and_a_member_reports_itself():
             "member.fault", {"kind": "collective_error", "detail": "who knows"}, source="n2/m2"
         ),
     )
+    # m1 is believed about itself at once; m0's word about m2 waits for corroboration.
     findings = {f.member: f for f in detect(view, at(6.5))}
-    assert set(findings) == {"m1", "m2"}
-    assert findings["m2"].detail == "m0 lost m2 in a collective: Connection reset by peer"
+    assert set(findings) == {"m1"}
     assert findings["m1"].reason is FaultReason.REPORTED
+    # m2 joined at t=4 and never beat since: silent for 3 heartbeat intervals corroborates.
+    findings = {f.member: f for f in detect(view, at(7.0))}
+    assert set(findings) == {"m1", "m2"}
+    assert findings["m2"].detail == (
+        "m0 lost m2 in a collective: Connection reset by peer; corroborated by its silence:"
+        " no heartbeat for 3.0s (3 intervals of 1s)"
+    )
+    assert [e[:3] for e in findings["m2"].evidence] == [
+        ("m0", "member.fault", 5),
+        ("m2", "member.joined", 4),
+    ]
+
+
+def _accuse(ev: Events, reporter: str, node: str, suspect: str):
+    return ev.make(
+        "member.fault",
+        {"kind": "collective_error", "detail": "reset", "suspects": [suspect]},
+        source=f"{node}/{reporter}",
+    )
+
+
+def test_a_report_naming_a_healthy_heartbeating_peer_does_not_fence_it():
+    ev = Events()
+    beats = [ev.heartbeat("m2", node="n2", step=1) for _ in range(30)]  # t=6..35, every 1 s
+    view = job(ev, _accuse(ev, "m0", "n0", "m2"), *beats)  # the report at t=5
+    assert "m2" not in {f.member for f in detect(view, at(35.5))}
+    # Its silence would corroborate from t=38, when it is silent for 3 intervals.
+    assert "m2" not in {f.member for f in detect(view, at(37.9))}
+    assert "m2" in {f.member for f in detect(view, at(38.0))}
+
+
+def test_reports_from_two_nodes_corroborate_each_other_and_one_node_s_do_not():
+    ev = Events()
+    extra = [ev.joined("m3", node="n0")]  # a second member on node n0
+    same_node = job(
+        ev, *extra, _accuse(ev, "m0", "n0", "m2"), _accuse(ev, "m3", "n0", "m2"),
+        ev.heartbeat("m2", node="n2"),
+    )  # fmt: skip
+    assert "m2" not in {f.member for f in detect(same_node, at(8.5))}
+    ev = Events()
+    two_nodes = job(
+        ev, _accuse(ev, "m0", "n0", "m2"), _accuse(ev, "m1", "n1", "m2"),
+        ev.heartbeat("m2", node="n2"),
+    )  # fmt: skip
+    [finding] = [f for f in detect(two_nodes, at(7.5)) if f.member == "m2"]
+    assert (finding.member, finding.reason) == ("m2", FaultReason.REPORTED)
+    assert finding.detail.endswith("corroborated by 2 reporters on 2 nodes (m0, m1)")
+    assert [e[:3] for e in finding.evidence] == [
+        ("m0", "member.fault", 5),
+        ("m1", "member.fault", 6),
+    ]
+
+
+def test_a_member_cannot_accuse_itself_and_an_exit_report_wins():
+    ev = Events()
+    view = job(
+        ev,
+        _accuse(ev, "m2", "n2", "m2"),
+        _accuse(ev, "m0", "n0", "m1"),
+        ev.make("member.exited", {"member": "m1", "signal": 9}, source="n1/launcher"),
+        ev.heartbeat("m2", node="n2"),
+    )
+    found = {f.member: f.reason for f in detect(view, at(8.5)) if f.member != "m0"}
+    assert found == {"m1": FaultReason.EXITED}
 
 
 def test_two_simultaneous_failures():

@@ -5,10 +5,13 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from controlplane.core.commands import owed
 from controlplane.core.fold import fold
 from controlplane.core.placement import Slot
 from controlplane.core.restore import plan_restore, surviving_copies
+from schemas.commands import Reallocate
 from tests.factories import Events, recorded
+from tests.scenario import Scenario
 
 SLOTS = {
     "m0": Slot("m0", "n0", "r0"),
@@ -133,3 +136,109 @@ def test_the_chosen_step_is_always_fully_covered_by_survivors(steps, survivors):
         assert source in survivors
         assert source in surviving_copies(backup.shards[shard], survivors)
     assert plan_restore(view, survivors, receivers, SLOTS) == plan  # deterministic
+
+
+# --------------------------------------------------------------------------- refused copies
+
+
+def refuse(ev: Events, reporter: str, step: int, shard: int, source: str):
+    """A member's restore refused ``source``'s copy of ``shard`` (not the recorded digest)."""
+    payload = {"kind": "restore_failed", "detail": "digest mismatch", "step": step,
+               "shard": shard, "source": source}  # fmt: skip
+    return ev.make("member.fault", payload, source=f"{SLOTS[reporter].node}/{reporter}")
+
+
+def test_a_refused_copy_is_never_a_source_again():
+    holders = {**RING, 3: ["m1", "m2"]}
+    ev = Events()
+    events = [ev.cp("job.registered", {"policy": {"redundancy": 1}})]
+    events += [ev.joined(m, node=s.node, rack=s.rack) for m, s in SLOTS.items()]
+    events.append(ev.cp("generation.started", {"generation": 0, "world": WORLD, "rendezvous": "x"}))
+    events += backups(ev, 10, holders) + backups(ev, 20, holders)
+    view = fold(None, recorded(events))
+    survivors = {"m0", "m1", "m2", "spare"}
+    receivers = {0: "m0", 1: "m1", 2: "m2", 3: "spare"}
+    assert plan_restore(view, survivors, receivers, SLOTS).sources[3] == "m1"  # same node
+    view = fold(view, recorded([refuse(ev, "spare", 20, 3, "m1")], start=100))
+    assert view.backups[20].shards[3].refuted == ("m1",)
+    plan = plan_restore(view, survivors, receivers, SLOTS)
+    assert plan is not None and plan.step == 20 and plan.sources[3] == "m2"
+    # Both copies of step 20 refused: the older step, still whole.
+    view = fold(view, recorded([refuse(ev, "spare", 20, 3, "m2")], start=200))
+    plan = plan_restore(view, survivors, receivers, SLOTS)
+    assert plan is not None and plan.step == 10 and plan.sources[3] == "m1"
+    # An owner whose own memory was refused restores its shard from a holder.
+    view = fold(view, recorded([refuse(ev, "m2", 10, 2, "m2")], start=300))
+    plan = plan_restore(view, survivors, receivers, SLOTS)
+    assert plan is not None and plan.step == 10 and plan.sources[2] == "m0"
+
+
+def recovering_with_digests() -> tuple[Scenario, object]:
+    """4 workers (redundancy 2, sha256 digests), w01 killed: the spare is to restore shard 1."""
+    s = Scenario("job1", world_size=4, min_world=2, redundancy=2)
+    s.cluster(2, 2, spares=1)
+    s.decide()
+    s.at(1)
+    s.heartbeat_all()
+    for step in (10, 20):
+        s.step(step)
+        s.backup(step)
+    s.step(23)
+    s.at(2)
+    s.exited("w01")
+    [first] = [d.payload for d in s.decide() if d.type == "reallocation.issued"]
+    return s, first
+
+
+def test_the_decision_and_the_command_carry_each_shard_s_recorded_digest():
+    s, first = recovering_with_digests()
+    backup = s.v.backups[first.restore_step]
+    assert first.digests == [backup.shards[n].checksum for n in range(4)]
+    [command] = owed(s.v)
+    assert isinstance(command, Reallocate) and command.digests == first.digests
+    assert Reallocate.model_validate_json(command.model_dump_json()).digests == first.digests
+
+
+def test_a_forged_copy_refused_at_restore_is_re_planned_around_and_never_resolved_on():
+    s, first = recovering_with_digests()
+    forger = first.plan[1]
+    assert forger not in {"w01", "spare0"}
+    s.at(3)
+    s.add(
+        s.ev.make(
+            "member.fault",
+            {"kind": "restore_failed", "detail": "digest mismatch", "step": first.restore_step,
+             "shard": 1, "source": forger},
+            source=s._src("spare0"), generation=first.generation,
+        )
+    )  # fmt: skip
+    decided = s.decide()
+    types = [d.type for d in decided]
+    assert "incident.resolved" not in types and "fault.detected" not in types, types
+    [second] = [d.payload for d in decided if d.type == "reallocation.issued"]
+    assert second.incident_id == first.incident_id and second.generation == first.generation + 1
+    assert second.restore_step == first.restore_step and second.plan[1] not in {forger, "w01"}
+    assert second.digests == first.digests
+    assert s.v.members[forger].status.value == "active"  # the copy is refuted, not the member
+    assert any("refused shard 1 from" in d.payload.reason for d in decided
+               if d.type == "job.state_changed")  # fmt: skip
+
+
+def test_when_every_copy_of_the_step_is_refused_an_older_one_is_restored():
+    s, first = recovering_with_digests()
+    refused = [first.plan[1]]
+    decided: list = []
+    for t in (3, 4):
+        s.at(t)
+        s.add(
+            s.ev.make(
+                "member.fault",
+                {"kind": "restore_failed", "detail": "digest mismatch", "step": 20, "shard": 1,
+                 "source": refused[-1]},
+                source=s._src("spare0"), generation=s.v.generation,
+            )
+        )  # fmt: skip
+        decided = s.decide()
+        [realloc] = [d.payload for d in decided if d.type == "reallocation.issued"]
+        refused.append(realloc.plan[1])
+    assert realloc.restore_step == 10 and "incident.resolved" not in [d.type for d in decided]

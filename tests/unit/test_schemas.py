@@ -62,7 +62,9 @@ MINIMAL_PAYLOADS: dict[str, dict[str, Any]] = {
     },
     "member.fault": {"kind": "oom"},
     "member.exited": {"member": "m0"},
+    "member.launched": {"member": "m0", "role": "spare", "pid": 1},
     "command.acked": {"command_id": UUID_A},
+    "command.refused": {"subject": "elastic.cmd.job1.all", "reason": "unsigned"},
     "restore.completed": {"generation": 1, "step": 1, "bytes": 0, "seconds": 0.0},
     "train.resumed": {"generation": 1, "step": 1},
     "train.completed": {"step": 1},
@@ -633,3 +635,146 @@ def test_event_ids_are_time_ordered_uuid7_in_canonical_form() -> None:
         value = uuid.UUID(uuid7(ms, rand)).int
         assert ((value >> 64) & 0xFFF, value & ((1 << 62) - 1)) == (rand >> 62, rand % (1 << 62))
     assert len({new_event_id() for _ in range(1000)}) == 1000
+
+
+# --------------------------------------------------------------------------- storable (issue 20)
+#
+# What PostgreSQL cannot store is refused by the schemas, with a reason naming the field: a NUL
+# in text (``text`` and ``jsonb`` refuse it), integers outside int64 (``bigint`` columns; jsonb
+# numbers are held to it too), non-finite floats, instants no reader can load.
+
+INT64_MAX = 2**63 - 1
+
+
+def _reason(env: dict[str, Any]) -> str:
+    from controlplane.decode import explain
+
+    return explain(rejected(env))
+
+
+@pytest.mark.parametrize(
+    ("type_", "field"),
+    [
+        ("member.fault", "detail"),
+        ("member.joined", "host"),
+        ("member.joined", "device"),
+        ("member.joined", "backup_endpoint"),
+        ("checkpoint.saved", "path"),
+        ("job.registered", "name"),
+        ("job.stopped", "reason"),
+        ("job.state_changed", "reason"),
+    ],
+)
+def test_a_nul_in_any_text_field_is_refused_with_its_field(type_: str, field: str):
+    payload = {**FULL_PAYLOADS.get(type_, MINIMAL_PAYLOADS[type_])}
+    payload[field] = "bad\u0000nul"
+    reason = _reason(envelope(type_, payload))
+    assert f"at payload.{field}:" in reason and "NUL character" in reason, reason
+    payload[field] = "bad nul"
+    validate(envelope(type_, payload))
+
+
+def test_a_nul_in_a_dict_key_is_refused():
+    payload = {"generation": 1, "step": 1, "bytes": 0, "seconds": 0.0, "sources": {"0\u0000": "m0"}}
+    assert "NUL character" in _reason(envelope("restore.completed", payload))
+    phases = {**FULL_PAYLOADS["incident.resolved"], "phases": {"detect\u0000": 1.0}}
+    assert "NUL character" in _reason(envelope("incident.resolved", phases))
+
+
+def test_a_lone_surrogate_is_refused_from_json_and_from_python():
+    data = json.dumps(envelope("member.fault", {"kind": "oom", "detail": "x"})).encode()
+    with pytest.raises(ValidationError) as info:
+        EVENT_ADAPTER.validate_json(data.replace(b'"x"', b'"\\ud800"'))
+    assert info.value.errors()[0]["type"] == "json_invalid"
+    env = envelope("member.fault", {"kind": "oom", "detail": "\ud800"})
+    with pytest.raises(ValidationError) as info:
+        EVENT_ADAPTER.validate_python(env, strict=False)
+    from controlplane.decode import explain
+
+    assert "lone surrogate" in explain(info.value)
+
+
+@pytest.mark.parametrize("field", ["seq", "generation"])
+def test_envelope_integers_beyond_int64_are_refused(field: str):
+    assert getattr(validate(heartbeat(**{field: INT64_MAX})), field) == INT64_MAX
+    for bad in (INT64_MAX + 1, 2**64, 10**30):
+        reason = _reason(heartbeat(**{field: bad}))
+        assert reason.startswith(f"schema violation at {field}:") and "int64" in reason, reason
+
+
+@pytest.mark.parametrize(
+    ("type_", "field"),
+    [
+        ("member.heartbeat", "step"),
+        ("train.step", "samples"),
+        ("backup.snapshot", "nbytes"),
+        ("backup.snapshot", "shard"),
+        ("backup.replicated", "nbytes"),
+        ("member.joined", "pid"),
+        ("member.exited", "exit_code"),
+        ("restore.completed", "bytes"),
+        ("restore.completed", "generation"),
+        ("train.resumed", "step"),
+        ("incident.resolved", "steps_lost"),
+    ],
+)
+def test_payload_integers_beyond_int64_are_refused(type_: str, field: str):
+    payload = {**FULL_PAYLOADS.get(type_, MINIMAL_PAYLOADS[type_])}
+    payload[field] = INT64_MAX
+    validate(envelope(type_, payload))
+    payload[field] = INT64_MAX + 1
+    reason = _reason(envelope(type_, payload))
+    assert f"at payload.{field}:" in reason and "int64" in reason, reason
+
+
+def test_exit_code_below_int64_is_refused():
+    assert "int64" in _reason(
+        envelope("member.exited", {"member": "m0", "exit_code": -(2**63) - 1})
+    )
+    validate(envelope("member.exited", {"member": "m0", "exit_code": -(2**63)}))
+
+
+def _integer_bounds(node: Any, defs: dict[str, Any], path: str, out: list[str]) -> None:
+    if isinstance(node, dict):
+        if node.get("type") == "integer":
+            low, high = node.get("minimum"), node.get("maximum")
+            if low is None or high is None or low < -(2**63) or high > INT64_MAX:
+                out.append(path)
+        for key, value in node.items():
+            if key != "$defs":
+                _integer_bounds(value, defs, f"{path}.{key}", out)
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            _integer_bounds(value, defs, f"{path}[{i}]", out)
+
+
+def test_every_integer_of_every_event_lies_within_int64():
+    """A field added later without bounds fails here (its value would fail the COPY)."""
+    schema = EVENT_ADAPTER.json_schema()
+    unbounded: list[str] = []
+    for name, model in schema["$defs"].items():
+        if name == "EnvelopeBase":
+            continue
+        _integer_bounds(model, schema["$defs"], name, unbounded)
+    # ``v`` is a literal per event; everything else needs both bounds.
+    assert [p for p in unbounded if not p.endswith(".properties.v")] == []
+
+
+@pytest.mark.parametrize(
+    "at",
+    ["9999-12-31T23:00:00-05:00", "0001-01-01T00:00:00+05:00", "9999-12-31T00:00:00Z"],
+)
+def test_instants_no_reader_can_load_are_refused(at: str):
+    reason = _reason(heartbeat(emitted_at=at))
+    assert reason.startswith("schema violation at emitted_at:"), reason
+    assert "9999-12-30" in reason or "0001-01-02" in reason, reason
+
+
+@pytest.mark.parametrize("literal", [b"1e999", b"-1e999"])
+def test_a_float_overflowing_to_infinity_is_refused(literal: bytes):
+    data = (
+        json.dumps(envelope("train.step")).encode().replace(b'"loss": 0.5', b'"loss": ' + literal)
+    )
+    with pytest.raises(ValidationError) as info:
+        EVENT_ADAPTER.validate_json(data)
+    assert info.value.errors()[0]["loc"][-1] == "loss"

@@ -376,3 +376,47 @@ def test_batches_compose(seqs: list[int], cuts: list[int]):
     assert gaps == whole.gaps
     assert late == whole.late
     assert cursors == whole.cursors
+
+
+# --------------------------------------------------------------------------- plausibility (issue 20)
+
+
+def test_a_seq_implausibly_far_ahead_is_refused_and_moves_nothing():
+    from controlplane.core.sequence import MAX_SEQ_JUMP
+
+    events = beats(1, 1 + MAX_SEQ_JUMP + 1, 2, 3)
+    out = sequence(events, {})
+    assert seqs_of(out.accepted) == [1, 2, 3]
+    assert out.gaps == [] and out.late == 0
+    [(event, reason)] = out.stale
+    assert event is events[1]
+    assert reason.startswith("implausible seq: ") and f"at most {MAX_SEQ_JUMP}" in reason
+    assert out.cursors == {KEY: Cursor(3, ())}
+
+
+def test_the_largest_plausible_jump_is_a_gap():
+    from controlplane.core.sequence import MAX_SEQ_JUMP
+
+    out = sequence(beats(1 + MAX_SEQ_JUMP), {KEY: Cursor(1)})
+    assert seqs_of(out.accepted) == [1 + MAX_SEQ_JUMP]
+    assert out.gaps == [SeqGap("job1", "n0/m0", "inc1", 1, 1 + MAX_SEQ_JUMP)]
+
+
+def test_a_first_seq_of_2_63_minus_1_does_not_lock_out_the_source():
+    out = sequence(beats(2**63 - 1, 1, 2), {})
+    assert seqs_of(out.accepted) == [1, 2]
+    assert [e.seq for e, _ in out.stale] == [2**63 - 1]
+    assert out.cursors == {KEY: Cursor(2, ())}
+
+
+@settings(max_examples=100)
+@given(st.lists(st.integers(min_value=1, max_value=2**63 - 1), max_size=30))
+def test_no_hole_is_ever_wider_than_the_jump_limit(seqs: list[int]):
+    from controlplane.core.sequence import MAX_SEQ_JUMP
+
+    out = sequence(beats(*seqs), {})
+    for gap in out.gaps:
+        assert gap.missing < MAX_SEQ_JUMP
+    for cursor in out.cursors.values():
+        assert all(hi - lo < MAX_SEQ_JUMP for lo, hi in cursor.holes)
+    assert len(out.accepted) + len(out.stale) == len(seqs)

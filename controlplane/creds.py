@@ -1,0 +1,298 @@
+"""Identity on the bus: one NATS NKey user per node of a job and role, issued by the project.
+
+From the installation secret (``ELASTIC_SECRET``, schemas/auth.py) ``elasticctl creds`` derives,
+deterministically, an Ed25519 NKey seed for
+
+- the control plane (``controlplane.nk``): administers both streams, pulls and acks events,
+  publishes commands; the only identity that can read events;
+- each node of a job, twice: its launcher (``<job>/<node>/launcher.nk``), which may publish
+  ``elastic.evt.<job>.<node>.>`` (its members' exits as ``<node>/launcher``), and its members
+  (``<job>/<node>/member.nk``), which may publish ``elastic.evt.<job>.<node>.*.>`` except
+  ``elastic.evt.<job>.<node>.launcher.>``.
+
+Both node identities read only their own job's commands, through an ordered consumer of the
+commands stream created on the filtered subject ``$JS.API.CONSUMER.CREATE.<stream>.<name>.
+elastic.cmd.<job>.<target>`` (the server checks that the filter in the request is the one in
+the subject), and receive replies only on an inbox of their own, ``_INBOX_<public key>``: they
+cannot subscribe to ``_INBOX.>``, to events, or to another identity's inbox.
+
+Beside the seeds it writes each job's secret (``<job>/job-secret``) and the command-verifying key
+(``<job>/command-key``), which the launcher hands its members (ELASTIC_JOB_SECRET,
+ELASTIC_COMMAND_KEY), and the NATS server's user list (``nats-users.conf``, public keys and
+permissions only: not a secret) for every job issued into the directory; the server loads it
+through an ``include`` in its ``authorization`` block and reloads it on SIGHUP
+(``nats-server --signal reload``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import nkeys
+
+from controlplane.subjects import COMMAND_PREFIX, EVENT_PREFIX
+from schemas.auth import (
+    COMMAND_KEY_ENV,
+    JOB_SECRET_ENV,
+    command_public_key,
+    job_secret,
+)
+from schemas.common import IDENT_PATTERN
+
+#: A directory written by ``elasticctl creds``: the launcher takes its node's credentials there.
+CREDS_DIR_ENV = "ELASTIC_NATS_CREDS_DIR"
+
+LAUNCHER = "launcher"
+MEMBER = "member"
+KINDS = (LAUNCHER, MEMBER)
+CONTROLPLANE = "controlplane"
+#: The member name a launcher publishes under (``<node>/launcher``): no member may use it.
+LAUNCHER_MEMBER = "launcher"
+
+CONTROLPLANE_FILE = "controlplane.nk"
+USERS_FILE = "nats-users.conf"
+JOB_SECRET_FILE = "job-secret"
+COMMAND_KEY_FILE = "command-key"
+#: Prefix of every NKey user seed.
+_SEED_PREFIX = b"SU"
+
+_IDENT = re.compile(IDENT_PATTERN)
+
+
+class CredentialsError(ValueError):
+    """Credentials that cannot be issued or found (a bad name, a missing file)."""
+
+
+def _check_name(what: str, name: str) -> str:
+    if not _IDENT.match(name):
+        raise CredentialsError(
+            f"{what} {name!r} is not a valid name (letters, digits, '-', '_'; at most 64)"
+        )
+    return name
+
+
+def _seed(master: bytes, label: str) -> bytes:
+    raw = hmac.new(master, f"elastic/nats/{label}".encode(), hashlib.sha256).digest()
+    seed: bytes = nkeys.encode_seed(raw, nkeys.PREFIX_BYTE_USER)
+    return seed
+
+
+def controlplane_seed(master: bytes) -> bytes:
+    """The control plane's NKey seed (``SU...``)."""
+    return _seed(master, CONTROLPLANE)
+
+
+def node_seed(master: bytes, job_id: str, node: str, kind: str) -> bytes:
+    """The NKey seed of a node's launcher or members (``kind``: launcher | member)."""
+    if kind not in KINDS:
+        raise CredentialsError(f"kind must be one of {KINDS}, not {kind!r}")
+    return _seed(master, f"{_check_name('job', job_id)}/{_check_name('node', node)}/{kind}")
+
+
+def public_key(seed: bytes) -> str:
+    """The public key (``U...``) of an NKey user seed."""
+    pair = nkeys.from_seed(bytearray(seed))
+    try:
+        return str(pair.public_key.decode())
+    finally:
+        pair.wipe()
+
+
+def inbox_prefix(public: str) -> str:
+    """The only inbox prefix the identity with this public key may receive on."""
+    return f"_INBOX_{public}"
+
+
+# --------------------------------------------------------------------------- permissions
+
+
+def controlplane_permissions(public: str, *, events_stream: str) -> dict[str, Any]:
+    """What ``elasticctl serve`` (and the demo, the API's tools) may do on NATS."""
+    return {
+        "publish": {
+            "allow": [f"{COMMAND_PREFIX}.>", "$JS.API.>", f"$JS.ACK.{events_stream}.>"],
+        },
+        "subscribe": {"allow": [f"{inbox_prefix(public)}.>"]},
+    }
+
+
+def node_permissions(
+    job_id: str, node: str, kind: str, public: str, *, command_stream: str
+) -> dict[str, Any]:
+    """What one node's launcher (``kind`` launcher) or members (``member``) may do."""
+    events = f"{EVENT_PREFIX}.{job_id}.{node}"
+    publish: dict[str, list[str]] = {
+        "allow": [
+            f"{events}.>" if kind == LAUNCHER else f"{events}.*.>",
+            # Following the job's commands with an ordered consumer: find the stream, create
+            # (and re-create) consumers filtered to this job only, answer flow control. Not
+            # STREAM.INFO: its per-subject counts would name every job's members.
+            "$JS.API.STREAM.NAMES",
+            f"$JS.API.CONSUMER.CREATE.{command_stream}.*.{COMMAND_PREFIX}.{job_id}.>",
+            f"$JS.FC.{command_stream}.>",
+        ]
+    }
+    if kind == MEMBER:
+        publish["deny"] = [f"{events}.{LAUNCHER_MEMBER}.>"]
+    return {"publish": publish, "subscribe": {"allow": [f"{inbox_prefix(public)}.>"]}}
+
+
+# --------------------------------------------------------------------------- files
+
+
+@dataclass(frozen=True, slots=True)
+class NodeCredentials:
+    """The seed files of one node of a job."""
+
+    launcher: Path
+    member: Path
+
+
+def node_dir(directory: Path, job_id: str, node: str) -> Path:
+    return Path(directory) / _check_name("job", job_id) / _check_name("node", node)
+
+
+def node_credentials(directory: str | Path, job_id: str, node: str) -> NodeCredentials:
+    """The launcher's and the members' seed files of ``node``; CredentialsError if absent."""
+    where = node_dir(Path(directory), job_id, node)
+    found = NodeCredentials(where / f"{LAUNCHER}.nk", where / f"{MEMBER}.nk")
+    for path in (found.launcher, found.member):
+        if not path.is_file():
+            raise CredentialsError(
+                f"no NATS credential {path} (issue it: elasticctl creds --job {job_id} "
+                f"--node {node} --out {directory})"
+            )
+    return found
+
+
+def job_environment(directory: str | Path, job_id: str) -> dict[str, str]:
+    """ELASTIC_JOB_SECRET and ELASTIC_COMMAND_KEY from the job's files, those that exist."""
+    where = Path(directory) / _check_name("job", job_id)
+    env = {}
+    for name, file in ((JOB_SECRET_ENV, JOB_SECRET_FILE), (COMMAND_KEY_ENV, COMMAND_KEY_FILE)):
+        path = where / file
+        if path.is_file():
+            env[name] = path.read_text().strip()
+    return env
+
+
+def _write(path: Path, data: bytes, mode: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+    os.chmod(tmp, mode)
+    os.replace(tmp, path)
+
+
+@dataclass(frozen=True, slots=True)
+class Issued:
+    """What ``issue`` wrote."""
+
+    controlplane: Path
+    nodes: dict[str, NodeCredentials]
+    users_file: Path
+    users: int
+
+
+def issue(
+    master: bytes,
+    directory: str | Path,
+    job_id: str,
+    nodes: Iterable[str],
+    *,
+    events_stream: str = "ELASTIC_EVENTS",
+    command_stream: str = "ELASTIC_COMMANDS",
+) -> Issued:
+    """Write the credentials of ``nodes`` of ``job_id`` (and the control plane's) under
+    ``directory``, then the server's user list for every job found there."""
+    root = Path(directory)
+    names = [_check_name("node", n) for n in nodes]
+    if not names:
+        raise CredentialsError("no node to issue credentials for")
+    root.mkdir(parents=True, exist_ok=True)
+    cp = root / CONTROLPLANE_FILE
+    _write(cp, controlplane_seed(master) + b"\n", 0o600)
+    job_root = root / _check_name("job", job_id)
+    _write(job_root / JOB_SECRET_FILE, job_secret(master, job_id).hex().encode() + b"\n", 0o600)
+    _write(job_root / COMMAND_KEY_FILE, command_public_key(master).hex().encode() + b"\n", 0o644)
+    issued = {}
+    for node in names:
+        where = node_dir(root, job_id, node)
+        for kind in KINDS:
+            _write(where / f"{kind}.nk", node_seed(master, job_id, node, kind) + b"\n", 0o600)
+        issued[node] = NodeCredentials(where / f"{LAUNCHER}.nk", where / f"{MEMBER}.nk")
+    users_file, users = write_users_file(
+        root, events_stream=events_stream, command_stream=command_stream
+    )
+    return Issued(cp, issued, users_file, users)
+
+
+def _read_seed(path: Path) -> bytes:
+    seed = path.read_bytes().strip()
+    if not seed.startswith(_SEED_PREFIX):
+        raise CredentialsError(f"{path} is not an NKey user seed")
+    return seed
+
+
+def users(
+    directory: str | Path, *, events_stream: str, command_stream: str
+) -> list[dict[str, Any]]:
+    """The server's ``users`` entries for every credential under ``directory``."""
+    root = Path(directory)
+    cp = public_key(_read_seed(root / CONTROLPLANE_FILE))
+    entries = [
+        {"nkey": cp, "permissions": controlplane_permissions(cp, events_stream=events_stream)}
+    ]
+    for job_root in sorted(p for p in root.iterdir() if p.is_dir() and _IDENT.match(p.name)):
+        for where in sorted(p for p in job_root.iterdir() if p.is_dir() and _IDENT.match(p.name)):
+            for kind in KINDS:
+                path = where / f"{kind}.nk"
+                if not path.is_file():
+                    continue
+                public = public_key(_read_seed(path))
+                permissions = node_permissions(
+                    job_root.name, where.name, kind, public, command_stream=command_stream
+                )
+                entries.append({"nkey": public, "permissions": permissions})
+    return entries
+
+
+def write_users_file(
+    directory: str | Path, *, events_stream: str, command_stream: str
+) -> tuple[Path, int]:
+    """Write ``nats-users.conf`` (public keys and permissions); return it and its users."""
+    root = Path(directory)
+    entries = users(root, events_stream=events_stream, command_stream=command_stream)
+    text = (
+        "# Written by `elasticctl creds`: one NKey user per node of a job and role (launcher,\n"
+        "# member), and the control plane. Public keys only. Included from the `authorization`\n"
+        "# block of nats.conf; after adding a job: nats-server --signal reload (or SIGHUP).\n"
+        f"users: {json.dumps(entries, indent=2)}\n"
+    )
+    path = root / USERS_FILE
+    _write(path, text.encode(), 0o644)
+    return path, len(entries)
+
+
+# --------------------------------------------------------------------------- connecting
+
+
+def nkey_connect_options(path: str | Path) -> dict[str, Any] | None:
+    """nats-py options for an NKey seed file (the seed and its own inbox prefix); None when
+    the file is not an NKey seed (a JWT ``.creds`` file, say)."""
+    seed = Path(path).read_bytes().strip()
+    if not seed.startswith(_SEED_PREFIX):
+        return None
+    return {"nkeys_seed": str(path), "inbox_prefix": inbox_prefix(public_key(seed))}

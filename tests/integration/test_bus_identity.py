@@ -1,0 +1,698 @@
+"""Identity on the bus: per-node NKey credentials (``elasticctl creds``) against a real
+nats-server that loads the user list they come with.
+
+A node's credentials publish only as that node of that job (its members never as its
+launcher), read only that job's commands, and receive only on an inbox of their own: no
+events, no ``_INBOX.>``, nothing of another job. The control plane's credential does what
+``elasticctl serve`` does. Every refusal here is the server's (a permissions violation).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import nats
+import nats.errors
+import pytest
+from nats.aio.client import Client
+
+from controlplane import bus, creds
+from controlplane.devstack import NatsServer
+from controlplane.publish import MSG_ID_HEADER
+from controlplane.settings import Settings
+from controlplane.subjects import command_subject, event_subject
+from rank_runtime import launcher
+from rank_runtime.client import EventClient
+from rank_runtime.identity import NATS_CREDS_ENV, NATS_PASSWORD_ENV, NATS_USER_ENV, Identity
+from schemas.auth import COMMAND_KEY_ENV, JOB_SECRET_ENV, command_public_key, job_secret
+from schemas.commands import Stop
+from schemas.common import Role
+
+pytestmark = [pytest.mark.services, pytest.mark.timeout(90)]
+
+JOB_A = "job-a"
+JOB_B = "job-b"
+SETTINGS = Settings()
+ROOT = Path(__file__).resolve().parents[2]
+EVENTS = SETTINGS.stream
+COMMANDS = SETTINGS.command_stream
+
+
+@dataclass
+class Secured:
+    url: str
+    creds: Path
+    master: bytes
+
+    def seed(self, job: str, node: str, kind: str) -> Path:
+        return self.creds / job / node / f"{kind}.nk"
+
+    @property
+    def controlplane(self) -> Path:
+        return self.creds / creds.CONTROLPLANE_FILE
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secured]:
+    """A nats-server whose only users are the ones ``elasticctl creds`` issued: job A on
+    nodes n0 and n1, job B on node m0, and the control plane."""
+    root = tmp_path_factory.mktemp("bus-identity")
+    master = os.urandom(32)
+    creds.issue(master, root / "creds", JOB_A, ["n0", "n1"])
+    creds.issue(master, root / "creds", JOB_B, ["m0"])
+    config = root / "nats.conf"
+    config.write_text(f'authorization {{\n  include "creds/{creds.USERS_FILE}"\n}}\n')
+    server = NatsServer(root / "nats", config=config).start()
+    try:
+        yield Secured(server.url, root / "creds", master)
+    finally:
+        server.stop()
+
+
+class Conn:
+    """A raw connection under one credential, with the server's asynchronous errors."""
+
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+        self.nc: Client | None = None
+
+    async def open(self, url: str, path: Path) -> Conn:
+        async def error(exc: Exception) -> None:
+            self.errors.append(str(exc))
+
+        options = creds.nkey_connect_options(path)
+        assert options is not None
+        self.nc = await nats.connect(url, error_cb=error, **options)
+        return self
+
+    @property
+    def client(self) -> Client:
+        assert self.nc is not None
+        return self.nc
+
+    async def violation(self, what: str, subject: str, timeout: float = 5.0) -> None:
+        """Wait for the server's permissions violation naming ``subject``."""
+        deadline = time.monotonic() + timeout
+        needle = f'permissions violation for {what} to "{subject.lower()}"'
+        while not any(needle in e.lower() for e in self.errors):
+            assert time.monotonic() < deadline, f"no {what} violation for {subject}: {self.errors}"
+            await asyncio.sleep(0.02)
+
+
+@pytest.fixture
+async def connect(secured: Secured) -> AsyncIterator[Any]:
+    opened: list[Conn] = []
+
+    async def open_(path: Path) -> Conn:
+        conn = await Conn().open(secured.url, path)
+        opened.append(conn)
+        return conn
+
+    yield open_
+    for conn in opened:
+        if conn.nc is not None:
+            await conn.nc.close()
+
+
+@pytest.fixture
+async def controlplane(connect: Any, secured: Secured) -> Conn:
+    cp: Conn = await connect(secured.controlplane)
+    js = cp.client.jetstream()
+    await bus.ensure_stream(js, SETTINGS)
+    await bus.ensure_command_stream(js, SETTINGS)
+    return cp
+
+
+async def stored(cp: Conn, subject: str | None = None) -> int:
+    """Messages of the events stream (on ``subject``, when given)."""
+    js = cp.client.jetstream()
+    if subject is None:
+        return int((await js.stream_info(EVENTS)).state.messages)
+    info = await js.stream_info(EVENTS, subjects_filter=subject)
+    return int((info.state.subjects or {}).get(subject, 0))
+
+
+def exited(node: str, member: str) -> bytes:
+    """A well-formed ``member.exited`` envelope from ``node``'s launcher about ``member``."""
+    return json.dumps(
+        {
+            "event_id": str(uuid.uuid4()),
+            "job_id": JOB_A,
+            "type": "member.exited",
+            "v": 1,
+            "source": f"{node}/launcher",
+            "seq": 1,
+            "generation": 1,
+            "emitted_at": datetime.now(UTC).isoformat(),
+            "payload": {"member": member, "signal": 9},
+        }
+    ).encode()
+
+
+async def refused_publish(conn: Conn, subject: str, data: bytes = b"{}") -> None:
+    js = conn.client.jetstream()
+    with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError)):
+        await js.publish(subject, data, timeout=1)
+    await conn.violation("publish", subject)
+
+
+# --------------------------------------------------------------------------- publishing
+
+
+async def test_another_nodes_forged_member_exited_is_refused_by_nats(
+    secured: Secured, controlplane: Conn, connect: Any
+) -> None:
+    """Node n0's credentials (its launcher's, its members') cannot report an exit of a member
+    of node n1, nor of any node of another job: the server refuses, the stream gets nothing."""
+    before = await stored(controlplane)
+    for kind in creds.KINDS:
+        attacker: Conn = await connect(secured.seed(JOB_A, "n0", kind))
+        for subject in (
+            event_subject(JOB_A, "n1", "launcher", "member.exited"),
+            event_subject(JOB_A, "n1", "w1", "member.exited"),
+            event_subject(JOB_B, "m0", "launcher", "member.exited"),
+            # its own node, but as another job
+            event_subject(JOB_B, "n0", "launcher", "member.exited"),
+        ):
+            await refused_publish(attacker, subject, exited("n1", "w1"))
+    assert await stored(controlplane) == before, "a forged event reached the stream"
+    # Node n1's launcher reports its own member's exit.
+    honest: Conn = await connect(secured.seed(JOB_A, "n1", creds.LAUNCHER))
+    subject = event_subject(JOB_A, "n1", "launcher", "member.exited")
+    ack = await honest.client.jetstream().publish(subject, exited("n1", "w1"), timeout=5)
+    assert ack.stream == EVENTS
+    assert await stored(controlplane, subject) == 1
+    assert not honest.errors
+
+
+async def test_a_member_cannot_publish_as_its_launcher(
+    secured: Secured, controlplane: Conn, connect: Any
+) -> None:
+    member: Conn = await connect(secured.seed(JOB_A, "n0", creds.MEMBER))
+    forged = event_subject(JOB_A, "n0", "launcher", "member.exited")
+    await refused_publish(member, forged, exited("n0", "w2"))
+    assert await stored(controlplane, forged) == 0
+    # What members publish, as themselves, goes through.
+    own = event_subject(JOB_A, "n0", "w0", "member.heartbeat")
+    ack = await member.client.jetstream().publish(own, b"{}", timeout=5)
+    assert ack.stream == EVENTS
+
+
+# --------------------------------------------------------------------------- reading
+
+
+async def test_a_node_credential_cannot_read_events(
+    secured: Secured, controlplane: Conn, connect: Any
+) -> None:
+    """No consumer on the events stream, no message of it, no subscription to events or to
+    another identity's inbox (``_INBOX.>``: where pulled events travel to the control plane)."""
+    cp_inbox = creds.inbox_prefix(creds.public_key(secured.controlplane.read_bytes().strip()))
+    for kind in creds.KINDS:
+        node: Conn = await connect(secured.seed(JOB_A, "n0", kind))
+        nc = node.client
+        for subject in ("_INBOX.>", f"{cp_inbox}.>", "elastic.evt.>", f"elastic.evt.{JOB_A}.>"):
+            await nc.subscribe(subject)
+            await node.violation("subscription", subject)
+        for api in (
+            f"$JS.API.CONSUMER.CREATE.{EVENTS}",
+            f"$JS.API.CONSUMER.CREATE.{EVENTS}.spy.elastic.evt.{JOB_A}.>",
+            f"$JS.API.CONSUMER.DURABLE.CREATE.{EVENTS}.spy",
+            f"$JS.API.CONSUMER.MSG.NEXT.{EVENTS}.{SETTINGS.ingest_durable}",
+            f"$JS.API.STREAM.MSG.GET.{EVENTS}",
+            f"$JS.API.DIRECT.GET.{EVENTS}",
+            f"$JS.API.STREAM.INFO.{EVENTS}",
+            f"$JS.API.CONSUMER.CREATE.{COMMANDS}",  # unfiltered: any job's commands
+        ):
+            with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError)):
+                await nc.request(api, b"{}", timeout=0.5)
+            await node.violation("publish", api)
+
+
+async def test_a_node_credential_cannot_read_another_jobs_commands(
+    secured: Secured, controlplane: Conn, connect: Any
+) -> None:
+    cp_js = controlplane.client.jetstream()
+    secret_b = f"for-{JOB_B}-{uuid.uuid4().hex}".encode()
+    await cp_js.publish(command_subject(JOB_B), secret_b)
+    spy: Conn = await connect(secured.seed(JOB_A, "n0", creds.MEMBER))
+    nc = spy.client
+    # Core subscriptions to commands: refused, its own job's included (commands come
+    # through the stream's consumer, to its own inbox).
+    for subject in (f"elastic.cmd.{JOB_B}.>", command_subject(JOB_B), "elastic.cmd.>"):
+        await nc.subscribe(subject)
+        await spy.violation("subscription", subject)
+    # The stream's per-subject counts (they name every job's members): refused.
+    api = f"$JS.API.STREAM.INFO.{COMMANDS}"
+    with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError)):
+        await nc.request(api, json.dumps({"subjects_filter": ">"}).encode(), timeout=0.5)
+    await spy.violation("publish", api)
+    # A consumer filtered to the other job: refused by permissions.
+    inbox = nc.new_inbox()
+    got: list[bytes] = []
+
+    async def collect(msg: Any) -> None:
+        got.append(msg.data)
+
+    await nc.subscribe(inbox, cb=collect)
+    request: dict[str, Any] = {
+        "stream_name": COMMANDS,
+        "config": {
+            "name": "spy1",
+            "filter_subject": command_subject(JOB_B),
+            "deliver_subject": inbox,
+            "deliver_policy": "all",
+            "ack_policy": "none",
+        },
+    }
+    api = f"$JS.API.CONSUMER.CREATE.{COMMANDS}.spy1.{command_subject(JOB_B)}"
+    with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError)):
+        await nc.request(api, json.dumps(request).encode(), timeout=1)
+    await spy.violation("publish", api)
+    # Its own job's subject on the wire, the other job's filter in the request (or none, or
+    # several): the server refuses the mismatch.
+    for name, change in (
+        ("spy2", {}),
+        ("spy3", {"filter_subject": None}),
+        ("spy4", {"filter_subject": None, "filter_subjects": [
+            command_subject(JOB_A), command_subject(JOB_B)]}),
+    ):  # fmt: skip
+        config = {**request["config"], "name": name, **change}
+        config = {k: v for k, v in config.items() if v is not None}
+        api = f"$JS.API.CONSUMER.CREATE.{COMMANDS}.{name}.{command_subject(JOB_A)}"
+        reply = await nc.request(api, json.dumps({**request, "config": config}).encode(), 5)
+        error = json.loads(reply.data).get("error")
+        assert error and error["code"] == 400, reply.data
+    await asyncio.sleep(0.5)
+    assert secret_b not in got, "another job's command was delivered"
+    assert not got
+
+
+async def test_a_consumer_cannot_deliver_into_the_events_stream(
+    secured: Secured, controlplane: Conn, connect: Any
+) -> None:
+    """A consumer a node may create (its own job's commands) delivered to another node's
+    launcher subject: the server delivers only to subscribers, so nothing is stored there."""
+    await controlplane.client.jetstream().publish(command_subject(JOB_A), b'{"c": 1}')
+    node: Conn = await connect(secured.seed(JOB_A, "n0", creds.MEMBER))
+    target = event_subject(JOB_B, "m0", "launcher", "member.exited")
+    config = {
+        "name": "sneak",
+        "filter_subject": command_subject(JOB_A),
+        "deliver_subject": target,
+        "deliver_policy": "all",
+        "ack_policy": "none",
+    }
+    api = f"$JS.API.CONSUMER.CREATE.{COMMANDS}.sneak.{command_subject(JOB_A)}"
+    reply = await node.client.request(
+        api, json.dumps({"stream_name": COMMANDS, "config": config}).encode(), 5
+    )
+    assert "error" not in json.loads(reply.data), reply.data
+    await asyncio.sleep(1.5)
+    assert await stored(controlplane, target) == 0
+
+
+# --------------------------------------------------------------------------- doing the work
+
+
+async def test_each_credential_does_its_part(secured: Secured, controlplane: Conn) -> None:
+    """The control plane's credential ensures the streams, pulls and acks events, publishes
+    commands; a member (EventClient, as the launcher starts it) publishes and follows its
+    job's commands; the launcher's credential reports exits as ``<node>/launcher``."""
+    job = JOB_A
+    identity = Identity(
+        job, "n1", "rack0", "w1", Role.WORKER, secured.url,
+        nats_creds=str(secured.seed(job, "n1", creds.MEMBER)),
+    )  # fmt: skip
+    member = EventClient(identity).start()
+    reporter = EventClient(
+        Identity(
+            job,
+            "n1",
+            "rack0",
+            "launcher",
+            Role.WORKER,
+            secured.url,
+            nats_creds=str(secured.seed(job, "n1", creds.LAUNCHER)),
+        ),
+        commands=False,
+    ).start()
+    settings = Settings(nats_url=secured.url, nats_creds=str(secured.controlplane))
+    nc = await bus.connect(settings)
+    try:
+        member.publish("member.heartbeat", {"step": 0, "phase": "init"})
+        reporter.publish("member.exited", {"member": "w1", "signal": 9})
+        deadline = time.monotonic() + 20
+        while member.stats.acked < 1 or reporter.stats.acked < 1:
+            assert time.monotonic() < deadline, (member.stats, reporter.stats)
+            await asyncio.sleep(0.05)
+        consumer = bus.EventConsumer(nc, settings)
+        got: list[bus.Delivery] = []
+        while len(got) < 2:
+            assert time.monotonic() < deadline, f"the control plane received {got}"
+            got += await consumer.fetch(10, 1.0)
+        subjects = {d.subject for d in got}
+        assert event_subject(job, "n1", "w1", "member.heartbeat") in subjects
+        assert event_subject(job, "n1", "launcher", "member.exited") in subjects
+        assert await consumer.ack_through(got[-1], consumer.epoch)
+        stop = Stop(
+            command_id=uuid.uuid4(),
+            job_id=job,
+            decision_position=1,
+            issued_at=datetime.now(UTC),
+            reason="test",
+        )
+        await nc.jetstream().publish(
+            command_subject(job),
+            stop.model_dump_json().encode(),
+            headers={MSG_ID_HEADER: str(stop.command_id)},
+        )
+        received = await asyncio.to_thread(member.next_command, 20.0)
+        assert isinstance(received, Stop) and received.command_id == stop.command_id
+    finally:
+        member.close(flush_s=0.5)
+        reporter.close(flush_s=0.5)
+        await nc.close()
+
+
+async def test_a_member_follows_commands_across_a_server_restart(tmp_path: Path) -> None:
+    """The ordered consumer is re-created (under a new name, on the filtered subject) when the
+    server comes back, and the member gets the next command."""
+    master = os.urandom(32)
+    creds.issue(master, tmp_path / "creds", JOB_A, ["n0"])
+    config = tmp_path / "nats.conf"
+    config.write_text(f'authorization {{\n  include "creds/{creds.USERS_FILE}"\n}}\n')
+    server = NatsServer(tmp_path / "nats", config=config).start()
+    settings = Settings(nats_url=server.url, nats_creds=str(tmp_path / "creds" / "controlplane.nk"))
+    member = EventClient(
+        Identity(
+            JOB_A,
+            "n0",
+            "rack0",
+            "w0",
+            Role.WORKER,
+            server.url,
+            nats_creds=str(tmp_path / "creds" / JOB_A / "n0" / "member.nk"),
+        )
+    ).start()
+
+    async def command(reason: str) -> Stop:
+        stop = Stop(
+            command_id=uuid.uuid4(),
+            job_id=JOB_A,
+            decision_position=1,
+            issued_at=datetime.now(UTC),
+            reason=reason,
+        )
+        nc = await bus.connect(settings)
+        try:
+            js = nc.jetstream()
+            await bus.ensure_command_stream(js, settings)
+            await js.publish(command_subject(JOB_A), stop.model_dump_json().encode())
+        finally:
+            await nc.close()
+        return stop
+
+    try:
+        first = await command("before")
+        got = await asyncio.to_thread(member.next_command, 20.0)
+        assert got is not None and got.command_id == first.command_id
+        server.stop()
+        server.start()
+        second = await command("after")
+        got = await asyncio.to_thread(member.next_command, 40.0)
+        assert got is not None and got.command_id == second.command_id
+    finally:
+        member.close(flush_s=0.0)
+        server.stop()
+
+
+# --------------------------------------------------------------------------- the launcher
+
+
+def test_the_launcher_takes_its_nodes_credentials_and_hands_members_theirs(
+    tmp_path: Path,
+) -> None:
+    master = os.urandom(32)
+    creds.issue(master, tmp_path, JOB_A, ["node0", "node1"])
+    base = {
+        creds.CREDS_DIR_ENV: str(tmp_path),
+        NATS_USER_ENV: "trainer",
+        NATS_PASSWORD_ENV: "shared",
+        NATS_CREDS_ENV: str(tmp_path / creds.CONTROLPLANE_FILE),
+    }
+    found = launcher._node_credentials(base, JOB_A, launcher.layout(3, 1, 2, 1))
+    assert set(found) == {"node0", "node1"}
+    assert found["node1"].launcher == tmp_path / JOB_A / "node1" / "launcher.nk"
+    assert found["node1"].member == tmp_path / JOB_A / "node1" / "member.nk"
+    # Members get the job's secret and the command key, and no other credential.
+    assert base == {
+        JOB_SECRET_ENV: job_secret(master, JOB_A).hex(),
+        COMMAND_KEY_ENV: command_public_key(master).hex(),
+    }
+    # A node with no credentials stops the launch before any member starts.
+    with pytest.raises(creds.CredentialsError, match="node2"):
+        launcher._node_credentials(
+            {creds.CREDS_DIR_ENV: str(tmp_path)}, JOB_A, launcher.layout(3, 0, 3, 1)
+        )
+    assert launcher._node_credentials({}, JOB_A, launcher.layout(1, 0, 1, 1)) == {}
+
+
+def test_credentials_are_derived_and_distinct(tmp_path: Path) -> None:
+    master = os.urandom(32)
+    one = creds.node_seed(master, JOB_A, "n0", creds.MEMBER)
+    assert one == creds.node_seed(master, JOB_A, "n0", creds.MEMBER)
+    seeds = {
+        creds.controlplane_seed(master),
+        one,
+        creds.node_seed(master, JOB_A, "n0", creds.LAUNCHER),
+        creds.node_seed(master, JOB_A, "n1", creds.MEMBER),
+        creds.node_seed(master, JOB_B, "n0", creds.MEMBER),
+        creds.node_seed(os.urandom(32), JOB_A, "n0", creds.MEMBER),
+    }
+    assert len(seeds) == 6
+    with pytest.raises(creds.CredentialsError):
+        creds.node_seed(master, "a.b", "n0", creds.MEMBER)  # a dot would widen a subject
+    with pytest.raises(creds.CredentialsError):
+        creds.node_seed(master, JOB_A, "n>", creds.MEMBER)
+    issued = creds.issue(master, tmp_path, JOB_A, ["n0"])
+    assert oct(issued.nodes["n0"].member.stat().st_mode & 0o777) == "0o600"
+    text = issued.users_file.read_text()
+    for path in (issued.controlplane, issued.nodes["n0"].launcher, issued.nodes["n0"].member):
+        seed = path.read_bytes().strip()
+        assert seed.decode() not in text  # public keys only, never a seed
+        assert creds.public_key(seed) in text
+    assert issued.users == 3
+
+
+# --------------------------------------------------------------------------- TLS
+
+
+def _certificates(directory: Path) -> tuple[Path, Path, Path]:
+    """A CA, and a server certificate it signed for 127.0.0.1: (ca, cert, key) files."""
+    import datetime as dt
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = dt.datetime.now(dt.UTC)
+
+    def name(text: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, text)])
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(name("elastic test CA"))
+        .issuer_name(name("elastic test CA"))
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(hours=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name("nats"))
+        .issuer_name(ca.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(hours=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    paths = directory / "ca.crt", directory / "server.crt", directory / "server.key"
+    paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    paths[1].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    paths[2].write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return paths
+
+
+async def test_nats_over_tls_with_the_settings_url(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TLS is a URL away: ``tls://`` in ELASTIC_NATS_URL, the CA in SSL_CERT_FILE (Python's
+    default context verifies the server's certificate and name). A plain client is refused."""
+    import ssl
+
+    async def once(url: str, path: str) -> None:
+        """One connection attempt, no retries: raise what made it fail."""
+        errors: list[Exception] = []
+
+        async def error(exc: Exception) -> None:
+            errors.append(exc)
+
+        options = creds.nkey_connect_options(path) or {}
+        try:
+            nc = await asyncio.wait_for(
+                nats.connect(url, allow_reconnect=False, error_cb=error, **options), 10
+            )
+        except nats.errors.NoServersError:
+            raise errors[0] if errors else AssertionError("no error reported") from None
+        await nc.close()
+
+    ca, cert, key = _certificates(tmp_path)
+    master = os.urandom(32)
+    creds.issue(master, tmp_path / "creds", JOB_A, ["n0"])
+    config = tmp_path / "nats.conf"
+    config.write_text(
+        f'tls {{\n  cert_file: "{cert}"\n  key_file: "{key}"\n}}\n'
+        f'authorization {{\n  include "creds/{creds.USERS_FILE}"\n}}\n'
+    )
+    server = NatsServer(tmp_path / "nats", config=config).start()
+    tls_url = server.url.replace("nats://", "tls://")
+    cp_creds = str(tmp_path / "creds" / creds.CONTROLPLANE_FILE)
+    member: EventClient | None = None
+    try:
+        # Without the CA the server's certificate is not trusted.
+        monkeypatch.setenv("SSL_CERT_FILE", str(tmp_path / "no-such-ca.crt"))
+        with pytest.raises(ssl.SSLCertVerificationError):
+            await once(tls_url, cp_creds)
+        monkeypatch.setenv("SSL_CERT_FILE", str(ca))
+        nc = await bus.connect(Settings(nats_url=tls_url, nats_creds=cp_creds))
+        try:
+            js = nc.jetstream()
+            await bus.ensure_stream(js, SETTINGS)
+            member = EventClient(
+                Identity(
+                    JOB_A,
+                    "n0",
+                    "rack0",
+                    "w0",
+                    Role.WORKER,
+                    tls_url,
+                    nats_creds=str(tmp_path / "creds" / JOB_A / "n0" / "member.nk"),
+                ),
+                commands=False,
+            ).start()
+            member.publish("member.heartbeat", {"step": 0, "phase": "init"})
+            deadline = time.monotonic() + 20
+            while member.stats.acked < 1:
+                assert time.monotonic() < deadline, member.stats
+                await asyncio.sleep(0.05)
+            assert nc._current_server is not None and nc._current_server.uri.scheme == "tls"
+        finally:
+            await nc.close()
+        # A client that does not speak TLS gets nothing but the demand for it (nats-py
+        # upgrades on its own when told; the raw protocol shows what plain text gets).
+        reader, writer = await asyncio.open_connection(server.host, server.port)
+        try:
+            info = json.loads((await reader.readline()).split(b" ", 1)[1])
+            assert info["tls_required"] is True
+            writer.write(b'CONNECT {"verbose": false}\r\nPING\r\n')
+            await writer.drain()
+            answer = await asyncio.wait_for(reader.read(4096), 10)
+            assert b"PONG" not in answer, answer
+        finally:
+            writer.close()
+    finally:
+        if member is not None:
+            member.close(flush_s=0.5)
+        server.stop()
+
+
+async def test_a_launcher_runs_its_members_under_their_nodes_credentials(
+    secured: Secured, controlplane: Conn, tmp_path: Path
+) -> None:
+    """``elasticctl run``'s launcher with ELASTIC_NATS_CREDS_DIR, against the secured server:
+    each member publishes with its node's member credential (and nothing more in its
+    environment), and its exit is reported with the node's launcher credential."""
+    import textwrap
+
+    script = tmp_path / "member.py"
+    script.write_text(
+        textwrap.dedent("""
+        import json, os, sys, time
+        from rank_runtime.client import EventClient
+        from rank_runtime.identity import Identity
+        env = os.environ
+        node, job = env["ELASTIC_NODE"], env["ELASTIC_JOB_ID"]
+        assert env["ELASTIC_NATS_CREDS"].endswith(f"/{job}/{node}/member.nk"), env
+        assert "ELASTIC_NATS_CREDS_DIR" not in env and "ELASTIC_SECRET" not in env
+        assert env["ELASTIC_JOB_SECRET"] and env["ELASTIC_COMMAND_KEY"]
+        client = EventClient(Identity.from_env(), commands=False).start()
+        client.publish("member.heartbeat", {"step": 0, "phase": "init"})
+        deadline = time.monotonic() + 20
+        while client.stats.acked < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        client.close(flush_s=1.0)
+        sys.exit(0 if client.stats.acked else 5)
+    """)
+    )
+    job = JOB_A  # issued on nodes n0 and n1 only: lay the members out by hand over those
+    env = {
+        **os.environ,
+        creds.CREDS_DIR_ENV: str(secured.creds),
+        "ELASTIC_SECRET": secured.master.hex(),  # must not reach the members
+        "PYTHONPATH": str(ROOT),
+    }
+    results = []
+    for node in ("n0", "n1"):
+        results.append(
+            await asyncio.to_thread(
+                launcher.run,
+                [str(script)],
+                nproc=1,
+                job_id=job,
+                nats_url=secured.url,
+                env=env,
+                node=node,
+            )
+        )
+    assert all(r.ok for r in results), [r.exits for r in results]
+    subjects = set()
+    deadline = time.monotonic() + 20
+    for node in ("n0", "n1"):
+        beat = event_subject(job, node, f"{node}-w0", "member.heartbeat")
+        while not await stored(controlplane, beat):
+            assert time.monotonic() < deadline, f"no heartbeat from {node}"
+            await asyncio.sleep(0.1)
+        subjects.add(beat)
+    info = await controlplane.client.jetstream().stream_info(
+        EVENTS, subjects_filter=f"elastic.evt.{job}.*.*.member.exited"
+    )
+    exits = set((info.state.subjects or {}).keys())
+    assert len(exits) == 2, exits  # each launcher reported its member's exit
