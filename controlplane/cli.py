@@ -263,6 +263,14 @@ def run(
     rack: Annotated[
         str | None, typer.Option(help="With --node: the rack that node is in (default rack0).")
     ] = None,
+    fence: Annotated[
+        bool,
+        typer.Option(
+            "--fence/--no-fence",
+            help="Kill members a newer generation leaves out (the default). --no-fence is for"
+            " tests: a hung member resumed is not killed (it leaves at the end of its step).",
+        ),
+    ] = True,
 ) -> None:
     """Launch a training script's members on this machine and report what happens to them.
 
@@ -292,6 +300,7 @@ def run(
             checkpoint_dir=checkpoint_dir,
             node=node,
             rack=rack,
+            fence=fence,
         )
     except (FaultSpecError, FileNotFoundError, ValueError) as exc:
         raise _fail(str(exc)) from exc

@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from rank_runtime.data import StepSampler, synthetic_regression
 from rank_runtime.ddp import prime_buckets
-from rank_runtime.elastic import Elastic
+from rank_runtime.elastic import Elastic, GenerationSuperseded
 from rank_runtime.zero import consolidate, shard_state
 
 
@@ -130,13 +130,18 @@ def main() -> None:
             continue
         step += 1
         sampler.step = step
-        elastic.step_done(
-            step,
-            loss=loss_value,
-            samples=samples,
-            seconds=time.perf_counter() - started,
-            state=state,
-        )
+        try:
+            elastic.step_done(
+                step,
+                loss=loss_value,
+                samples=samples,
+                seconds=time.perf_counter() - started,
+                state=state,
+            )
+        except GenerationSuperseded as exc:  # a newer generation was decided meanwhile
+            model = optimizer = None
+            elastic.recover(exc, step)
+            step = elastic.resume_step
     if args.out and world.rank == 0:
         torch.save({"params": net.state_dict(), "loss": loss_value}, args.out)
     elastic.finish(step, loss_value)

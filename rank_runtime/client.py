@@ -109,7 +109,10 @@ class EventClient:
         self._refusal_times: collections.deque[float] = collections.deque()
         self._newest_generation = 0
         self._unreported = 0
-        self.incarnation = uuid.uuid4().hex[:16]
+        #: This process's incarnation: the one its launcher chose (``ELASTIC_INCARNATION``,
+        #: which the launcher also names in the process's exit), else one drawn here. One
+        #: client per process: ``seq`` restarts with the incarnation.
+        self.incarnation = identity.incarnation or uuid.uuid4().hex[:16]
         #: The generation this member believes current (stamped on every event).
         self.generation = 0
         #: What the heartbeat reports.

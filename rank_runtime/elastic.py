@@ -82,6 +82,17 @@ class JobStoppedError(RuntimeError):
     """The control plane stopped the job."""
 
 
+class GenerationSuperseded(RuntimeError):
+    """A newer generation naming this member was decided while it trained in an older one
+    (``step_done`` raises it): pass it to ``recover`` like a failed collective. Without a
+    launcher's fence, survivors released by a hung peer that resumed would otherwise carry
+    on a generation the control plane abandoned."""
+
+    def __init__(self, command: Start | Reallocate) -> None:
+        super().__init__(f"generation {command.generation} was decided")
+        self.command = command
+
+
 class _Superseded(Exception):  # control flow, not an error
     """A newer command overtook the one this member was carrying out (None: one that leaves
     this spare out, so it waits again)."""
@@ -175,6 +186,8 @@ class Elastic:
         self._backup_shard: int | None = None
         self._faults = faults.from_env()
         self._faults_state = os.environ.get(faults.FAULTS_STATE_ENV)
+        #: A newer command ``step_done`` found, for ``recover`` to follow.
+        self._pending: Start | Reallocate | None = None
         self._collective_timeout = timedelta(seconds=collective_timeout_s)
         #: This rank's own copies: two preallocated slots, the newest complete one whole.
         self.hot = HotSnapshot()
@@ -231,6 +244,9 @@ class Elastic:
         deadline = time.monotonic() + timeout_s
         member = self.identity.member
         current = self.world.generation if self.world is not None else 0
+        pending, self._pending = self._pending, None
+        if pending is not None and pending.generation > current:
+            return pending
         while time.monotonic() < deadline:
             command = self.client.next_command(timeout=1.0)
             if command is None:
@@ -301,7 +317,10 @@ class Elastic:
         Raises ``JobStoppedError`` when the job stops or goes on without this member.
         """
         log.warning("step %d failed (%s); waiting for the control plane", step, error)
-        self.report_fault(FaultKind.COLLECTIVE_ERROR, f"{type(error).__name__}: {error}", step=step)
+        if not isinstance(error, GenerationSuperseded):  # no fault: a newer decision
+            self.report_fault(
+                FaultKind.COLLECTIVE_ERROR, f"{type(error).__name__}: {error}", step=step
+            )
         self.client.phase = Phase.WAITING
         # The traceback keeps the failed step's frames, their tensors and, through the
         # autograd graph's hooks, DDP and the broken group alive: drop it.
@@ -562,6 +581,21 @@ class Elastic:
         if state is not None and step % self.policy.backup_interval == 0:
             self.backup(step, state())
         faults.inject(self._faults, step, world.rank, self._faults_state)
+        self._superseded(world.generation)
+
+    def _superseded(self, generation: int) -> None:
+        """Between steps, without waiting: when a newer generation was decided meanwhile,
+        this one ends here (``GenerationSuperseded``; ``JobStoppedError`` when the newer one
+        goes on without this member, or the job stopped)."""
+        command = self.client.next_command()
+        if command is None:
+            return
+        if isinstance(command, Stop):
+            raise JobStoppedError(f"the job stopped: {command.reason}")
+        newer = self._judge(command, generation)
+        if newer is not None:
+            self._pending = newer
+            raise GenerationSuperseded(newer)
 
     def backup(self, step: int, state: Any) -> None:
         """Copy ``state`` (this rank's unique shard) into preallocated memory now; checksum,

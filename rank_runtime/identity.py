@@ -20,6 +20,10 @@ NATS_USER_ENV = "ELASTIC_NATS_USER"
 NATS_PASSWORD_ENV = "ELASTIC_NATS_PASSWORD"
 NATS_CREDS_ENV = "ELASTIC_NATS_CREDS"
 POLICY_ENV = "ELASTIC_POLICY"
+#: The incarnation the launcher gave this process (one per process it starts): every event
+#: of the process carries it, and the launcher names it in the process's ``member.exited``,
+#: so the control plane applies the exit to this process and no other of the same name.
+INCARNATION_ENV = "ELASTIC_INCARNATION"
 #: The member name a node's launcher publishes under (``<node>/launcher``): the control plane
 #: believes a member's exit, and counts a spare, only from it, so no member may take it.
 LAUNCHER_MEMBER = "launcher"
@@ -47,6 +51,8 @@ class Identity:
     nats_creds: str | None = None
     #: The policy the launcher asks for, as JSON (the first member's registers the job).
     policy_json: str | None = None
+    #: The incarnation the launcher chose for this process (None: the client draws one).
+    incarnation: str | None = None
 
     @property
     def source(self) -> str:
@@ -67,8 +73,8 @@ class Identity:
             )
         bad = [
             f"{name}={env[name]!r}"
-            for name in (JOB_ID_ENV, NODE_ENV, RACK_ENV, MEMBER_ENV)
-            if not _IDENT.match(env[name])
+            for name in (JOB_ID_ENV, NODE_ENV, RACK_ENV, MEMBER_ENV, INCARNATION_ENV)
+            if env.get(name) and not _IDENT.match(env[name])
         ]
         if bad:
             raise IdentityError(
@@ -95,4 +101,5 @@ class Identity:
             nats_password=env.get(NATS_PASSWORD_ENV) or None,
             nats_creds=env.get(NATS_CREDS_ENV) or None,
             policy_json=env.get(POLICY_ENV) or None,
+            incarnation=env.get(INCARNATION_ENV) or None,
         )

@@ -6,12 +6,17 @@ is (``ELASTIC_JOB_ID``, ``_NODE``, ``_RACK``, ``_MEMBER``, ``_ROLE``, the NATS U
 the job asks for, the faults to inject). ``--nodes``/``--racks`` lay the members out over
 pretend nodes and racks, so topology-aware placement can be exercised on one machine. The
 launcher has its own identity on each node it starts members on (source ``<node>/launcher``,
-its own subject): it announces every member it starts (``member.launched``: member, role, pid;
-the control plane counts a spare only once its launcher announced it), reports every exit as
-``member.exited`` at once (the control plane believes an exit only from that launcher),
+its own subject): it gives every process it starts an incarnation of its own
+(``ELASTIC_INCARNATION``, which the process's events carry), announces it (``member.launched``:
+member, role, pid, incarnation; the control plane counts a spare only once its launcher
+announced it), reports every exit as ``member.exited`` with the pid and incarnation of the
+process that ended (the control plane believes an exit only from that launcher, and applies it
+only to that process, never to a successor of the same name),
 kills a random worker every S seconds for ``--fault random:every=S``, forwards SIGINT/SIGTERM,
 and returns when every member has exited. ``--checkpoint-dir`` is where members write cold
 checkpoints (``ELASTIC_CHECKPOINT_DIR``; the policy's ``checkpoint_every`` says how often).
+``--no-fence`` (for tests only) turns off the fencing of members a newer generation leaves
+out (``_fence``), so a test can resume a hung member itself and watch its late events.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from controlplane import creds
 from rank_runtime import checkpoint, faults
 from rank_runtime.client import EventClient
 from rank_runtime.identity import (
+    INCARNATION_ENV,
     JOB_ID_ENV,
     LAUNCHER_MEMBER,
     MEMBER_ENV,
@@ -109,6 +115,8 @@ class Running:
     slot: Slot
     process: subprocess.Popen[bytes]
     reporter: EventClient
+    #: The incarnation given to the process (its events carry it; its exit names it).
+    incarnation: str = ""
     returncode: int | None = None
     killed_by_launcher: bool = False
 
@@ -144,8 +152,10 @@ def run(
     checkpoint_dir: str | None = None,
     node: str | None = None,
     rack: str | None = None,
+    fence: bool = True,
 ) -> LaunchResult:
-    """Launch the job and wait for every member; see the module docstring."""
+    """Launch the job and wait for every member; see the module docstring (``fence``
+    False: members a newer generation leaves out are not killed; for tests)."""
     job_id = job_id or f"job-{uuid.uuid4().hex[:8]}"
     policy = policy or JobPolicy(world_size=nproc, min_world=1, max_world=max(nproc, 1))
     step_faults: list[faults.StepFault] = []
@@ -202,12 +212,16 @@ def run(
     result = LaunchResult(job_id)
     try:
         for slot in layout(nproc, spares, nodes, racks, node=node, rack=rack):
+            # One incarnation per process started: the launcher knows which process an exit
+            # is of, and says so (a late exit never lands on a successor of the name).
+            incarnation = uuid.uuid4().hex[:16]
             member_env = {
                 **base,
                 NODE_ENV: slot.node,
                 RACK_ENV: slot.rack,
                 MEMBER_ENV: slot.member,
                 ROLE_ENV: slot.role.value,
+                INCARNATION_ENV: incarnation,
             }
             if node_creds:  # this node's: the exit reports below go out as its launcher
                 auth = dataclasses.replace(auth, nats_creds=str(node_creds[slot.node].launcher))
@@ -227,9 +241,10 @@ def run(
             process = subprocess.Popen([python, *script], env=member_env)
             reporter.publish(
                 "member.launched",
-                {"member": slot.member, "role": slot.role.value, "pid": process.pid},
-            )
-            members.append(Running(slot, process, reporter))
+                {"member": slot.member, "role": slot.role.value, "pid": process.pid,
+                 "incarnation": incarnation},
+            )  # fmt: skip
+            members.append(Running(slot, process, reporter, incarnation))
             log.info("started %s (%s on %s/%s) as pid %d", slot.member, slot.role.value,
                      slot.rack, slot.node, process.pid)  # fmt: skip
         # Follows the job's commands to fence: a member a newer generation leaves out (found
@@ -257,7 +272,8 @@ def run(
                     victim.killed_by_launcher = True
                     victim.process.kill()
                 next_kill += randoms[0].every
-            _fence(watcher, members, in_world)
+            if fence:
+                _fence(watcher, members, in_world)
             time.sleep(0.02)
     finally:
         if "watcher" in locals():
@@ -317,10 +333,15 @@ def _fence(watcher: EventClient, members: list[Running], in_world: set[str]) -> 
 
 
 def _report_exit(member: Running) -> None:
-    """Publish ``member.exited`` for a member whose process ended (its code or signal)."""
+    """Publish ``member.exited`` for a member whose process ended (its code or signal, its
+    pid and incarnation)."""
     code = member.returncode
     assert code is not None
-    payload: dict[str, object] = {"member": member.slot.member}
+    payload: dict[str, object] = {
+        "member": member.slot.member,
+        "pid": member.process.pid,
+        "incarnation": member.incarnation,
+    }
     if code < 0:
         payload["signal"] = -code
     else:

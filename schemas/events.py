@@ -160,6 +160,11 @@ class MemberExited(Strict):
     member: Ident
     exit_code: Int64 | None = None
     signal: Annotated[int, Field(ge=1, le=64)] | None = None
+    #: The process that ended, as its launcher knows it: its pid and the incarnation the
+    #: launcher gave it (``ELASTIC_INCARNATION``). The exit applies only to that process;
+    #: absent (older launchers), to whichever process of the member joined last.
+    pid: NonNegInt | None = None
+    incarnation: Ident | None = None
 
 
 class MemberLaunched(Strict):
@@ -168,6 +173,8 @@ class MemberLaunched(Strict):
     member: Ident
     role: Role
     pid: NonNegInt
+    #: The incarnation the launcher gave the process (its events carry it); None: not said.
+    incarnation: Ident | None = None
 
 
 class CommandAcked(Strict):

@@ -15,6 +15,7 @@ from controlplane.core.decide import Context, Decided, decide, envelope
 from controlplane.core.fold import fold
 from controlplane.core.records import StoredEvent
 from controlplane.core.view import JobView
+from schemas.common import JobState
 from schemas.events import EnvelopeBase, JobPolicy
 from tests.factories import T0, Events
 
@@ -182,6 +183,19 @@ class Scenario:
                 for m in self.v.world
             )
         )
+
+    def start_and_train(self, *, replicate: bool = True) -> Scenario:
+        """Start generation 1 (the decider forms it; it must be RUNNING), everyone heartbeats
+        at t=1, complete backups at steps 10 and 20, last step 23."""
+        self.decide()
+        assert self.v.state is JobState.RUNNING and self.v.generation == 1, self.v.state
+        self.at(1)
+        self.heartbeat_all()
+        for step in (10, 20):
+            self.step(step)
+            self.backup(step, replicate=replicate)
+        self.step(23)
+        return self
 
     def backup(self, step: int, *, replicate: bool = True) -> None:
         """Every rank snapshots its shard at ``step``; holders named by the current

@@ -30,9 +30,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from controlplane.core.detect import Finding, detect, heartbeat_timeout, report_deadline
+from controlplane.core.detect import (
+    Finding,
+    detect,
+    heartbeat_timeout,
+    report_deadline,
+    silence_limit,
+)
 from controlplane.core.fold import fold
-from controlplane.core.placement import place_columns
+from controlplane.core.placement import SilentNode, place_columns, silent_nodes
 from controlplane.core.records import StoredEvent
 from controlplane.core.restore import plan_restore, refused_sources, restore_digests
 from controlplane.core.statemachine import TERMINAL
@@ -524,9 +530,16 @@ class _Round:
         # The members of the world that are not active.
         active = MemberStatus.ACTIVE
         failed = [m for m in view.world if members[m].status is not active]
+        # A node whose found-silent member has silent company is gone as a whole: no
+        # replacement comes from it, and its silent members serve no restore.
+        dead = self._silent_nodes()
         candidates = sorted(
             # Outside the world first (a cheap test; ``_usable`` asks it again).
-            [m for m in members.values() if m.rank is None and self._usable(m)],
+            [
+                m
+                for m in members.values()
+                if m.rank is None and m.node not in dead and self._usable(m)
+            ],
             key=lambda m: (m.role is not Role.SPARE, _topology_key(m)),
         )
         replacements: dict[str, str] = {}
@@ -558,26 +571,52 @@ class _Round:
                 f" min_world {policy.min_world}"
             )
         mode = ReallocationMode.SHRINK if dropped else ReallocationMode.REPLACE
-        restore = self._restore_point(world)
+        unheard = frozenset(m for node in dead.values() for m, _ in node.silent)
+        restore = self._restore_point(world, unheard)
         if isinstance(restore, str):
             return restore
         step, source, sources = restore
         parts = [f"replace {f} with {r}" for f, r in replacements.items()]
         if dropped:
             parts.append(f"shrink to {len(world)} without {', '.join(dropped[:8])} (no spare)")
+        parts.extend(
+            f"{node.describe()} (no replacement from it, no restore from its silent members)"
+            for node in list(dead.values())[:8]
+        )
         reason = "; ".join(parts) or "re-form the world"
         return _Plan(
             mode, world, step, source, sources, f"{reason}; restore step {step}", replacements
         )
 
+    def _silent_nodes(self) -> dict[str, SilentNode]:
+        """The nodes of the open incident's members found silent (heartbeat timeout) that
+        have other members silent past ``silence_limit`` (``placement.silent_nodes``)."""
+        view = self.view
+        incident = view.incidents.get(view.open_incident) if view.open_incident else None
+        if incident is None:
+            return {}
+        members = view.members
+        timed_out = FaultReason.HEARTBEAT_TIMEOUT
+        found = [
+            m
+            for m in incident.members
+            if (member := members.get(m)) is not None
+            and member.status is MemberStatus.FAILED
+            and member.failed_reason == timed_out
+        ]
+        if not found:
+            return {}
+        return silent_nodes(members, found, self.now, silence_limit(view))
+
     def _restore_point(
-        self, world: tuple[str, ...]
+        self, world: tuple[str, ...], unheard: frozenset[str] = frozenset()
     ) -> tuple[int, RestoreFrom, tuple[str, ...]] | str:
-        """Newest step whose every shard survives (hot first, then cold), or why none does."""
+        """Newest step whose every shard survives (hot first, then cold), or why none does;
+        members in ``unheard`` (silent on a node taken as gone) are no source."""
         view = self.view
         members = view.members
         active = MemberStatus.ACTIVE
-        alive = {k for k, m in members.items() if m.status is active}
+        alive = {k for k, m in members.items() if m.status is active and k not in unheard}
         receivers = dict(enumerate(world))
         hot = plan_restore(view, alive, receivers, members)
         if hot is not None:  # hot first (seconds), even when a cold checkpoint is newer

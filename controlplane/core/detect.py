@@ -8,8 +8,10 @@ timeout of the phase it last reported (backup and restore get their own, longer 
 member already named by a ``fault.detected`` is not found again, so detection is idempotent.
 
 A peer naming a suspect is evidence, not proof: one member (or one node's credential) must not
-be able to fence a healthy peer. A report naming a suspect, made since the current generation
-started and since the suspect joined, fences it only when one of these holds:
+be able to fence a healthy peer. Generations are fences: a report counts only while the
+generation it names is current, and only from an active member of that generation's world
+(the fold discounts the rest, ``stale_report`` / ``reporter_not_in_world``). Such a report,
+made since the suspect joined, fences the suspect only when one of these holds:
 
 - the suspect is silent: no heartbeat for ``SILENCE_BEATS`` heartbeat intervals of the policy
   (a healthy member's heartbeat thread beats every interval, whatever its phase);
@@ -89,14 +91,17 @@ def silence_limit(view: JobView) -> float:
 
 
 def _accusations(view: JobView, reporters: list[Member]) -> dict[str, list[Member]]:
-    """Suspect -> the members whose current report names it (about a peer, made since the
-    current generation started and since the suspect joined), in the order given."""
+    """Suspect -> the members whose current report names it (about a peer, naming the
+    current generation, and made since the suspect joined), in the order given. (The fold
+    keeps a peer report only from an active member of the world of the generation it
+    names, while that generation is current; one kept stops counting once a newer
+    generation starts.)"""
     members = view.members
-    since = view.generation_mark.position if view.generation_mark is not None else -1
+    generation = view.generation
     out: dict[str, list[Member]] = {}
     for reporter in reporters:
         report = reporter.last_fault
-        if report is None or report.kind not in PEER_FAULTS or report.position < since:
+        if report is None or report.kind not in PEER_FAULTS or report.generation != generation:
             continue
         for suspect_id in dict.fromkeys(report.suspects):
             suspect = members.get(suspect_id)

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import fields
 from typing import Any, TypeVar
 
+from controlplane.core.detect import PEER_FAULTS
 from controlplane.core.records import StoredEvent
 from controlplane.core.statemachine import TERMINAL, can_transition
 from controlplane.core.view import (
@@ -28,6 +29,7 @@ from controlplane.core.view import (
     Discount,
     DiscountReason,
     FaultReport,
+    GenerationRecord,
     Incident,
     JobView,
     Launched,
@@ -42,6 +44,7 @@ from controlplane.core.view import (
 from schemas.common import FaultKind, JobState, ReallocationMode
 
 _VIEW_FIELDS = tuple(f.name for f in fields(JobView))
+_ACTIVE = MemberStatus.ACTIVE
 
 _T = TypeVar("_T")
 
@@ -112,6 +115,14 @@ def fold_jobs(views: Mapping[str, JobView], events: Iterable[StoredEvent]) -> di
     for job_id, batch in by_job.items():
         out[job_id] = fold(out.get(job_id), batch)
     return out
+
+
+def _announces(launched: Launched, node: str, role: Any, pid: int, incarnation: str) -> bool:
+    """Whether a launcher's announcement is of this process: its node, role and pid, and its
+    incarnation when the announcement names one."""
+    return (launched.node, launched.role, launched.pid) == (node, role, pid) and (
+        launched.incarnation is None or launched.incarnation == incarnation
+    )
 
 
 class _Fold:
@@ -228,6 +239,17 @@ class _Fold:
         event = stored.event
         member_id = event.source.partition("/")[2]
         previous = self.view.members.get(member_id)
+        if previous is not None and previous.incarnation == event.incarnation:
+            # The process already known, announcing itself again: a join is bound to its
+            # incarnation, so the member keeps its position (and with it its copies), status,
+            # generation and rank. A failed member does not come back by saying it joined.
+            self._discount(
+                stored,
+                DiscountReason.REPEATED_JOIN,
+                f"{member_id} joined again as incarnation {event.incarnation}, which joined at"
+                f" #{previous.joined_position}: the same process, nothing changes",
+            )
+            return
         self.view.members[member_id] = Member(
             member_id=member_id,
             node=p.node,
@@ -240,13 +262,13 @@ class _Fold:
             incarnation=event.incarnation,
             joined_at=stored.recorded_at,
             joined_position=stored.position,
-            # A rejoin of the same incarnation (a repeated announcement) keeps the rank.
-            rank=previous.rank
-            if previous is not None and previous.incarnation == event.incarnation
-            else None,
+            # A new process: outside the world until a generation names it.
+            rank=None,
             last_seen_at=stored.recorded_at,
             joined_step=self.view.last_step,
-            announced_position=self._announcement(member_id, p.node, p.role, p.pid),
+            announced_position=self._announcement(
+                member_id, p.node, p.role, p.pid, event.incarnation
+            ),
         )
         if p.policy is not None and self.view.requested_policy is None:
             self.view.requested_policy = p.policy
@@ -254,10 +276,13 @@ class _Fold:
         # The member object was replaced (and may have moved node): drop cached lookups.
         self._by_source = {k: m for k, m in self._by_source.items() if m.member_id != member_id}
 
-    def _announcement(self, member_id: str, node: str, role: Any, pid: int) -> int | None:
-        """Position of the launcher's announcement of this process, if it made one."""
+    def _announcement(
+        self, member_id: str, node: str, role: Any, pid: int, incarnation: str
+    ) -> int | None:
+        """Position of the launcher's announcement of this process, if it made one (same
+        node, role and pid, and the same incarnation when the announcement names one)."""
         launched = self.view.launched.get(member_id)
-        if launched is None or (launched.node, launched.role, launched.pid) != (node, role, pid):
+        if launched is None or not _announces(launched, node, role, pid, incarnation):
             return None
         return launched.position
 
@@ -275,21 +300,23 @@ class _Fold:
         if not self._own_launched:
             view.launched = dict(view.launched)
             self._own_launched = True
-        view.launched[p.member] = Launched(node, p.role, p.pid, stored.position)
+        launched = Launched(node, p.role, p.pid, stored.position, p.incarnation)
+        view.launched[p.member] = launched
         # The member may have joined first (its announcement was late): it counts from now.
         member = view.members.get(p.member)
         if (
             member is not None
             and member.announced_position is None
-            and (member.node, member.role, member.pid) == (node, p.role, p.pid)
+            and _announces(launched, member.node, member.role, member.pid, member.incarnation)
         ):
             owned = self._member(p.member)
             assert owned is not None
             owned.announced_position = stored.position
 
-    def _known_member(self, stored: StoredEvent) -> Member | None:
+    def _known_member(self, stored: StoredEvent, process: bool = False) -> Member | None:
         """The member that sent ``stored`` (owned by this fold), its last_seen_at moved;
-        None (and the event discounted or noted) when it cannot be believed."""
+        None (and the event discounted or noted) when it cannot be believed. With
+        ``process``, only from the member's current process (see ``_other_process``)."""
         source = stored.event.source
         member = self._by_source.get(source)
         if member is None:
@@ -300,6 +327,12 @@ class _Fold:
                 self.ignored.append(stored.position)
                 return None
             self._by_source[source] = member
+        if (
+            process
+            and stored.event.incarnation != member.incarnation
+            and self._other_process(stored, member)
+        ):
+            return None
         generation = stored.event.generation
         # Compared, not max(): this runs for almost every event, and the call costs more.
         # A member's generation never passes the view's (only believed events move it), so
@@ -318,7 +351,8 @@ class _Fold:
         return member
 
     def _heartbeat(self, stored: StoredEvent, p: Any) -> None:
-        member = self._known_member(stored)
+        # Only the process that joined last keeps the member alive.
+        member = self._known_member(stored, True)
         if member is None:
             return
         step = p.step
@@ -370,7 +404,10 @@ class _Fold:
         owner = self._known_member(stored)
         if owner is None or self._step_lead(stored, owner, p.step):
             return
-        shard = self._shard(stored, p.step, p.shard)
+        # A copy in another process's memory is not in the current one's.
+        if stored.event.incarnation != owner.incarnation and self._other_process(stored, owner):
+            return
+        shard = self._shard(stored, p.step, p.shard, owner.member_id, snapshot=True)
         if shard is None:
             return
         was = shard.is_satisfied(self._redundancy)
@@ -384,7 +421,9 @@ class _Fold:
         member = self._known_member(stored)
         if member is None or self._step_lead(stored, member, p.step):
             return
-        shard = self._shard(stored, p.step, p.shard)
+        if stored.event.incarnation != member.incarnation and self._other_process(stored, member):
+            return
+        shard = self._shard(stored, p.step, p.shard, p.owner, snapshot=False)
         if shard is None:
             return
         holder = member.member_id
@@ -399,19 +438,84 @@ class _Fold:
             self._anomaly(stored, f"checksum of shard {p.shard} at {holder} does not match owner")
         self._satisfied(p.step, shard, was)
 
-    def _shard(self, stored: StoredEvent, step: int, shard_no: int) -> ShardBackup | None:
+    def _shard(
+        self, stored: StoredEvent, step: int, shard_no: int, owner: str, *, snapshot: bool
+    ) -> ShardBackup | None:
+        """The record (owned by this fold) of shard ``shard_no`` of backup ``step`` that
+        ``stored`` reports on, or None when the event counts nowhere (discounted or noted).
+
+        A step's backup belongs to the generation whose world took it, and has a shard per
+        rank of that world. That is the envelope's generation, unless the step is at or below
+        that generation's restore step: the generation started after it, so the event is a
+        late report of an older generation's copy (a holder reports under the generation it
+        has moved to) and counts in that generation's record of the step. A generation older
+        than the current one is believed only for steps up to the restore step of every later
+        generation: beyond it, its timeline was abandoned (stale)."""
         view = self.view
         generation = stored.event.generation
-        backup = self._backup(step)
-        if backup is None or backup.generation < generation:
+        record = view.started(generation)
+        if record is None:
+            self._discount(
+                stored,
+                DiscountReason.STALE_GENERATION,
+                f"{stored.event.type} of step {step} (shard {shard_no}) from generation"
+                f" {generation}, which never started a world (current: {view.generation})",
+            )
+            return None
+        if generation < view.generation:
+            fence = view.fence(generation)
+            if fence is not None and fence.restore_step is not None and step > fence.restore_step:
+                self._discount(
+                    stored,
+                    DiscountReason.STALE_GENERATION,
+                    f"{stored.event.type} of step {step} (shard {shard_no}) from generation"
+                    f" {generation}: generation {fence.generation} restored step"
+                    f" {fence.restore_step}, abandoning what generation {generation} did after"
+                    f" it",
+                )
+                return None
+        existing = view.backups.get(step)
+        restored = record.restore_step
+        if restored is not None and step <= restored:
+            if snapshot or existing is None or existing.generation >= generation:
+                self._anomaly(
+                    stored,
+                    f"{'snapshot' if snapshot else 'replica'} of step {step} under generation"
+                    f" {generation}, which started from step {restored}: no older generation's"
+                    f" backup of that step to count it in",
+                )
+                return None
+            maker, size = existing.generation, existing.num_shards
+        else:
+            maker, size = generation, record.world_size
+        if shard_no >= size:
+            self._discount(
+                stored,
+                DiscountReason.SHARD_OUTSIDE_WORLD,
+                f"{stored.event.type} of shard {shard_no} at step {step}: the world of"
+                f" generation {maker} has {size} ranks",
+            )
+            return None
+        if maker == view.generation and view.world[shard_no] != owner:
+            self._discount(
+                stored,
+                DiscountReason.SHARD_OUTSIDE_WORLD,
+                f"{stored.event.type} of shard {shard_no} at step {step} owned by {owner}: rank"
+                f" {shard_no} of generation {maker} is {view.world[shard_no]}",
+            )
+            return None
+        if existing is not None and existing.generation > maker:
+            self._anomaly(stored, f"backup of generation {maker} after {existing.generation}")
+            return None
+        if existing is None or existing.generation < maker:
             # A newer generation redoing a step replaces what an older one left behind.
-            num_shards = len(view.world) if generation == view.generation else shard_no + 1
-            backup = StepBackup(step=step, generation=generation, num_shards=max(num_shards, 1))
+            backup = StepBackup(step=step, generation=maker, num_shards=size)
             view.backups[step] = backup
             self._own_backups.add(step)
-        elif backup.generation > generation:
-            self._anomaly(stored, f"backup of generation {generation} after {backup.generation}")
-            return None
+        else:
+            owned = self._backup(step)
+            assert owned is not None
+            backup = owned
         shard = backup.shards.get(shard_no)
         if shard is None:
             shard = backup.shards[shard_no] = ShardBackup(shard=shard_no)
@@ -453,6 +557,18 @@ class _Fold:
         if member is None or self._step_lead(stored, member, p.step):
             return
         view = self.view
+        generation = stored.event.generation
+        if generation < view.generation and not view.on_timeline(generation, p.step):
+            fence = view.fence(generation)
+            assert fence is not None
+            self._discount(
+                stored,
+                DiscountReason.STALE_GENERATION,
+                f"checkpoint.saved of step {p.step} (shard {p.shard}) from generation"
+                f" {generation}: generation {fence.generation} restored step"
+                f" {fence.restore_step}, abandoning what generation {generation} did after it",
+            )
+            return
         old = view.checkpoints.get(p.step)
         if old is None or old.shards != p.shards:
             entry = CheckpointStep(step=p.step, shards=p.shards)
@@ -466,8 +582,15 @@ class _Fold:
                 del view.checkpoints[step]
 
     def _fault(self, stored: StoredEvent, p: Any) -> None:
-        member = self._known_member(stored)
+        member = self._known_member(stored, True)
         if member is None:
+            return
+        generation = stored.event.generation
+        # A report about peers (and about their copies) is evidence only from an active member
+        # of the world of the generation it names, while that generation is current. A fault a
+        # member reports about itself is believed whatever generation it names: it comes from
+        # the member's current process (checked above) and can fence only that process.
+        if p.kind in PEER_FAULTS and not self._reporter_counts(stored, member, p.kind):
             return
         member.last_fault = FaultReport(
             position=stored.position,
@@ -476,9 +599,59 @@ class _Fold:
             detail=p.detail,
             step=p.step,
             suspects=tuple(p.suspects),
+            generation=generation,
         )
         if p.kind == FaultKind.RESTORE_FAILED and p.source is not None and p.shard is not None:
             self._refute(p.step, p.shard, p.source)
+
+    def _other_process(self, stored: StoredEvent, member: Member) -> bool:
+        """Whether ``stored`` comes from another process (incarnation) than the one of
+        ``member`` that joined last (then discounted): an earlier process of the name that
+        still speaks (resumed after a stop, or late in the pipeline) is not the member."""
+        incarnation = stored.event.incarnation
+        if incarnation == member.incarnation:
+            return False
+        self._discount(
+            stored,
+            DiscountReason.STALE_INCARNATION,
+            f"{stored.event.type} from {member.member_id}'s process {incarnation}: its current"
+            f" process is {member.incarnation} (joined at #{member.joined_position})",
+        )
+        return True
+
+    def _reporter_counts(self, stored: StoredEvent, reporter: Member, kind: str) -> bool:
+        """Whether a peer report counts: it names the current generation and, from the first
+        world on, its reporter is an active member of that world (else discounted).
+        Generation 0 precedes every world: no decision reads its reports (PENDING decides
+        no fault), and they are stale once the first generation starts."""
+        view = self.view
+        generation = stored.event.generation
+        member_id = reporter.member_id
+        if generation != view.generation:
+            mark = view.generation_mark
+            since = f" (started at #{mark.position})" if mark is not None else ""
+            self._discount(
+                stored,
+                DiscountReason.STALE_REPORT,
+                f"{kind} from {member_id} about generation {generation}: generation"
+                f" {view.generation} is current{since}",
+            )
+            return False
+        if generation == 0 or (reporter.rank is not None and reporter.status is _ACTIVE):
+            return True
+        if reporter.status is not _ACTIVE:
+            why = f"it {reporter.status.value}"
+            if reporter.failed_reason:
+                why += f" ({reporter.failed_reason})"
+        else:
+            why = "it holds no rank in it (a spare, or a process that joined since)"
+        self._discount(
+            stored,
+            DiscountReason.REPORTER_NOT_IN_WORLD,
+            f"{kind} from {member_id}, not an active member of generation {generation}'s"
+            f" world: {why}",
+        )
+        return False
 
     def _refute(self, step: int | None, shard_no: int, source: str) -> None:
         """A restore refused ``source``'s copy of the shard (it does not hash to the digest its
@@ -502,6 +675,20 @@ class _Fold:
                 DiscountReason.EXIT_NOT_FROM_LAUNCHER,
                 f"exit of {p.member} reported by {stored.event.source}: only {launcher}, the"
                 f" launcher of its node, reports its exit",
+            )
+            return
+        # ... and only of the process it names: an exit of an earlier process of the name
+        # (reported after its successor joined) leaves the successor alone. An exit that
+        # names neither (an older launcher) is of the current process.
+        if (p.incarnation is not None and p.incarnation != known.incarnation) or (
+            p.incarnation is None and p.pid is not None and p.pid != known.pid
+        ):
+            named = f"incarnation {p.incarnation}" if p.incarnation is not None else f"pid {p.pid}"
+            self._discount(
+                stored,
+                DiscountReason.STALE_EXIT,
+                f"exit of {p.member}'s process {named}: its current process is incarnation"
+                f" {known.incarnation}, pid {known.pid} (joined at #{known.joined_position})",
             )
             return
         member = self._member(p.member)
@@ -592,6 +779,7 @@ class _Fold:
         view.generation_mark = Mark(stored.position, stored.recorded_at)
         if view.started_position is None:
             view.started_position = stored.position
+        self._start_timeline(stored, p.generation, len(view.world))
         ranks = dict(zip(p.world, range(len(p.world)), strict=True))
         for member_id, member in list(view.members.items()):
             rank = ranks.get(member_id)
@@ -602,6 +790,51 @@ class _Fold:
         missing = [m for m in p.world if m not in view.members]
         if missing:
             self._anomaly(stored, f"world names members that never joined: {missing[:5]}")
+
+    def _start_timeline(self, stored: StoredEvent, generation: int, world_size: int) -> None:
+        """Record ``generation`` in the lineage. A generation issued by a reallocation starts
+        its timeline at the restore step: what older generations did beyond it is abandoned,
+        so the catalog drops their backups and checkpoints of later steps (their late reports
+        are discounted as stale), and the job's step goes back to it, with the join steps
+        growth compares with backups: steps lost, a fault's step and growth count from there."""
+        view = self.view
+        restore = self._restore_step_of(generation)
+        lineage = view.lineage
+        if lineage and lineage[-1].generation == generation:
+            lineage = lineage[:-1]  # the same generation started again: the newer record
+        record = GenerationRecord(generation, world_size, restore, stored.position)
+        view.lineage = (*lineage, record)
+        if restore is None:
+            return
+        view.last_step = restore
+        for step in [s for s in view.backups if s > restore]:
+            del view.backups[step]
+            self._own_backups.discard(step)
+        for step in [s for s in view.checkpoints if s > restore]:
+            del view.checkpoints[step]
+        complete = [s for s, b in view.backups.items() if b.satisfied >= b.num_shards]
+        if complete:
+            view.last_complete_backup = max(complete)
+        elif view.last_complete_backup is not None and view.last_complete_backup > restore:
+            # None stays for "no hot backup was ever complete" (a total loss then restarts
+            # from the initial state); a state that existed keeps it from that.
+            view.last_complete_backup = restore
+        for member_id in [k for k, m in view.members.items() if m.joined_step > restore]:
+            owned = self._member(member_id)
+            assert owned is not None
+            owned.joined_step = restore
+
+    def _restore_step_of(self, generation: int) -> int | None:
+        """The restore step of the open incident's decision that issued ``generation`` (None:
+        no reallocation issued it, e.g. the first world)."""
+        view = self.view
+        incident = view.incidents.get(view.open_incident) if view.open_incident else None
+        if incident is None:
+            return None
+        for decision in reversed(incident.decisions):
+            if decision.generation == generation:
+                return decision.restore_step
+        return None
 
     def _fault_detected(self, stored: StoredEvent, p: Any) -> None:
         view = self.view

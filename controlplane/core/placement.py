@@ -16,6 +16,13 @@ it is, and only the shards that lost a holder (or gained an owner) are placed ag
 failure, then, a handful of ranks re-replicate instead of all of them, and placing 4,096 ranks
 takes a few milliseconds on the decider's hot path. Either way the result is a pure function of
 its arguments (the world, and the previous generation's placement), never random.
+
+Replacements are placed by node liveness (``silent_nodes``): a node's liveness is judged as a
+whole. Once a member is found silent (its heartbeat timed out), every other member of its node
+whose last heartbeat is also older than the bound (``detect.silence_limit``: 3 heartbeat
+intervals, which a live member never misses) is taken as silent too, and that node is no
+place to take a replacement from, nor a silent member a restore source: a spare in the
+``waiting`` phase (a longer timeout) on the node that just died otherwise still looks alive.
 """
 
 from __future__ import annotations
@@ -23,9 +30,12 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import NamedTuple
+
+from controlplane.core.view import Member, MemberStatus
 
 #: Shortfalls spelled out in a placement note before the rest are only counted.
 _NOTE_DETAILS = 8
@@ -352,3 +362,61 @@ def _note(shortfalls: list[str]) -> str:
     shown = "; ".join(shortfalls[:_NOTE_DETAILS])
     more = len(shortfalls) - _NOTE_DETAILS
     return shown + (f"; and {more} more" if more > 0 else "")
+
+
+# --------------------------------------------------------------------------- node liveness
+
+
+@dataclass(frozen=True, slots=True)
+class SilentNode:
+    """A node with a member found silent and at least one more member silent past the bound:
+    the node is taken as gone (none of its members replaces anyone; its silent members serve
+    no restore)."""
+
+    node: str
+    #: Members of the node found silent (their heartbeat timed out), in name order.
+    found: tuple[str, ...]
+    #: The node's other members silent past the bound, with their silence in seconds.
+    silent: tuple[tuple[str, float], ...]
+
+    def describe(self) -> str:
+        """``node N is silent: w01 timed out, spare0 silent 5.0s``."""
+        others = ", ".join(f"{m} silent {s:.1f}s" for m, s in self.silent[:8])
+        more = f" and {len(self.silent) - 8} more" if len(self.silent) > 8 else ""
+        return f"node {self.node} is silent: {', '.join(self.found[:8])} timed out, {others}{more}"
+
+
+def silent_nodes(
+    members: Mapping[str, Member], found: Iterable[str], now: datetime, bound_s: float
+) -> dict[str, SilentNode]:
+    """The nodes of ``found`` (members found silent by their heartbeat timeout) that have
+    another live member not heard from for more than ``bound_s`` seconds at ``now``.
+
+    Only members still active and not yet detected count as the node's other silent members
+    (a member already failed is no candidate and no source anyway). Pure: a function of the
+    members, the time and the bound.
+    """
+    by_node: dict[str, list[str]] = {}
+    for member_id in found:
+        member = members.get(member_id)
+        if member is not None:
+            by_node.setdefault(member.node, []).append(member_id)
+    if not by_node:
+        return {}
+    cutoff = now - timedelta(seconds=bound_s)
+    quiet: dict[str, list[tuple[str, float]]] = {}
+    for member_id, member in members.items():
+        if (
+            member.node not in by_node
+            or member_id in by_node[member.node]
+            or member.status is not MemberStatus.ACTIVE
+            or member.detected_position is not None
+        ):
+            continue
+        last = member.last_heartbeat_at or member.joined_at
+        if last < cutoff:
+            quiet.setdefault(member.node, []).append((member_id, (now - last).total_seconds()))
+    return {
+        node: SilentNode(node, tuple(sorted(by_node[node])), tuple(sorted(quiet[node])))
+        for node in sorted(quiet)
+    }

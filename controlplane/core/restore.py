@@ -1,8 +1,10 @@
 """Which step a job restores to after a fault, and where each shard's state comes from.
 
-The restore step is the newest backup step for which every shard has a checksum-verified copy
-on a surviving member (the owner's own snapshot counts while the owner survives; a member that
-rejoined as a new process lost whatever its earlier process held). Each shard
+The restore step is the newest backup step of the current timeline (``of_current_timeline``:
+taken by a generation no later generation rolled back past, with a shard per rank of the world
+that took it) for which every shard has a checksum-verified copy on a surviving member (the
+owner's own snapshot counts while the owner survives; a member that rejoined as a new process
+lost whatever its earlier process held). Each shard
 then comes from the member that will run it if that member holds a copy (local memory), else
 from a surviving holder on the same node, then the same rack, then anywhere, the least used
 source first, so one holder does not serve every shard. A copy that a restore refused (it did
@@ -87,6 +89,8 @@ def plan_restore(
     members = view.members
     since = {k: m.joined_position for k, m in members.items()}
     for step in sorted(view.backups, reverse=True):
+        if not of_current_timeline(view, view.backups[step]):
+            continue
         sources = _sources(
             view.backups[step],
             survivors=survivors,
@@ -98,6 +102,19 @@ def plan_restore(
         if sources is not None:
             return RestorePlan(step, view.backups[step].generation, sources)
     return None
+
+
+def of_current_timeline(view: JobView, backup: StepBackup) -> bool:
+    """Whether ``backup`` is a state of the current timeline, whole in its own world: the
+    generation that took it started a world of ``num_shards`` ranks, and no later generation
+    restored an older step (which abandoned it). Any such step can be restored into the
+    current world, whatever its size (the state is re-partitioned)."""
+    record = view.started(backup.generation)
+    return (
+        record is not None
+        and record.world_size == backup.num_shards
+        and view.on_timeline(backup.generation, backup.step)
+    )
 
 
 def _sources(
@@ -149,7 +166,7 @@ def _sources(
             return None
         served.update(sources[counted:shard_no])
         counted = shard_no
-        sources[shard_no] = _closest(copies, receiver, slots, served)
+        sources[shard_no] = _closest(copies, receiver, slots, served, owner)
     return tuple(sources)
 
 
@@ -183,12 +200,13 @@ def _closest(
     receiver: str | None,
     slots: Mapping[str, Located],
     served: Mapping[str, int],
+    owner: str | None = None,
 ) -> str:
     if receiver is not None and receiver in copies:
         return receiver  # already in its own memory
     here = slots.get(receiver) if receiver is not None else None
 
-    def distance(member: str) -> tuple[int, int, int]:
+    def distance(member: str) -> tuple[int, int, bool, str]:
         slot = slots.get(member)
         if here is None or slot is None:
             near = 2
@@ -198,6 +216,8 @@ def _closest(
             near = 1
         else:
             near = 2
-        return (near, served.get(member, 0), copies.index(member))
+        # Ties: the owner's own copy, then by name; never by the order the copies were
+        # reported in (simultaneous reports reach the log in any order).
+        return (near, served.get(member, 0), member != owner, member)
 
     return min(copies, key=distance)

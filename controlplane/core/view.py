@@ -41,6 +41,25 @@ class DiscountReason(StrEnum):
     GENERATION_AHEAD = "generation_ahead"
     #: A step too far beyond the member's and the job's progress.
     STEP_IMPLAUSIBLE = "step_implausible"
+    #: A backup (``backup.snapshot``/``backup.replicated``) of a generation older than the
+    #: current one, of a step beyond the restore step of a later generation (the timeline it
+    #: belongs to was abandoned), or of a generation that never started a world.
+    STALE_GENERATION = "stale_generation"
+    #: A backup of a shard that is not a rank of its generation's world, or whose owner is
+    #: not the member at that rank.
+    SHARD_OUTSIDE_WORLD = "shard_outside_world"
+    #: A peer report (``member.fault`` of a peer kind) naming a generation that is not the
+    #: current one: evidence about an abandoned world.
+    STALE_REPORT = "stale_report"
+    #: A peer report whose reporter is not an active member of the current generation's world
+    #: (fenced, exited, a spare, or a process that rejoined and holds no rank yet).
+    REPORTER_NOT_IN_WORLD = "reporter_not_in_world"
+    #: A member event from another process (incarnation) than the one that last joined.
+    STALE_INCARNATION = "stale_incarnation"
+    #: ``member.exited`` of another process (pid or incarnation) than the member's current one.
+    STALE_EXIT = "stale_exit"
+    #: ``member.joined`` repeating the incarnation already joined: it changes nothing.
+    REPEATED_JOIN = "repeated_join"
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +80,9 @@ class Launched(NamedTuple):
     role: Role
     pid: int
     position: int
+    #: The incarnation the launcher gave the process (``ELASTIC_INCARNATION``), None when the
+    #: announcement does not say (an older launcher).
+    incarnation: str | None = None
 
 
 class Mark(NamedTuple):
@@ -68,6 +90,21 @@ class Mark(NamedTuple):
 
     position: int
     at: datetime
+
+
+class GenerationRecord(NamedTuple):
+    """One generation as its ``generation.started`` recorded it: the world its backups belong
+    to and the step its timeline starts from."""
+
+    generation: int
+    #: Ranks in its world: every backup step it takes has this many shards.
+    world_size: int
+    #: The step it started from (the restore step of the reallocation that issued it); None
+    #: when it started fresh (the first world). What an older generation did beyond this step
+    #: belongs to a timeline this generation abandoned.
+    restore_step: int | None
+    #: Log position of its ``generation.started``.
+    position: int
 
 
 class MemberStatus(StrEnum):
@@ -88,6 +125,9 @@ class FaultReport:
     detail: str
     step: int | None
     suspects: tuple[str, ...]
+    #: The generation the report names (its envelope's): a peer report counts only while that
+    #: generation is current.
+    generation: int
 
 
 @dataclass(slots=True)
@@ -102,6 +142,8 @@ class Member:
     role: Role
     device: str
     backup_endpoint: str
+    #: The process that joined last (the envelope's ``incarnation``; ``pid`` is its pid): an
+    #: exit, a fault or a heartbeat of another process of this name changes nothing.
     incarnation: str
     joined_at: datetime
     joined_position: int
@@ -121,7 +163,8 @@ class Member:
     failed_reason: str | None = None
     #: Position of the ``fault.detected`` that named this member (its incarnation), if any.
     detected_position: int | None = None
-    #: The job's newest step when this member joined (growth waits for a newer backup).
+    #: The job's newest step when this member joined (growth waits for a newer backup); a
+    #: restore to an older step brings it back to that step.
     joined_step: int = 0
     #: The newest generation this member's events carried (it knows of that generation).
     generation: int = 0
@@ -179,10 +222,13 @@ class ShardBackup:
 
 @dataclass(slots=True)
 class StepBackup:
-    """Every shard's backup at one step of one generation."""
+    """Every shard's backup at one step, as the world of one generation took it."""
 
     step: int
+    #: The generation whose world took the step.
     generation: int
+    #: The size of that generation's world: the step is complete only when each of its ranks'
+    #: shards has its copies.
     num_shards: int
     shards: dict[int, ShardBackup] = field(default_factory=dict)
     #: Shards with a snapshot and enough verified replicas, kept by the fold as it goes.
@@ -293,11 +339,15 @@ class JobView:
     placement: tuple[tuple[str, ...], ...] = ()
     placement_note: str = ""
     members: dict[str, Member] = field(default_factory=dict)
+    #: The newest step of the current timeline: the current generation's newest step, from its
+    #: restore step on (a generation issued by a reallocation starts there).
     last_step: int = 0
     last_loss: float | None = None
     completed_step: int | None = None
     backups: dict[int, StepBackup] = field(default_factory=dict)
-    #: The newest step whose hot backup was ever complete (None: never).
+    #: The newest complete hot backup step of the current timeline (None: no hot backup was
+    #: ever complete). A restore to an older step drops the steps beyond it; when none that
+    #: was complete remains (a restore from a checkpoint), it is the restore step.
     last_complete_backup: int | None = None
     #: Cold checkpoint steps: the newest complete one and any newer partial ones.
     checkpoints: dict[int, CheckpointStep] = field(default_factory=dict)
@@ -318,6 +368,8 @@ class JobView:
     discounts: list[Discount] = field(default_factory=list)
     #: Every discounted event of the job, counted by reason.
     discount_counts: dict[str, int] = field(default_factory=dict)
+    #: Every generation started, oldest first (see ``GenerationRecord``).
+    lineage: tuple[GenerationRecord, ...] = ()
 
     @property
     def effective_policy(self) -> JobPolicy:
@@ -338,3 +390,30 @@ class JobView:
             if self.checkpoints[step].is_complete:
                 return self.checkpoints[step]
         return None
+
+    def started(self, generation: int) -> GenerationRecord | None:
+        """The record of ``generation`` (None: the log never started it)."""
+        for record in reversed(self.lineage):
+            if record.generation <= generation:
+                return record if record.generation == generation else None
+        return None
+
+    def fence(self, generation: int) -> GenerationRecord | None:
+        """The later generation than ``generation`` that restored the oldest step, None when
+        none restored any: whatever ``generation`` did beyond that generation's restore step
+        was abandoned (the current timeline holds steps of ``generation`` only up to it)."""
+        fence: GenerationRecord | None = None
+        oldest = 0
+        for record in reversed(self.lineage):
+            if record.generation <= generation:
+                break
+            restored = record.restore_step
+            if restored is not None and (fence is None or restored <= oldest):
+                fence, oldest = record, restored
+        return fence
+
+    def on_timeline(self, generation: int, step: int) -> bool:
+        """Whether step ``step`` as ``generation`` took it is on the current timeline: no later
+        generation restored an older step."""
+        fence = self.fence(generation)
+        return fence is None or fence.restore_step is None or step <= fence.restore_step

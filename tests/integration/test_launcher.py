@@ -96,7 +96,8 @@ async def test_the_launcher_of_each_node_announces_its_members_and_reports_their
     script = tmp_path / "member.py"
     script.write_text(textwrap.dedent(f"""
         import os, pathlib, time
-        pathlib.Path({str(tmp_path)!r}, os.environ["ELASTIC_MEMBER"]).write_text(str(os.getpid()))
+        pathlib.Path({str(tmp_path)!r}, os.environ["ELASTIC_MEMBER"]).write_text(
+            f"{{os.getpid()}} {{os.environ['ELASTIC_INCARNATION']}}")
         time.sleep(0.5)
     """))  # fmt: skip
     async with running_controlplane(settings):
@@ -112,18 +113,32 @@ async def test_the_launcher_of_each_node_announces_its_members_and_reports_their
     assert result.ok
     log = pg_store.read(job_id="job-announce", types=["member.launched", "member.exited"])
     launched = {
-        s.event.payload.member: (s.event.source, s.event.payload.role, s.event.payload.pid)
+        s.event.payload.member: (s.event.source, s.event.payload.role, s.event.payload.pid,
+                                 s.event.payload.incarnation)
         for s in log
         if s.event.type == "member.launched"
-    }
-    pid = {m: int((tmp_path / m).read_text()) for m in ("w0", "w1", "s0")}
+    }  # fmt: skip
+    # What each process saw: its pid, and the incarnation its launcher gave it.
+    seen = {m: (tmp_path / m).read_text().split() for m in ("w0", "w1", "s0")}
+    pid = {m: int(p) for m, (p, _) in seen.items()}
+    incarnation = {m: i for m, (_, i) in seen.items()}
+    assert len(set(incarnation.values())) == 3
     assert launched == {
-        "w0": ("node0/launcher", Role.WORKER, pid["w0"]),
-        "w1": ("node1/launcher", Role.WORKER, pid["w1"]),
-        "s0": ("node0/launcher", Role.SPARE, pid["s0"]),
+        "w0": ("node0/launcher", Role.WORKER, pid["w0"], incarnation["w0"]),
+        "w1": ("node1/launcher", Role.WORKER, pid["w1"], incarnation["w1"]),
+        "s0": ("node0/launcher", Role.SPARE, pid["s0"], incarnation["s0"]),
     }
-    exits = {s.event.payload.member: s.event.source for s in log if s.event.type == "member.exited"}
-    assert exits == {"w0": "node0/launcher", "w1": "node1/launcher", "s0": "node0/launcher"}
+    # Each exit names the process that ended.
+    exits = {
+        s.event.payload.member: (s.event.source, s.event.payload.pid, s.event.payload.incarnation)
+        for s in log
+        if s.event.type == "member.exited"
+    }
+    assert exits == {
+        "w0": ("node0/launcher", pid["w0"], incarnation["w0"]),
+        "w1": ("node1/launcher", pid["w1"], incarnation["w1"]),
+        "s0": ("node0/launcher", pid["s0"], incarnation["s0"]),
+    }
 
 
 def test_no_member_may_call_itself_launcher():

@@ -208,7 +208,10 @@ def test_timeline_command(source, database_url):
     assert out["job_id"] == JOB and out["state"] == "COMPLETED"
     crash, hang = out["incidents"]
     assert crash["downtime_s"] == pytest.approx(0.8) and hang["downtime_s"] == pytest.approx(5.8)
-    assert hang["members"] == ["w10"] and hang["steps_lost"] == 0
+    # Generation 2 trains from its restore step (35): w10 hangs at step 73, 3 past the backup
+    # of step 70 (before issue 21 the job's step stayed at generation 1's 38, the recorded run
+    # went on from 39 and the hang fell on the backup of step 75).
+    assert hang["members"] == ["w10"] and hang["steps_lost"] == 3
     view = fold(None, source.read(job_id=JOB))
     incident = view.incidents[hang["incident_id"]]
     points = {p["name"]: p["position"] for p in hang["points"]}

@@ -95,15 +95,7 @@ def running(spares: int = 0, *, racks: int = 2, nodes: int = 2, **policy: Any) -
     replicate = policy.pop("replicate", True)
     s = Scenario(JOB, **{"world_size": racks * nodes, "min_world": 2, **policy})
     s.cluster(racks, nodes, spares)
-    s.decide()
-    assert s.v.state is S.RUNNING and s.v.generation == 1
-    s.at(1)
-    s.heartbeat_all()
-    for step in (10, 20):
-        s.step(step)
-        s.backup(step, replicate=replicate)
-    s.step(23)
-    return s
+    return s.start_and_train(replicate=replicate)
 
 
 def position_of(s: Scenario, type_: str, **match: Any) -> int:

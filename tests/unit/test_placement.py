@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import math
+from datetime import timedelta
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controlplane.core.placement import Placement, Slot, place
+from controlplane.core.placement import Placement, Slot, place, silent_nodes
+from schemas.common import JobState
+from tests.factories import T0
+from tests.scenario import Scenario
 
 
 def grid(racks: int, nodes_per_rack: int, per_node: int = 1) -> list[Slot]:
@@ -180,3 +184,155 @@ def test_incremental_placement_keeps_the_rule(world, redundancy, data):
         kept = [h for h in previous[slot.member] if h not in drop]
         if len(kept) == len(previous[slot.member]) and len(holders) == len(kept):
             assert holders == tuple(kept)  # an untouched shard keeps its copies
+
+
+# --------------------------------------------------------------------------- replacements
+# Issue 21, scenario 3: the replacement spare must not sit on the node that just died. A node's
+# liveness is judged as a whole: once a member is found silent by its heartbeat timeout, the
+# other members of its node that are silent past 3 heartbeat intervals (a live member never
+# is) are taken as gone too, and no member of that node replaces anyone.
+
+
+def silent_node_job(*, spare_on_dead_node_beats: bool = False, rack0_spare: bool = False):
+    """Generation 1 on w00 (node-0-0), w01 (node-0-1), w10, w11 (rack1); spare0 waits on
+    node-0-1, beside w01; spare1 in rack1 (and, with ``rack0_spare``, spare2 on a node of its
+    own in rack0). Everyone beats at t=1, with backups at steps 10 and 20; then node-0-1 goes
+    silent (unless ``spare_on_dead_node_beats``: then only w01's process hangs) and the
+    decider runs every second until it decides."""
+    s = Scenario("job1", world_size=4, min_world=2)
+    s.cluster(2, 2)
+    s.join("spare0", "node-0-1", "rack0", role="spare")
+    s.join("spare1", "spare-node-1", "rack1", role="spare")
+    if rack0_spare:
+        s.join("spare2", "spare-node-2", "rack0", role="spare")
+    spares = ["spare0", "spare1", "spare2"] if rack0_spare else ["spare0", "spare1"]
+    s.decide()
+    s.at(1)
+    s.heartbeat("w00", "w01", "w10", "w11")
+    s.heartbeat(*spares, phase="waiting")
+    for step in (10, 20):
+        s.step(step)
+        s.backup(step)
+    s.step(23)
+    silent = {"w01"} if spare_on_dead_node_beats else {"w01", "spare0"}
+    t = 2.0
+    while True:
+        s.at(t)
+        s.heartbeat(*(m for m in ("w00", "w10", "w11") if m not in silent))
+        s.heartbeat(*(m for m in spares if m not in silent), phase="waiting")
+        decided = s.decide()
+        if decided:
+            return s, decided
+        assert t < 10, "nothing decided"
+        t += 0.5
+
+
+def _realloc(decided):
+    [payload] = [d.payload for d in decided if d.type == "reallocation.issued"]
+    return payload
+
+
+def test_the_replacement_spare_is_not_on_the_node_that_just_died():
+    """spare0 (waiting, 10 s timeout) still looks alive when w01 (train, 5 s) times out on
+    the same silent node: before, it took w01's rank and timed out 5 s later (a second
+    decision brought spare1). Now spare1 replaces w01 at once and the reason says why."""
+    s, decided = silent_node_job()
+    assert s.now == T0 + timedelta(seconds=6.5)  # w01 silent 5.5 s > 5 s in train
+    [detected] = [d.payload for d in decided if d.type == "fault.detected"]
+    assert (detected.members, detected.reason) == (["w01"], "heartbeat_timeout")
+    realloc = _realloc(decided)
+    assert realloc.world == ["w00", "spare1", "w10", "w11"]
+    expected = (
+        "replace w01 with spare1; node node-0-1 is silent: w01 timed out, spare0 silent 5.5s"
+        " (no replacement from it, no restore from its silent members); restore step 20"
+    )
+    assert realloc.reason == expected
+    [changed] = [
+        d.payload
+        for d in decided
+        if d.type == "job.state_changed" and d.payload.to is JobState.REALLOCATING
+    ]
+    assert changed.reason == expected
+    # Shard 1 (w01's) is held by w00 (rack0) and w11 (spare1's rack): the same-rack holder.
+    assert realloc.plan == ["w00", "w11", "w10", "w11"]
+    # The world recovers; spare0's own timeout, later, is no fault of the world.
+    s.at(7)
+    s.recover()
+    assert [d.type for d in s.decide()] == ["incident.resolved", "job.state_changed"]
+    for t in range(8, 15):
+        s.at(t)
+        s.heartbeat(*(m for m in s.v.world))
+        assert s.decide() == [], f"decided at t={t}"
+    [incident] = s.v.incidents.values()
+    assert len(incident.decisions) == 1
+
+
+def test_a_node_whose_spare_keeps_beating_is_alive_and_its_spare_still_replaces():
+    """Only w01's process hung: spare0 on the same node beats on, so the node is alive and
+    the same-rack spare takes the rank, as before."""
+    _, decided = silent_node_job(spare_on_dead_node_beats=True)
+    realloc = _realloc(decided)
+    assert realloc.world == ["w00", "spare0", "w10", "w11"]
+    assert realloc.reason == "replace w01 with spare0; restore step 20"
+
+
+def test_after_the_silent_node_the_same_rack_is_preferred():
+    _, decided = silent_node_job(rack0_spare=True)
+    realloc = _realloc(decided)
+    assert realloc.world == ["w00", "spare2", "w10", "w11"]
+    assert realloc.reason.startswith("replace w01 with spare2; node node-0-1 is silent")
+
+
+def test_a_silent_member_of_the_dead_node_serves_no_restore():
+    """node-a holds w00 (train) and w01 (backup phase: 15 s timeout). It goes silent after
+    t=1 and w10 is killed at t=6.5, when w00 times out. w10's shard is held by w11 (rack1) and
+    w01 (rack0, like w10's replacement spare1): before, the restore fetched it from w01, a
+    silent process; now from w11."""
+    s = Scenario("job1", world_size=5, min_world=2)
+    for name, node, rack in [("w00", "node-a", "rack0"), ("w01", "node-a", "rack0"),
+                             ("w02", "node-b", "rack0"), ("w10", "node-c", "rack1"),
+                             ("w11", "node-d", "rack1")]:  # fmt: skip
+        s.join(name, node, rack)
+    s.join("spare0", "spare-node-0", "rack0", role="spare")
+    s.join("spare1", "spare-node-1", "rack0", role="spare")
+    s.decide()
+    assert s.v.placement[3] == ("w11", "w01")  # w10's shard
+    s.at(1)
+    s.heartbeat("w00", "w02", "w10", "w11")
+    s.heartbeat("w01", phase="backup")
+    s.heartbeat("spare0", "spare1", phase="waiting")
+    for step in (10, 20):
+        s.step(step)
+        s.backup(step)
+    for t in range(2, 7):
+        s.at(t)
+        s.heartbeat("w02", "w10", "w11")
+        s.heartbeat("spare0", "spare1", phase="waiting")
+        assert s.decide() == []
+    s.at(6.5)
+    s.exited("w10")
+    realloc = _realloc(s.decide())
+    assert realloc.world == ["spare0", "w01", "w02", "spare1", "w11"]
+    assert realloc.reason == (
+        "replace w00 with spare0; replace w10 with spare1; node node-a is silent: w00 timed"
+        " out, w01 silent 5.5s (no replacement from it, no restore from its silent members);"
+        " restore step 20"
+    )
+    assert realloc.plan[3] == "w11"
+    assert "w01" not in realloc.plan  # not even its own shard: it comes from a holder
+
+
+def test_silent_nodes_judges_a_node_by_all_of_its_members():
+    s, _ = silent_node_job()
+    members = s.v.members
+    # At t=6.5: w01 was found silent; spare0 (node-0-1) has not beaten for 5.5 s.
+    found = silent_nodes(members, ["w01"], s.now, bound_s=3.0)
+    assert list(found) == ["node-0-1"]
+    assert found["node-0-1"].found == ("w01",)
+    assert found["node-0-1"].silent == (("spare0", 5.5),)
+    # A bound longer than spare0's silence: the node is not taken as gone.
+    assert silent_nodes(members, ["w01"], s.now, bound_s=6.0) == {}
+    # Nobody found silent: nothing is judged.
+    assert silent_nodes(members, [], s.now, bound_s=3.0) == {}
+    # w00's node has no other member.
+    assert silent_nodes(members, ["w00"], s.now, bound_s=0.1) == {}
