@@ -355,6 +355,12 @@ class _Fold:
         member = self._known_member(stored, True)
         if member is None:
             return
+        generation = stored.event.generation
+        if generation < self.view.generation and member.status is not _ACTIVE:
+            # A fenced member resumed (SIGCONT) and still beating in the world it was left out
+            # of: stored, and no sign of life in the current one.
+            self._stale(stored, member, generation)
+            return
         step = p.step
         # Beyond both bounds (the common case is below either: compared inline, every
         # member heartbeats).
@@ -370,11 +376,24 @@ class _Fold:
         if step > member.step:  # noqa: PLR1730 (see _known_member)
             member.step = step
 
+    def _stale(self, stored: StoredEvent, member: Member, generation: int) -> None:
+        self._discount(
+            stored,
+            DiscountReason.STALE_GENERATION,
+            f"{stored.event.type} of generation {generation} from {member.member_id}"
+            f" ({member.status.value}), after generation {self.view.generation} started",
+        )
+
     def _train_step(self, stored: StoredEvent, p: Any) -> None:
         view = self.view
         member = self._known_member(stored)
         step = p.step
         if member is None:
+            return
+        if stored.event.generation < view.generation:
+            # A step of a world the control plane abandoned (the new one restarts from its
+            # restore step): it moves neither the job's nor the member's step, nor the loss.
+            self._stale(stored, member, stored.event.generation)
             return
         if (
             step > member.step + MAX_STEP_LEAD

@@ -144,6 +144,8 @@ def test_a_fenced_member_s_stale_reports_fail_no_healthy_member():
     assert s.v.state is S.RUNNING and s.v.world == ("w00", "spare0", "w10", "w11")
     assert all(s.v.members[m].status is MemberStatus.ACTIVE for m in s.v.world)
     assert discounted(s, mark) == [
+        # The failed w01's heartbeat of the abandoned world is no sign of life in this one.
+        ("member.heartbeat", "node-0-1/w01", DiscountReason.STALE_GENERATION),
         ("member.fault", "node-0-1/w01", DiscountReason.STALE_REPORT),
         ("member.fault", "node-1-1/w11", DiscountReason.STALE_REPORT),
     ]
@@ -376,7 +378,11 @@ def test_a_repeated_join_does_not_bring_a_failed_member_back():
         1,
     )
     assert kept.joined_position == failed.joined_position
-    assert s.v.discounts[-1].reason is DiscountReason.REPEATED_JOIN
+    # The join is discounted as repeated, and its heartbeat of the abandoned world as stale.
+    assert [d.reason for d in s.v.discounts[-2:]] == [
+        DiscountReason.REPEATED_JOIN,
+        DiscountReason.STALE_GENERATION,
+    ]
     s.heartbeat("w00", "w01", "w10")
     s.step(30)
     s.backup(30)
