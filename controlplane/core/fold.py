@@ -386,7 +386,7 @@ class _Fold:
 
     def _train_step(self, stored: StoredEvent, p: Any) -> None:
         view = self.view
-        member = self._known_member(stored)
+        member = self._known_member(stored, True)
         step = p.step
         if member is None:
             return
@@ -733,7 +733,7 @@ class _Fold:
     def _acked(self, stored: StoredEvent, p: Any) -> None:
         command_id = str(p.command_id)
         view = self.view
-        member = self._known_member(stored)
+        member = self._known_member(stored, True)
         if member is None:
             return
         member_id = member.member_id
@@ -754,7 +754,7 @@ class _Fold:
                               f"{claimed}: {p.reason}{more}")  # fmt: skip
 
     def _restored(self, stored: StoredEvent, p: Any) -> None:
-        member = self._known_member(stored)
+        member = self._known_member(stored, True)
         decision = self._decision(stored, p.generation)
         if decision is not None and member is not None:
             decision.restored.setdefault(
@@ -762,13 +762,13 @@ class _Fold:
             )
 
     def _resumed(self, stored: StoredEvent, p: Any) -> None:
-        member = self._known_member(stored)
+        member = self._known_member(stored, True)
         decision = self._decision(stored, p.generation)
         if decision is not None and member is not None:
             decision.resumed.setdefault(member.member_id, Mark(stored.position, stored.recorded_at))
 
     def _train_completed(self, stored: StoredEvent, p: Any) -> None:
-        member = self._known_member(stored)
+        member = self._known_member(stored, True)
         if member is None or self._step_lead(stored, member, p.step):
             return
         view = self.view

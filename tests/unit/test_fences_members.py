@@ -252,6 +252,29 @@ def test_a_member_s_own_fault_counts_whatever_generation_it_names_but_only_from_
         f"member.fault from w01's process {FIRST}: its current process is inc2 (joined at"
         f" #{new.joined_position})"
     )
+    # The earlier process acks the command, restores and trains too: none of it is the
+    # member's (the new process has yet to ack), and each is a discount.
+    mark = s.log[-1].position
+    for type_, payload in (
+        ("command.acked", {"command_id": str(realloc.command_id)}),
+        ("restore.completed", {"generation": realloc.generation, "step": 20, "bytes": 1,
+                               "seconds": 0.1}),
+        ("train.resumed", {"generation": realloc.generation, "step": 20}),
+        ("train.step", {"step": 21, "loss": 1.0, "step_seconds": 0.1, "samples": 8}),
+    ):  # fmt: skip
+        s.add(
+            s.ev.make(
+                type_, payload, source=s._src("w01"), generation=realloc.generation,
+                incarnation=FIRST,
+            )
+        )  # fmt: skip
+    decision = s.v.incidents[s.v.open_incident].decisions[-1]  # type: ignore[index]
+    assert "w01" not in decision.acked and "w01" not in decision.restored
+    assert s.v.last_step == 20
+    assert discounted(s, mark) == [
+        (t, "node-0-1/w01", DiscountReason.STALE_INCARNATION)
+        for t in ("command.acked", "restore.completed", "train.resumed", "train.step")
+    ]
     assert_replays(s)
 
 
