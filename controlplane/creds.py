@@ -26,8 +26,6 @@ through an ``include`` in its ``authorization`` block and reloads it on SIGHUP
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import os
 import re
@@ -43,6 +41,7 @@ from schemas.auth import (
     COMMAND_KEY_ENV,
     JOB_SECRET_ENV,
     command_public_key,
+    derive,
     job_secret,
 )
 from schemas.common import IDENT_PATTERN
@@ -80,7 +79,7 @@ def _check_name(what: str, name: str) -> str:
 
 
 def _seed(master: bytes, label: str) -> bytes:
-    raw = hmac.new(master, f"elastic/nats/{label}".encode(), hashlib.sha256).digest()
+    raw = derive(master, f"elastic/nats/{label}")
     seed: bytes = nkeys.encode_seed(raw, nkeys.PREFIX_BYTE_USER)
     return seed
 

@@ -208,7 +208,8 @@ class Elastic:
         self.peers.own = self._own_served
         if self._secret is None:
             log.warning("%s is unset: this member's peer store accepts and serves shards"
-                        " without authentication", JOB_SECRET_ENV)  # fmt: skip
+                        " without authentication, and it meets the rendezvous store without"
+                        " it", JOB_SECRET_ENV)  # fmt: skip
         self.peers.tls = server_tls()  # with ELASTIC_TLS_CERT: the store serves tls://
         endpoint = self.peers.start()
         joined: dict[str, Any] = {
@@ -503,14 +504,14 @@ class Elastic:
         generation's keys (``rank_runtime.rendezvous``)."""
         import torch.distributed as dist
 
-        from rank_runtime.rendezvous import RendezvousStore, job_secret_from_env
+        from rank_runtime.rendezvous import RendezvousStore
 
         rank = command.world.index(self.identity.member)
         previous = getattr(self, "_rendezvous_store", None)
         if previous is not None:  # the last generation's (its group is gone)
             previous.close()
         store = self._rendezvous_store = RendezvousStore.connect(
-            command.rendezvous, job_secret_from_env(), timeout=self._collective_timeout
+            command.rendezvous, self._secret, timeout=self._collective_timeout
         )
         self._arrive(store, rank, command)
         dist.init_process_group(

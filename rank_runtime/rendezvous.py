@@ -56,29 +56,14 @@ from controlplane.rendezvous import (
     unpack_fields,
     welcome_mac,
 )
-from schemas.auth import JOB_SECRET_ENV, parse_secret
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RendezvousAuthError", "RendezvousError", "RendezvousStore", "job_secret_from_env"]
-
-_warned = threading.Event()
+__all__ = ["RendezvousAuthError", "RendezvousError", "RendezvousStore"]
 
 
 class RendezvousAuthError(RendezvousError):
     """The server refused this client's handshake (or did not prove it holds the secret)."""
-
-
-def job_secret_from_env(env: dict[str, str] | None = None) -> bytes | None:
-    """The job's secret from ``ELASTIC_JOB_SECRET`` (None, with a warning once, when unset)."""
-    text = (os.environ if env is None else env).get(JOB_SECRET_ENV, "")
-    if text:
-        return parse_secret(text, what=JOB_SECRET_ENV)
-    if not _warned.is_set():
-        _warned.set()
-        log.warning("%s is unset: the rendezvous store is used without authentication",
-                    JOB_SECRET_ENV)  # fmt: skip
-    return None
 
 
 #: A CA bundle (PEM) to verify a ``tls://`` rendezvous store with (else the system's).

@@ -44,6 +44,8 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any, Protocol
 
+from schemas.auth import derive
+
 log = logging.getLogger(__name__)
 
 #: Where the peer store listens (an address of this host); default: the advertised address.
@@ -121,7 +123,7 @@ def digest(data: bytes | bytearray | memoryview, algorithm: str = "sha256") -> s
 
 def peer_key(job_secret: bytes) -> bytes:
     """The key the peer store's MACs use, derived from the job's secret (one purpose each)."""
-    return hmac.new(job_secret, b"elastic/peer-store", hashlib.sha256).digest()
+    return derive(job_secret, "elastic/peer-store")
 
 
 def _canonical(body: dict[str, Any]) -> bytes:

@@ -48,18 +48,19 @@ def parse_secret(text: str, *, what: str = MASTER_SECRET_ENV) -> bytes:
     return raw
 
 
-def _derive(master: bytes, label: str) -> bytes:
-    return hmac.new(master, label.encode(), hashlib.sha256).digest()
+def derive(key: bytes, label: str) -> bytes:
+    """A key for one purpose, ``label``, derived from ``key`` (HMAC-SHA256)."""
+    return hmac.new(key, label.encode(), hashlib.sha256).digest()
 
 
 def job_secret(master: bytes, job_id: str) -> bytes:
     """The secret of one job (32 bytes), derived from the installation secret."""
-    return _derive(master, f"elastic/job/{job_id}")
+    return derive(master, f"elastic/job/{job_id}")
 
 
 def command_signing_seed(master: bytes) -> bytes:
     """The 32-byte Ed25519 seed the control plane signs commands with."""
-    return _derive(master, "elastic/command-signing")
+    return derive(master, "elastic/command-signing")
 
 
 def command_public_key(master: bytes) -> bytes:
