@@ -23,8 +23,9 @@ COPY controlplane/ controlplane/
 COPY rank_runtime/ rank_runtime/
 COPY migrations/ migrations/
 # Not editable: the packages (with the page's static files and the migrations) go into
-# site-packages; torch is already satisfied.
-RUN pip install . \
+# site-packages; torch is already satisfied. The image runs the control plane too: the server
+# extra (a trainer-only image would install `.` alone).
+RUN pip install '.[server]' \
     && python -c "import controlplane.web, migrations; print('installed')"
 
 # The example training job and the deployment helpers (health checks, the trainer's wrapper).

@@ -6,7 +6,6 @@ import asyncio
 import json
 import logging
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -16,7 +15,7 @@ import nats.js.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.js import JetStreamContext, JetStreamManager
+from nats.js import JetStreamContext
 from nats.js.api import (
     AckPolicy,
     ConsumerConfig,
@@ -27,10 +26,10 @@ from nats.js.api import (
 )
 from nats.protocol.parser import AWAITING_CONTROL_LINE, MAX_CONTROL_LINE_SIZE, Parser
 
-from controlplane.creds import nkey_connect_options
 from controlplane.errors import BusUnavailable
 from controlplane.settings import Settings
-from controlplane.subjects import COMMAND_PREFIX, EVENTS_WILDCARD
+from schemas.nats import auth_options
+from schemas.subjects import COMMAND_PREFIX, EVENTS_WILDCARD
 
 log = logging.getLogger(__name__)
 
@@ -161,52 +160,8 @@ class FastClient(Client):
         handler(subject, reply, data, headers)
 
 
-def auth_options(creds: str | None, user: str | None, password: str | None) -> dict[str, Any]:
-    """nats-py connect options for a credentials file, else a user and password.
-
-    ``creds`` is an NKey seed file issued by ``elasticctl creds`` (controlplane/creds.py: the
-    seed, and the inbox prefix that identity alone may receive on) or a JWT ``.creds`` file.
-    """
-    if creds:
-        return nkey_connect_options(creds) or {"user_credentials": creds}
-    if user:
-        return {"user": user, "password": password or ""}
-    return {}
-
-
 #: Warnings logged once per process (a connection without credentials).
 _warned = {"unauthenticated": False}
-
-
-class _NamedConsumers(JetStreamManager):
-    """Creates every consumer under a fresh name, so nats-py uses the filtered create subject
-    (``$JS.API.CONSUMER.CREATE.<stream>.<name>.<filter>``) that a node's permissions allow
-    for its own job only; a fresh name on every call lets an ordered consumer be re-created
-    (after a gap or a server restart) while the previous one still exists."""
-
-    async def add_consumer(
-        self,
-        stream: str,
-        config: ConsumerConfig | None = None,
-        timeout: float | None = None,  # noqa: ASYNC109  (nats-py's signature)
-        **params: Any,
-    ) -> ConsumerInfo:
-        config = (config or ConsumerConfig()).evolve(**params)
-        config = config.evolve(name=f"elastic-{uuid.uuid4().hex}")
-        info: ConsumerInfo = await super().add_consumer(stream, config, timeout)
-        return info
-
-
-class _FilteredJetStream(JetStreamContext):
-    @property
-    def _jsm(self) -> JetStreamManager:
-        return _NamedConsumers(conn=self._nc, prefix=self._prefix, timeout=self._timeout)
-
-
-def filtered_jetstream(nc: Client) -> JetStreamContext:
-    """A JetStream context for following commands with ordered consumers under a node
-    credential (``elasticctl creds``): each consumer is created named and filtered."""
-    return _FilteredJetStream(nc)
 
 
 async def connect(

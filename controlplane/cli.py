@@ -12,10 +12,11 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from controlplane.errors import ControlPlaneError, SchemaNotMigrated
-from controlplane.settings import Settings
+from rank_runtime.launcher_cli import RUN_CONTEXT
+from rank_runtime.launcher_cli import run as launcher_run
 
 if TYPE_CHECKING:
-    from schemas.events import JobPolicy
+    from controlplane.settings import Settings
 
 app = typer.Typer(
     help="Control plane for fault-tolerant, elastic PyTorch training.",
@@ -26,9 +27,13 @@ schemas_app = typer.Typer(help="The wire contracts (events, commands).", no_args
 bench_app = typer.Typer(help="Benchmarks; each prints one JSON object.", no_args_is_help=True)
 app.add_typer(schemas_app, name="schemas")
 app.add_typer(bench_app, name="bench")
+#: ``elasticctl run``: the launcher's command (``elastic-run``; rank_runtime/launcher_cli.py).
+app.command("run", context_settings=RUN_CONTEXT)(launcher_run)
 
 
 def _settings() -> Settings:
+    from controlplane.settings import Settings
+
     settings = Settings()
     logging.basicConfig(
         level=settings.log_level.upper(),
@@ -146,6 +151,7 @@ def creds(
     """
     from controlplane import creds as credentials
     from schemas.auth import MASTER_SECRET_ENV, SecretError, parse_secret
+    from schemas.creds import CredentialsError
 
     settings = _settings()
     text = os.environ.get(MASTER_SECRET_ENV)
@@ -163,7 +169,7 @@ def creds(
             events_stream=settings.stream,
             command_stream=settings.command_stream,
         )
-    except (SecretError, credentials.CredentialsError) as exc:
+    except (SecretError, CredentialsError) as exc:
         raise _fail(str(exc)) from exc
     result = {
         "job": job,
@@ -220,125 +226,37 @@ def bench_ingest(
     typer.echo(json.dumps(result))
 
 
-@app.command(
-    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
-)
-def run(
-    ctx: typer.Context,
-    script: Annotated[str, typer.Argument(help="The training script (its arguments follow).")],
-    *,
-    nproc: Annotated[int, typer.Option(min=1, help="Workers to start (the world size).")] = 1,
-    spares: Annotated[int, typer.Option(min=0, help="Warm spares to keep ready.")] = 0,
-    nodes: Annotated[int, typer.Option(min=1, help="Pretend nodes to lay members over.")] = 1,
-    racks: Annotated[int, typer.Option(min=1, help="Racks the nodes are spread over.")] = 1,
-    job_id: Annotated[str | None, typer.Option(help="Job id (default: a fresh one).")] = None,
-    fault: Annotated[
-        list[str] | None,
-        typer.Option(
-            help="crash@STEP:rank=R, hang@STEP:rank=R, slow@STEP:rank=R:SECONDS,"
-            " crash@recover:rank=R (on a reallocation, before acking it),"
-            " tamper@serve:rank=R (its peer store serves forged copies) or"
-            " random:every=SECONDS[:seed=N]; repeatable."
-        ),
-    ] = None,
-    policy: Annotated[
-        str | None,
-        typer.Option(help="Policy as key=value,... (e.g. backup_interval=5,redundancy=2)."),
-    ] = None,
-    checkpoint_dir: Annotated[
-        str | None,
-        typer.Option(
-            help="Directory for cold checkpoints (every member must reach it), written every"
-            " checkpoint_every backups of the policy; the fallback when no hot copy survives."
-        ),
-    ] = None,
-    node: Annotated[
-        str | None,
-        typer.Option(
-            help="The node (machine, pod) this launcher runs on, for a job with a launcher per"
-            " node: its members are <node>-w0..., <node>-s0... on that node (--nodes is"
-            " ignored); set world_size in --policy to the job's total."
-        ),
-    ] = None,
-    rack: Annotated[
-        str | None, typer.Option(help="With --node: the rack that node is in (default rack0).")
-    ] = None,
-    fence: Annotated[
-        bool,
-        typer.Option(
-            "--fence/--no-fence",
-            help="Kill members a newer generation leaves out (the default). --no-fence is for"
-            " tests: a hung member resumed is not killed (it leaves at the end of its step).",
-        ),
-    ] = True,
-) -> None:
-    """Launch a training script's members on this machine and report what happens to them.
-
-    Each member runs SCRIPT with ELASTIC_JOB_ID, ELASTIC_NODE, ELASTIC_RACK, ELASTIC_MEMBER,
-    ELASTIC_ROLE, ELASTIC_NATS_URL and ELASTIC_POLICY set; the script uses rank_runtime.Elastic.
-    Every exit is reported to the control plane at once. Exits 0 when every member the
-    launcher did not kill itself exited 0.
-    """
-    from rank_runtime import launcher
-    from rank_runtime.faults import FaultSpecError
-
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
-    settings = _settings()
-    try:
-        launcher.script_path(script)
-        job_policy = launch_policy(policy, nproc)
-        result = launcher.run(
-            [script, *ctx.args],
-            nproc=nproc,
-            spares=spares,
-            nodes=nodes,
-            racks=racks,
-            job_id=job_id,
-            nats_url=settings.nats_url,
-            policy=job_policy,
-            fault_specs=fault or [],
-            checkpoint_dir=checkpoint_dir,
-            node=node,
-            rack=rack,
-            fence=fence,
-        )
-    except (FaultSpecError, FileNotFoundError, ValueError) as exc:
-        raise _fail(str(exc)) from exc
-    typer.echo(json.dumps({"job_id": result.job_id, "exits": result.exits,
-                           "killed": result.killed}))  # fmt: skip
-    if not result.ok:
-        raise typer.Exit(1)
-
-
-def launch_policy(text: str | None, nproc: int) -> JobPolicy:
-    """The policy ``elasticctl run --policy TEXT`` asks for: ``world_size`` defaults to the
-    launcher's workers, ``max_world`` to no less than the world."""
-    from schemas.events import JobPolicy
-
-    values = _policy_values(text) if text else {}
-    values.setdefault("world_size", nproc)
-    sizes = (values["world_size"], values.get("min_world", 1))
-    values.setdefault("max_world", max([nproc, *(v for v in sizes if isinstance(v, int))]))
-    return JobPolicy.model_validate(values, strict=False)
-
-
-def _policy_values(text: str) -> dict[str, object]:
-    """``a=1,b=2.5`` -> {"a": 1, "b": 2.5}; JSON values (objects too) are accepted."""
-    from controlplane.postmortem.replay import parse_overrides
-
-    return parse_overrides(text)
-
-
 @bench_app.command("mttr")
 def bench_mttr(
     *,
-    faults: Annotated[int, typer.Option(min=1, help="Ranks to kill, one after another.")] = 5,
+    faults: Annotated[
+        int | None,
+        typer.Option(min=1, help="Ranks to kill, one after another (mlp 5, transformer 2)."),
+    ] = None,
     backup_interval: Annotated[
-        int, typer.Option(min=2, help="Steps between hot backups (and baseline checkpoints).")
-    ] = 10,
+        int | None,
+        typer.Option(
+            min=2,
+            help="Steps between hot backups (and baseline checkpoints): mlp 10, transformer 2.",
+        ),
+    ] = None,
     baseline: Annotated[
-        bool, typer.Option(help="Also run the torchrun restart-all baseline (and the ratio).")
+        bool,
+        typer.Option(help="Also run the torchrun restart-all baseline (and the ratio); mlp only."),
     ] = True,
+    example: Annotated[
+        str,
+        typer.Option(
+            help="mlp (examples/train.py, DDP + ZeRO) or transformer (examples/transformer.py,"
+            " FSDP2, 1.1 GB of parameters and AdamW state by default)."
+        ),
+    ] = "mlp",
+    example_args: Annotated[
+        str | None,
+        typer.Option(
+            help="The example's options, replacing the bench's (e.g. '--vocab 65536 --dim 64')."
+        ),
+    ] = None,
     security: Annotated[
         str,
         typer.Option(
@@ -353,13 +271,16 @@ def bench_mttr(
 ) -> None:
     """Mean time to recover from a killed rank: in-process recovery against restart-all.
 
-    Trains examples/train.py's model on 4 ranks and kills a rank FAULTS times. The elastic
-    run recovers in-process (a warm spare per fault, a control plane process, NATS and
+    Trains EXAMPLE's model on 4 ranks and kills a rank FAULTS times. The elastic run
+    recovers in-process (a warm spare per fault, a control plane process, NATS and
     PostgreSQL: ELASTIC_NATS_URL / ELASTIC_DATABASE_URL when set, else embedded); the
-    baseline restarts every process under torchrun from torch.save checkpoints on disk.
-    MTTR is the time from the kill to the first step completed after it. Needs a source
-    checkout (the examples directory). Takes a few minutes.
+    baseline (mlp only) restarts every process under torchrun from torch.save checkpoints on
+    disk. MTTR is the time from the kill to the first step completed after it; the JSON has
+    each phase's median (phases_median_s) and the restore's rate (restore_gbps). Needs a
+    source checkout (the examples directory). Takes a few minutes.
     """
+    import shlex
+
     from controlplane.bench import BenchError
     from controlplane.bench.mttr import run_mttr_bench
 
@@ -372,6 +293,8 @@ def bench_mttr(
             baseline=baseline,
             security=security,
             rounds=rounds,
+            example=example,
+            example_args=None if example_args is None else shlex.split(example_args),
             progress=progress,
         )
     except BenchError as exc:
@@ -432,6 +355,13 @@ def bench_decide(
     faults: Annotated[
         int, typer.Option(min=1, help="Faults to inject, alternating crash and hang.")
     ] = 20,
+    mesh: Annotated[
+        str | None,
+        typer.Option(
+            help="The job's mesh, outermost first, e.g. dp=64,tp=8,pp=8 (tp node-local); its"
+            " size must be --members. The decider then reasons in replicas."
+        ),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print only the JSON result.")] = False,
 ) -> None:
     """Measure fault-to-decision latency through the real service.
@@ -442,10 +372,21 @@ def bench_decide(
     reaching the members). Uses ELASTIC_NATS_URL /
     ELASTIC_DATABASE_URL when set; otherwise embedded NATS and PostgreSQL in a temp dir.
     """
-    from controlplane.bench.decide import run_decide_bench
+    from controlplane.bench.decide import parse_mesh, run_decide_bench
 
+    parsed = None
+    if mesh is not None:
+        try:
+            parsed = parse_mesh(mesh)
+        except ValueError as exc:  # pydantic's ValidationError is one
+            raise typer.BadParameter(str(exc), param_hint="--mesh") from exc
+        if parsed.size != members:
+            raise typer.BadParameter(
+                f"the mesh {parsed.describe()} has {parsed.size} ranks; --members is {members}",
+                param_hint="--mesh",
+            )
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    result = run_decide_bench(members=members, faults=faults, progress=not as_json)
+    result = run_decide_bench(members=members, faults=faults, progress=not as_json, mesh=parsed)
     typer.echo(json.dumps(result))
 
 
@@ -486,44 +427,72 @@ def bench_api(
 @bench_app.command("backup")
 def bench_backup(
     *,
+    example: Annotated[
+        str | None,
+        typer.Option(
+            help="ddp: examples/train.py's DDP + ZeRO split on --world gloo ranks (bytes sent"
+            " per backup against the sizing formula); transformer: examples/tinygpt.py under"
+            " FSDP2 (blocking_ms_per_gb, replication_gbps against tcp_loopback_gbps, overhead);"
+            " mlp: one process, the overhead with and without security. Default: ddp, or mlp"
+            " with --security."
+        ),
+    ] = None,
     params_mb: Annotated[
-        float, typer.Option("--params-mb", min=0.01, help="Model parameters, in MiB.")
-    ] = 4.0,
-    steps: Annotated[int, typer.Option(min=1, help="Training steps timed per variant.")] = 1000,
-    every: Annotated[int, typer.Option(min=1, help="Steps between two snapshots.")] = 10,
-    batch: Annotated[int, typer.Option(min=1, help="Samples per step.")] = 64,
+        float | None,
+        typer.Option(
+            "--params-mb",
+            min=0.01,
+            help="Model parameters, in MiB (default: ddp 4, transformer 100, mlp 4).",
+        ),
+    ] = None,
+    steps: Annotated[
+        int | None,
+        typer.Option(
+            min=1, help="Training steps timed (default: ddp 200, transformer 80, mlp 1000)."
+        ),
+    ] = None,
+    every: Annotated[int, typer.Option(min=1, help="Steps between two backups.")] = 10,
+    world: Annotated[int, typer.Option(min=2, help="Ranks of the ddp example.")] = 4,
+    batch: Annotated[
+        int | None,
+        typer.Option(min=1, help="Samples per step (default: mlp 64, transformer 8 of 64 tokens)."),
+    ] = None,
     replicas: Annotated[
-        int,
+        int | None,
         typer.Option(
             min=0,
-            help="Send each snapshot to this many peer stores over loopback in the background"
-            " (2 when --security is given).",
+            help="Peers each backup is sent to (default: the policy's redundancy, 2; mlp: 0,"
+            " or 2 with --security).",
         ),
-    ] = 0,
+    ] = None,
+    rounds: Annotated[int, typer.Option(min=1, help="Transfers timed per path (transformer).")] = 5,
     security: Annotated[
         str | None,
         typer.Option(
-            help="Replicate without the job's secret (off), with it (on: sha256 digests and"
-            " MACs), or both in one run (both: overhead_off, overhead_on, within_10pct)."
+            help="mlp: replicate without the job's secret (off), with it (on: sha256 digests"
+            " and MACs), or both in one run (both: overhead_off, overhead_on, within_10pct)."
         ),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print only the JSON result.")] = False,
 ) -> None:
-    """Measure what a hot snapshot every N steps costs a training loop, and its copy speed.
+    """Measure what backups cost: bytes sent to peers, memory, step time, transfer speed.
 
-    A small MLP trains with Adam on synthetic data (one CPU thread; on the GPU when there is
-    one, snapshotting into pinned memory). Reports the step time with and without snapshots,
-    their ratio, and the snapshot's throughput against a plain tensor copy of the same bytes.
+    Each example backs up as a training job's Session does: what only a rank has goes to its
+    peers, what every rank has alike (a DDP model) stays in its own memory. See
+    docs/benchmarks.md and docs/operations.md ("Sizing backup memory").
     """
     from rank_runtime.bench_backup import run_backup_bench
 
     try:
         result = run_backup_bench(
+            example=example,
             params_mb=params_mb,
             steps=steps,
             every=every,
             batch=batch,
             replicas=replicas,
+            world=world,
+            rounds=rounds,
             security=security,
             progress=not as_json,
         )
@@ -661,6 +630,7 @@ def export_log(
     `elasticctl export --job J > log.jsonl`.
     """
     from controlplane.postmortem import commands
+    from controlplane.settings import Settings
 
     settings = Settings()  # no logging set-up: stdout may be the log itself
     try:
@@ -690,6 +660,7 @@ def import_log(
     export keeps its positions too. The per-source sequence rules apply as on ingest.
     """
     from controlplane.postmortem import commands
+    from controlplane.settings import Settings
 
     settings = Settings()  # no logging set-up: stdout may be the log itself
     try:
@@ -752,6 +723,7 @@ def timeline(
     downtime and steps lost.
     """
     from controlplane.postmortem import commands
+    from controlplane.settings import Settings
 
     settings = Settings()  # no logging set-up: stdout may be the log itself
     try:
@@ -778,6 +750,25 @@ def bench_replay(
     typer.echo(json.dumps(result))
 
 
+#: What the ``server`` extra installs (the control plane's own packages): a trainer install
+#: (``pip install elastic-controlplane``) runs ``elasticctl run`` without them.
+SERVER_PACKAGES = frozenset({
+    "alembic", "fastapi", "httptools", "prometheus_client", "psycopg", "pydantic_settings",
+    "rich", "sqlalchemy", "starlette", "uvicorn", "uvloop",
+})  # fmt: skip
+
+
 def main() -> None:
     """Entry point of the ``elasticctl`` script."""
-    app()
+    try:
+        app()
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").partition(".")[0] not in SERVER_PACKAGES:
+            raise
+        command = next((a for a in sys.argv[1:] if not a.startswith("-")), "")
+        typer.echo(
+            f"elasticctl {command}: needs the server extra (no module {exc.name!r}):"
+            " pip install 'elastic-controlplane[server]'",
+            err=True,
+        )
+        raise SystemExit(2) from None

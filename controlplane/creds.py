@@ -22,6 +22,9 @@ ELASTIC_COMMAND_KEY), and the NATS server's user list (``nats-users.conf``, publ
 permissions only: not a secret) for every job issued into the directory; the server loads it
 through an ``include`` in its ``authorization`` block and reloads it on SIGHUP
 (``nats-server --signal reload``).
+
+Reading them (the directory layout, a seed file's connect options) is ``schemas/creds.py``,
+shared with the launcher.
 """
 
 from __future__ import annotations
@@ -36,46 +39,32 @@ from typing import Any
 
 import nkeys
 
-from controlplane.subjects import COMMAND_PREFIX, EVENT_PREFIX
-from schemas.auth import (
-    COMMAND_KEY_ENV,
-    JOB_SECRET_ENV,
-    command_public_key,
-    derive,
-    job_secret,
-)
+from schemas.auth import command_public_key, derive, job_secret
 from schemas.common import IDENT_PATTERN
+from schemas.creds import (
+    COMMAND_KEY_FILE,
+    JOB_SECRET_FILE,
+    KINDS,
+    LAUNCHER,
+    MEMBER,
+    SEED_PREFIX,
+    CredentialsError,
+    NodeCredentials,
+    check_name,
+    inbox_prefix,
+    node_dir,
+    public_key,
+)
+from schemas.subjects import COMMAND_PREFIX, EVENT_PREFIX
 
-#: A directory written by ``elasticctl creds``: the launcher takes its node's credentials there.
-CREDS_DIR_ENV = "ELASTIC_NATS_CREDS_DIR"
-
-LAUNCHER = "launcher"
-MEMBER = "member"
-KINDS = (LAUNCHER, MEMBER)
 CONTROLPLANE = "controlplane"
 #: The member name a launcher publishes under (``<node>/launcher``): no member may use it.
 LAUNCHER_MEMBER = "launcher"
 
 CONTROLPLANE_FILE = "controlplane.nk"
 USERS_FILE = "nats-users.conf"
-JOB_SECRET_FILE = "job-secret"
-COMMAND_KEY_FILE = "command-key"
-#: Prefix of every NKey user seed.
-_SEED_PREFIX = b"SU"
 
 _IDENT = re.compile(IDENT_PATTERN)
-
-
-class CredentialsError(ValueError):
-    """Credentials that cannot be issued or found (a bad name, a missing file)."""
-
-
-def _check_name(what: str, name: str) -> str:
-    if not _IDENT.match(name):
-        raise CredentialsError(
-            f"{what} {name!r} is not a valid name (letters, digits, '-', '_'; at most 64)"
-        )
-    return name
 
 
 def _seed(master: bytes, label: str) -> bytes:
@@ -93,21 +82,7 @@ def node_seed(master: bytes, job_id: str, node: str, kind: str) -> bytes:
     """The NKey seed of a node's launcher or members (``kind``: launcher | member)."""
     if kind not in KINDS:
         raise CredentialsError(f"kind must be one of {KINDS}, not {kind!r}")
-    return _seed(master, f"{_check_name('job', job_id)}/{_check_name('node', node)}/{kind}")
-
-
-def public_key(seed: bytes) -> str:
-    """The public key (``U...``) of an NKey user seed."""
-    pair = nkeys.from_seed(bytearray(seed))
-    try:
-        return str(pair.public_key.decode())
-    finally:
-        pair.wipe()
-
-
-def inbox_prefix(public: str) -> str:
-    """The only inbox prefix the identity with this public key may receive on."""
-    return f"_INBOX_{public}"
+    return _seed(master, f"{check_name('job', job_id)}/{check_name('node', node)}/{kind}")
 
 
 # --------------------------------------------------------------------------- permissions
@@ -147,42 +122,6 @@ def node_permissions(
 # --------------------------------------------------------------------------- files
 
 
-@dataclass(frozen=True, slots=True)
-class NodeCredentials:
-    """The seed files of one node of a job."""
-
-    launcher: Path
-    member: Path
-
-
-def node_dir(directory: Path, job_id: str, node: str) -> Path:
-    return Path(directory) / _check_name("job", job_id) / _check_name("node", node)
-
-
-def node_credentials(directory: str | Path, job_id: str, node: str) -> NodeCredentials:
-    """The launcher's and the members' seed files of ``node``; CredentialsError if absent."""
-    where = node_dir(Path(directory), job_id, node)
-    found = NodeCredentials(where / f"{LAUNCHER}.nk", where / f"{MEMBER}.nk")
-    for path in (found.launcher, found.member):
-        if not path.is_file():
-            raise CredentialsError(
-                f"no NATS credential {path} (issue it: elasticctl creds --job {job_id} "
-                f"--node {node} --out {directory})"
-            )
-    return found
-
-
-def job_environment(directory: str | Path, job_id: str) -> dict[str, str]:
-    """ELASTIC_JOB_SECRET and ELASTIC_COMMAND_KEY from the job's files, those that exist."""
-    where = Path(directory) / _check_name("job", job_id)
-    env = {}
-    for name, file in ((JOB_SECRET_ENV, JOB_SECRET_FILE), (COMMAND_KEY_ENV, COMMAND_KEY_FILE)):
-        path = where / file
-        if path.is_file():
-            env[name] = path.read_text().strip()
-    return env
-
-
 def _write(path: Path, data: bytes, mode: int) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
@@ -217,13 +156,13 @@ def issue(
     """Write the credentials of ``nodes`` of ``job_id`` (and the control plane's) under
     ``directory``, then the server's user list for every job found there."""
     root = Path(directory)
-    names = [_check_name("node", n) for n in nodes]
+    names = [check_name("node", n) for n in nodes]
     if not names:
         raise CredentialsError("no node to issue credentials for")
     root.mkdir(parents=True, exist_ok=True)
     cp = root / CONTROLPLANE_FILE
     _write(cp, controlplane_seed(master) + b"\n", 0o600)
-    job_root = root / _check_name("job", job_id)
+    job_root = root / check_name("job", job_id)
     _write(job_root / JOB_SECRET_FILE, job_secret(master, job_id).hex().encode() + b"\n", 0o600)
     _write(job_root / COMMAND_KEY_FILE, command_public_key(master).hex().encode() + b"\n", 0o644)
     issued = {}
@@ -240,7 +179,7 @@ def issue(
 
 def _read_seed(path: Path) -> bytes:
     seed = path.read_bytes().strip()
-    if not seed.startswith(_SEED_PREFIX):
+    if not seed.startswith(SEED_PREFIX):
         raise CredentialsError(f"{path} is not an NKey user seed")
     return seed
 
@@ -283,15 +222,3 @@ def write_users_file(
     path = root / USERS_FILE
     _write(path, text.encode(), 0o644)
     return path, len(entries)
-
-
-# --------------------------------------------------------------------------- connecting
-
-
-def nkey_connect_options(path: str | Path) -> dict[str, Any] | None:
-    """nats-py options for an NKey seed file (the seed and its own inbox prefix); None when
-    the file is not an NKey seed (a JWT ``.creds`` file, say)."""
-    seed = Path(path).read_bytes().strip()
-    if not seed.startswith(_SEED_PREFIX):
-        return None
-    return {"nkeys_seed": str(path), "inbox_prefix": inbox_prefix(public_key(seed))}

@@ -32,10 +32,9 @@ from controlplane.core.statemachine import TERMINAL
 from controlplane.core.view import JobView
 from controlplane.errors import ConcurrencyError, StoreUnavailable
 from controlplane.ingest import Appender
-from controlplane.publish import MSG_ID_HEADER
 from controlplane.store.port import AppendResult, JobHead
-from controlplane.subjects import command_subject
 from schemas.auth import SIGNATURE_HEADER, CommandSigner, command_message
+from schemas.subjects import MSG_ID_HEADER, command_subject
 
 log = logging.getLogger(__name__)
 

@@ -8,9 +8,9 @@ import logging
 from pydantic import ValidationError
 
 from controlplane.core.records import DeadLetter
-from controlplane.subjects import EventSubject, parse_event_subject
 from schemas.common import INT64_MAX, INT64_MIN, MAX_EVENT_BYTES
 from schemas.events import CONTROLPLANE_EVENT_TYPES, EVENT_ADAPTER, SCHEMA_VERSIONS, EnvelopeBase
+from schemas.subjects import EventSubject, parse_event_subject
 
 log = logging.getLogger(__name__)
 

@@ -563,15 +563,15 @@ class Stack:
     def launcher_env(self, job_id: str) -> dict[str, str]:
         """What a job's launcher gets (and hands its members): the job's secret, the
         command key, and the directory of its nodes' NATS credentials."""
-        from controlplane import creds
         from schemas.auth import COMMAND_KEY_ENV, JOB_SECRET_ENV, command_public_key, job_secret
+        from schemas.creds import CREDS_DIR_ENV
 
         env = {
             JOB_SECRET_ENV: job_secret(self.secret, job_id).hex(),
             COMMAND_KEY_ENV: command_public_key(self.secret).hex(),
         }
         if self.creds_dir is not None:
-            env[creds.CREDS_DIR_ENV] = str(self.creds_dir)
+            env[CREDS_DIR_ENV] = str(self.creds_dir)
         return env
 
     @property

@@ -15,9 +15,9 @@ from typing import Any
 
 from nats.js import JetStreamContext
 
-log = logging.getLogger(__name__)
+from schemas.subjects import MSG_ID_HEADER
 
-MSG_ID_HEADER = "Nats-Msg-Id"
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,9 +12,9 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from controlplane.core.placement import Slot, place
-from controlplane.subjects import event_subject
 from schemas.common import CONTROLPLANE_SOURCE
 from schemas.ids import uuid7
+from schemas.subjects import event_subject
 
 
 class SyntheticJob:

@@ -35,9 +35,6 @@ from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy
 from pydantic import BaseModel, ValidationError
 
-from controlplane.bus import auth_options, filtered_jetstream
-from controlplane.publish import MSG_ID_HEADER
-from controlplane.subjects import BROADCAST, command_subject, event_subject
 from rank_runtime.identity import Identity
 from schemas.auth import (
     COMMAND_KEY_ENV,
@@ -49,6 +46,8 @@ from schemas.commands import COMMAND_ADAPTER, Reallocate, Start, Stop
 from schemas.common import Phase
 from schemas.events import EVENT_ADAPTER
 from schemas.ids import new_event_id
+from schemas.nats import auth_options, filtered_jetstream
+from schemas.subjects import BROADCAST, MSG_ID_HEADER, command_subject, event_subject
 
 log = logging.getLogger(__name__)
 

@@ -35,6 +35,7 @@ from typing import Any
 
 from rank_runtime import checkpoint, faults
 from rank_runtime.client import EventClient
+from rank_runtime.group import GroupSockets, backend_for, member_device
 from rank_runtime.identity import Identity
 from rank_runtime.replication import (
     ADVERTISE_ENV,
@@ -58,14 +59,22 @@ log = logging.getLogger(__name__)
 
 #: Replications waiting for the background sender before the oldest is dropped.
 _REPLICATION_QUEUE = 4
+#: The cold checkpoint's key for the replicated part of a rank's state (``_cold_state``).
+REPLICATED_KEY = "__replicated__"
 #: How often a member waiting at a rendezvous looks for a newer command.
 _ARRIVAL_POLL_S = 0.05
 
 
 #: What the first DDP (or FSDP) construction in a process imports — ``torch._dynamo`` alone
-#: takes seconds. Every member imports them before it joins, so a warm spare called in to
-#: take a rank builds its model as fast as the survivors do.
-WARM_IMPORTS = ("torch.distributed", "torch.nn.parallel", "torch._dynamo")
+#: takes seconds — and what the session imports to tell a ZeRO optimizer apart
+#: (``torch.distributed.optim``: 0.15 s). Every member imports them before it joins, so a warm
+#: spare called in to take a rank builds its model as fast as the survivors do.
+WARM_IMPORTS = (
+    "torch.distributed",
+    "torch.distributed.optim",
+    "torch.nn.parallel",
+    "torch._dynamo",
+)
 
 
 def _warm_up() -> None:
@@ -120,6 +129,47 @@ class _RefusedCopy(ReplicationError):
         self.source = source
 
 
+def _drop_tracebacks(error: BaseException) -> None:
+    """Clear the tracebacks of ``error`` and of every error it was raised from or during."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        current.__traceback__ = None
+        current = current.__cause__ or current.__context__
+
+
+class _Fetch:
+    """``restore(command, rank)`` on a thread of its own; ``result()`` waits for it."""
+
+    def __init__(self, restore: Callable[..., Any], command: Reallocate, rank: int) -> None:
+        self._restore = restore
+        self._command = command
+        self._rank = rank
+        self._out: Any = None
+        self._error: BaseException | None = None
+        #: How long the restore took (its own time, not the wait in ``result``).
+        self.seconds = 0.0
+        self._thread = threading.Thread(target=self._run, name="elastic-fetch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        started = time.perf_counter()
+        try:
+            self._out = self._restore(self._command, self._rank)
+        except BaseException as exc:  # handed to result()'s caller
+            self._error = exc
+        finally:
+            self.seconds = time.perf_counter() - started
+
+    def result(self) -> Any:
+        self._thread.join()
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+        return self._out
+
+
 def _by_step(key: tuple[int, int]) -> int:
     return key[1]
 
@@ -144,6 +194,9 @@ class World:
     placement: tuple[tuple[str, ...], ...]
     endpoints: dict[str, str]
     rendezvous: str
+    #: The generation's mesh (dimension -> degree, outermost first; rank ``r`` at the
+    #: row-major coordinate of ``r``), when the job's policy declares one.
+    mesh: dict[str, int] | None = None
 
 
 class Elastic:
@@ -189,13 +242,41 @@ class Elastic:
         #: A newer command ``step_done`` found, for ``recover`` to follow.
         self._pending: Start | Reallocate | None = None
         self._collective_timeout = timedelta(seconds=collective_timeout_s)
-        #: This rank's own copies: two preallocated slots, the newest complete one whole.
+        #: This rank's own copies of its unique state (what peers hold copies of): two
+        #: preallocated slots, the newest complete one whole.
         self.hot = HotSnapshot()
+        #: This rank's copies of the state every rank of its group has alike (a DDP model):
+        #: kept here only, never sent; a survivor shares it with a newcomer at restore.
+        self.hot_replicated = HotSnapshot()
+        #: What the last restore brought: how (``None``: the job's initial state), the
+        #: replicated state this member holds for that step (None: it holds none), and the
+        #: shard of its own rank in the backup's world (None: it had none).
+        self.restored_from: RestoreFrom | None = None
+        self.restored_mode: ReallocationMode | None = None
+        self.restored_replicated: Any = None
+        self.own_shard: int | None = None
         self._replicas: queue.Queue[tuple[int, float] | None] = queue.Queue(_REPLICATION_QUEUE)
         self._replicator: threading.Thread | None = None
         #: Where cold checkpoints go (a directory every member can read); None: nowhere.
         self.checkpoint_dir = os.environ.get(checkpoint.CHECKPOINT_DIR_ENV) or None
         self._cold: checkpoint.ColdWriter | None = None
+        self._device: Any = None
+        #: A shrink dropped this member's replica: it waits as a spare (``_demote``).
+        self.demoted = False
+        #: The connections the current generation's groups opened (ended when it is left);
+        #: the session adds those of the sub-groups its ``build`` creates.
+        self.group_sockets = GroupSockets({})
+
+    @property
+    def device(self) -> Any:
+        """This member's ``torch.device`` (``member_device``); set as current on CUDA."""
+        if self._device is None:
+            self._device = member_device()
+            if self._device.type == "cuda":
+                import torch
+
+                torch.cuda.set_device(self._device)
+        return self._device
 
     # ------------------------------------------------------------------ start
 
@@ -214,7 +295,7 @@ class Elastic:
         endpoint = self.peers.start()
         joined: dict[str, Any] = {
             "node": identity.node, "rack": identity.rack, "host": identity.host or "localhost",
-            "pid": os.getpid(), "role": identity.role.value, "device": "cpu",
+            "pid": os.getpid(), "role": identity.role.value, "device": str(self.device),
             "backup_endpoint": endpoint,
         }  # fmt: skip
         if self._requested is not None:
@@ -248,7 +329,9 @@ class Elastic:
         pending, self._pending = self._pending, None
         if pending is not None and pending.generation > current:
             return pending
-        while time.monotonic() < deadline:
+        # A spare (or a member demoted meanwhile) waits as long as the job runs: until a
+        # command names it, or the Stop.
+        while time.monotonic() < deadline or self._waits_as_spare():
             command = self.client.next_command(timeout=1.0)
             if command is None:
                 continue
@@ -268,11 +351,29 @@ class Elastic:
             return None
         if self.identity.member in command.world:
             return command
+        if isinstance(command, Reallocate) and self.identity.member in command.demoted:
+            self._demote(command)  # its replica was dropped: a warm spare from now on
+            return None
         if self.world is not None:
             raise JobStoppedError(
                 f"generation {command.generation} goes on without {self.identity.member}"
             )
         return None
+
+    def _waits_as_spare(self) -> bool:
+        return self.world is None and (self.demoted or self.identity.role is Role.SPARE)
+
+    def _demote(self, command: Reallocate) -> None:
+        """Leave the world for ``command``, which dropped this member's replica: wait as a
+        warm spare (the peer store keeps serving what it holds) until a generation names it."""
+        if self.world is not None:
+            log.warning("generation %d drops this member's replica: waiting as a spare",
+                        command.generation)  # fmt: skip
+            self._leave_group()
+        self.world = None
+        self.demoted = True
+        self.client.generation = command.generation
+        self.client.phase = Phase.WAITING
 
     def _enter(self, command: Start | Reallocate, timeout_s: float) -> bool:
         """Join ``command``'s generation (and restore, for a reallocation); when a newer
@@ -315,7 +416,9 @@ class Elastic:
         """After a collective failed: report it, wait for the control plane's decision, join
         the new generation and fetch the state to restore (``restored``, ``resume_step``).
 
-        Raises ``JobStoppedError`` when the job stops or goes on without this member.
+        Raises ``JobStoppedError`` when the job stops or goes on without this member. Returns
+        with ``world`` None when a shrink demoted this member to a spare and the job ended
+        before it needed it again.
         """
         log.warning("step %d failed (%s); waiting for the control plane", step, error)
         if not isinstance(error, GenerationSuperseded):  # no fault: a newer decision
@@ -324,13 +427,19 @@ class Elastic:
             )
         self.client.phase = Phase.WAITING
         # The traceback keeps the failed step's frames, their tensors and, through the
-        # autograd graph's hooks, DDP and the broken group alive: drop it.
-        error.__traceback__ = None
+        # autograd graph's hooks, DDP (or FSDP's parameter groups) and the broken group alive:
+        # drop it, and those of the errors it was raised from or during.
+        _drop_tracebacks(error)
         # Leave the broken group now: closing its connections fails the collectives that
         # peers still wait in, so every survivor gets here in milliseconds, not at the
         # collective timeout. (The caller drops its DDP and optimizer first: they hold it.)
         self._leave_group()
+        # Stop the replication of the old world now, while the control plane decides, rather
+        # than after the decision came (``_rejoin`` then finds it stopped).
+        self._drain_replication()
         command = self._wait_for_world(timeout_s)
+        if command is None and self.demoted and self.world is None:
+            return  # the job ended while this member, demoted, waited as a spare
         if command is None:
             raise JobStoppedError("the job stopped while this member waited to recover")
         if not isinstance(command, Reallocate):
@@ -346,11 +455,22 @@ class Elastic:
         self._leave_group()
         self._drain_replication()  # its queued copies belong to the old world
         self.client.phase = Phase.RESTORE
+        # The shards of a memory restore come from this member's memory and the plan's
+        # holders, not over the group: fetch them while the group forms.
+        fetching = (
+            _Fetch(self._restore, command, command.world.index(self.identity.member))
+            if command.restore_from is RestoreFrom.MEMORY
+            else None
+        )
         self._form(command)
         self.client.phase = Phase.RESTORE
-        started = time.perf_counter()
         try:
-            shards, nbytes, sources = self._restore(command)
+            started = time.perf_counter()
+            if fetching is not None:
+                shards, nbytes, sources = fetching.result()
+            else:
+                shards, nbytes, sources = self._restore(command)
+            seconds = fetching.seconds if fetching is not None else time.perf_counter() - started
         except (ReplicationError, checkpoint.CheckpointError) as exc:
             # A holder died (or a file is missing), or its copy is not what the owner
             # reported: say so (naming the refused copy), and follow the control plane's next
@@ -364,14 +484,29 @@ class Elastic:
             raise _Superseded(self._await_newer(command.generation)) from exc
         world = self._world()
         self.client.generation = command.generation
+        replicated = self._own_replicated(command.restore_step)
+        for shard, state in shards.items():  # a cold checkpoint's shards carry it too
+            if isinstance(state, dict) and set(state) == {"unique", REPLICATED_KEY}:
+                shards[shard] = state["unique"]
+                if replicated is None:
+                    replicated = state[REPLICATED_KEY]
         self.restored_shards = shards
-        self.restored = shards.get(world.rank) if command.mode is ReallocationMode.REPLACE else None
+        own_only = command.mode is ReallocationMode.REPLACE and set(shards) <= {world.rank}
+        self.restored = shards.get(world.rank) if own_only else None
+        self.restored_from = command.restore_from
+        self.restored_mode = command.mode
+        self.restored_replicated = replicated
+        if own_only:
+            self.own_shard = world.rank
+        else:
+            own = self._backup_shard
+            self.own_shard = own if own in shards else None
         self.resume_step = command.restore_step
         self.client.step = command.restore_step
         self.client.publish(
             "restore.completed",
             {"generation": command.generation, "step": command.restore_step, "bytes": nbytes,
-             "seconds": time.perf_counter() - started, "sources": sources},
+             "seconds": seconds, "sources": sources},
         )  # fmt: skip
         self.client.publish(
             "train.resumed", {"generation": command.generation, "step": command.restore_step}
@@ -385,32 +520,49 @@ class Elastic:
         log.info("generation %d: rank %d of %d from step %d", world.generation, world.rank,
                  world.size, command.restore_step)  # fmt: skip
 
-    @staticmethod
-    def _leave_group() -> None:
+    def _leave_group(self) -> None:
         import torch.distributed as dist
 
+        # Peers blocked in a collective with this member are released now (rank_runtime.group).
+        ended = self.group_sockets.shutdown()
+        if ended:
+            log.debug("ended %d connections of the old group", ended)
         if not dist.is_initialized():
             return
         try:
+            if dist.get_backend() == "nccl":
+                # A broken NCCL communicator can block destroy (and any collective) forever:
+                # abort it first, which returns at once and fails what still waits on it.
+                from torch.distributed.distributed_c10d import _abort_process_group
+
+                _abort_process_group()
             dist.destroy_process_group()
         except Exception as exc:  # the old group is broken; it only has to go
             log.debug("tearing down the old group: %s", exc)
         gc.collect()  # DDP reducers in reference cycles keep the group's sockets open
 
-    def _restore(self, command: Reallocate) -> tuple[dict[int, Any], int, dict[str, str]]:
+    def _restore(
+        self, command: Reallocate, rank: int | None = None
+    ) -> tuple[dict[int, Any], int, dict[str, str]]:
         """The shards to restore: this rank's after a replacement, every shard after a shrink
         or a growth. Each from this member's memory when it took it, else from the plan's
-        source. Returns (shard -> state, bytes, shard -> source)."""
+        source. Returns (shard -> state, bytes, shard -> source). ``rank``: this member's in
+        ``command``'s world (default: the current world's, once formed)."""
         if command.restore_from is RestoreFrom.INITIAL:
             return {}, 0, {}
         if command.restore_from is RestoreFrom.CHECKPOINT:
             return self._restore_cold(command)
         if command.restore_from is not RestoreFrom.MEMORY:
             raise JobStoppedError(f"restoring from {command.restore_from.value} is not supported")
-        world = self._world()
-        wanted = (
-            [world.rank] if command.mode is ReallocationMode.REPLACE else range(len(command.plan))
+        if rank is None:
+            rank = self._world().rank
+        # A replacement in a world laid out as the restore step's (as many shards as ranks)
+        # needs only its own shard; otherwise (a shrink, a growth, or a replacement restoring
+        # a step an earlier, larger world backed up) every shard, to re-partition.
+        own_only = command.mode is ReallocationMode.REPLACE and len(command.plan) == len(
+            command.world
         )
+        wanted = [rank] if own_only else range(len(command.plan))
         shards: dict[int, Any] = {}
         sources: dict[str, str] = {}
         nbytes = 0
@@ -444,7 +596,8 @@ class Elastic:
 
     def _restore_cold(self, command: Reallocate) -> tuple[dict[int, Any], int, dict[str, str]]:
         """The shards of the cold checkpoint at the restore step: this rank's own memory when
-        it still holds that step, else the checkpoint directory."""
+        it still holds that step, else the checkpoint directory (each shard read back whole,
+        as a hot one: the session reshards FSDP2 state and consolidates ZeRO's)."""
         if not self.checkpoint_dir:
             raise JobStoppedError(
                 f"the job restores the step {command.restore_step} checkpoint, but this member"
@@ -452,10 +605,9 @@ class Elastic:
             )
         world = self._world()
         step = command.restore_step
-        if command.mode is ReallocationMode.REPLACE:
-            wanted: list[int] = [world.rank]
-        else:
-            wanted = checkpoint.shards_at(self.checkpoint_dir, self.identity.job_id, step)
+        wanted = checkpoint.shards_at(self.checkpoint_dir, self.identity.job_id, step)
+        if command.mode is ReallocationMode.REPLACE and len(wanted) == world.size:
+            wanted = [world.rank]  # the same layout: its own shard is all it needs
         shards: dict[int, Any] = {}
         sources: dict[str, str] = {}
         nbytes = 0
@@ -466,11 +618,11 @@ class Elastic:
                 sources[str(shard)] = self.identity.member
                 nbytes += len(data)
                 continue
-            path, shards[shard] = checkpoint.read(
-                self.checkpoint_dir, self.identity.job_id, step, shard
-            )
+            # Verified against its sha256 digest (a CheckpointError otherwise: restore_failed).
+            loaded = checkpoint.read(self.checkpoint_dir, self.identity.job_id, step, shard)
+            shards[shard] = loaded.state
             sources[str(shard)] = "checkpoint"
-            nbytes += path.stat().st_size
+            nbytes += loaded.nbytes
         return shards, nbytes, sources
 
     def _on_checkpoint(self, saved: checkpoint.Saved) -> None:
@@ -480,6 +632,13 @@ class Elastic:
              "path": saved.path, "nbytes": saved.nbytes, "checksum": saved.checksum,
              "seconds": saved.seconds},
         )  # fmt: skip
+
+    def _own_replicated(self, step: int) -> Any:
+        """The replicated state this member backed up at ``step`` (None: it took none)."""
+        try:
+            return self.hot_replicated.get(step).state
+        except SnapshotNotFound:
+            return None
 
     def _own_copy(self, shard: int, step: int) -> bytes | None:
         """This member's own backup of ``shard`` at ``step``, if it took it."""
@@ -514,12 +673,18 @@ class Elastic:
             command.rendezvous, self._secret, timeout=self._collective_timeout
         )
         self._arrive(store, rank, command)
-        dist.init_process_group(
-            "gloo",
-            store=store,
-            rank=rank,
-            world_size=len(command.world),
-            timeout=self._collective_timeout,
+        device = self.device
+        self.group_sockets = GroupSockets.around(
+            lambda: dist.init_process_group(
+                backend_for(device),
+                store=store,
+                rank=rank,
+                world_size=len(command.world),
+                timeout=self._collective_timeout,
+                # NCCL: this device's communicator, created now (not at the first collective),
+                # so a recovery's first step does not pay for it.
+                device_id=device if device.type == "cuda" else None,
+            )
         )
         self.client.generation = command.generation
         self.world = World(
@@ -530,6 +695,7 @@ class Elastic:
             placement=tuple(tuple(h) for h in command.placement),
             endpoints=dict(command.endpoints),
             rendezvous=command.rendezvous,
+            mesh=dict(command.mesh) if command.mesh else None,
         )
         self.client.phase = Phase.TRAIN
 
@@ -538,11 +704,21 @@ class Elastic:
         newer command meanwhile: a member that dies before it arrives is replaced by a newer
         decision, which this member then follows (``_Superseded``) instead of waiting in
         ``init_process_group`` until the collective timeout."""
+        import torch.distributed as dist
+
         store.set(f"arrived/{rank}", self.identity.member)
         keys = [f"arrived/{r}" for r in range(len(command.world))]
         deadline = time.monotonic() + self._collective_timeout.total_seconds()
-        while not store.check(keys):
-            newer = self._newer(command.generation, timeout=_ARRIVAL_POLL_S)
+        poll = timedelta(seconds=_ARRIVAL_POLL_S)
+        while True:
+            # The store answers as soon as the last rank arrives (polling with check() and
+            # sleeping between cost the last arrival up to a whole poll on the recovery path).
+            try:
+                store.wait(keys, poll)
+                return
+            except dist.DistStoreError:  # not everyone yet
+                pass
+            newer = self._newer(command.generation, timeout=0.0)
             if newer is not None:
                 raise _Superseded(newer)
             if time.monotonic() > deadline:
@@ -570,8 +746,11 @@ class Elastic:
         samples: int,
         seconds: float = 0.0,
         state: Callable[[], Any] | None = None,
+        replicated: Callable[[], Any] | None = None,
     ) -> None:
-        """Report a finished step; back up when due; carry out injected faults."""
+        """Report a finished step; back up when due (``state()``: what only this rank has,
+        copied to peers; ``replicated()``: what every rank has alike, kept here only); carry
+        out injected faults."""
         world = self._world()
         self.client.step = step
         self.client.publish(
@@ -580,7 +759,7 @@ class Elastic:
              "samples": samples},
         )  # fmt: skip
         if state is not None and step % self.policy.backup_interval == 0:
-            self.backup(step, state())
+            self.backup(step, state(), replicated() if replicated is not None else None)
         faults.inject(self._faults, step, world.rank, self._faults_state)
         self._superseded(world.generation)
 
@@ -597,13 +776,19 @@ class Elastic:
         if newer is not None:
             self._pending = newer
             raise GenerationSuperseded(newer)
+        if self.world is None:  # demoted: this generation ends here, the member waits
+            raise GenerationSuperseded(command)
 
-    def backup(self, step: int, state: Any) -> None:
+    def backup(self, step: int, state: Any, replicated: Any = None) -> None:
         """Copy ``state`` (this rank's unique shard) into preallocated memory now; checksum,
-        report and replicate it from the background thread."""
+        report and replicate it from the background thread. ``replicated`` (state every rank
+        of the group has alike) is copied too, but stays in this process."""
         self._world()
         self.client.phase = Phase.BACKUP
         try:
+            if replicated is not None and self.hot_replicated.take(step, replicated) is None:
+                log.warning("backup of step %d skipped: its replicated part is being read", step)
+                return
             info = self.hot.take(step, state)
         finally:
             self.client.phase = Phase.TRAIN
@@ -615,13 +800,43 @@ class Elastic:
             step, self.policy.backup_interval, self.policy.checkpoint_every
         ):
             world = self._world()
-            self._cold.submit(step, world.rank, world.size, lambda: self.hot.get(step).state)
+            self._cold.submit(step, world.rank, world.size, lambda: self._cold_state(step))
         try:
             self._replicas.put_nowait((step, info.seconds))
         except queue.Full:  # the sender lags: the newest backup matters most
             dropped = self._replicas.get_nowait()
             log.warning("replication lags; dropping the copy of step %s", dropped and dropped[0])
             self._replicas.put_nowait((step, info.seconds))
+
+    def backup_memory(self) -> dict[str, int]:
+        """CPU bytes this member holds for backups now: ``unique`` (the two slots of its own
+        unique state), ``replicated`` (the two slots of the state every rank has alike),
+        ``held`` (the copies of peers' shards its store keeps, ``keep`` steps each),
+        ``sending`` (the serialized copy of its newest backup the replicator builds and keeps
+        until the next one) and ``total``. docs/operations.md gives the sizing formula."""
+        unique = self.hot.reserved_bytes
+        replicated = self.hot_replicated.reserved_bytes
+        held = self.peers.nbytes()
+        newest = self.hot.steps()
+        sending = 0
+        if newest and self._replicator is not None:
+            try:
+                sending = self.hot.nbytes(newest[0])
+            except SnapshotNotFound:  # overwritten meanwhile
+                sending = 0
+        return {"unique": unique, "replicated": replicated, "held": held, "sending": sending,
+                "total": unique + replicated + held + sending}  # fmt: skip
+
+    def _cold_state(self, step: int) -> Any:
+        """What a cold checkpoint of ``step`` holds for this rank: its unique state, and the
+        replicated part beside it (under ``REPLICATED_KEY``) when there is one, so a restore
+        with no survivor still finds it."""
+        state = self.hot.get(step).state
+        try:
+            replicated = self.hot_replicated.get(step).state
+        except SnapshotNotFound:
+            return state
+        return {"unique": state, REPLICATED_KEY: replicated}
 
     def report_fault(
         self,

@@ -16,7 +16,18 @@ kills a random worker every S seconds for ``--fault random:every=S``, forwards S
 and returns when every member has exited. ``--checkpoint-dir`` is where members write cold
 checkpoints (``ELASTIC_CHECKPOINT_DIR``; the policy's ``checkpoint_every`` says how often).
 ``--no-fence`` (for tests only) turns off the fencing of members a newer generation leaves
-out (``_fence``), so a test can resume a hung member itself and watch its late events.
+out (``_follow``), so a test can resume a hung member itself and watch its late events.
+
+Its exit status is the job's outcome (``exit_code``; docs/operations.md, "Launcher exit
+codes"), which it learns from the job's commands, verified like its members verify them: the
+``Stop`` the control plane sends when the job ends says ``completed`` or ``stopped``. A job that
+completed is 0, whatever members died and were replaced on the way: a member that failed is
+reported (its ``member.exited``, a log line), and fails the launcher only when the job did not
+go on without it. Without a ``Stop`` that says (every member gone before it came, or a control
+plane that does not say), the launcher judges by its own members: 0 when each exited 0, was
+killed by the launcher, or had a rank that the newest generation it saw gave to another
+(replaced; or the world shrank without it), 1 otherwise, 3 when no command of the job ever
+came. Stopped by SIGTERM/SIGINT N, it is ``128 + N`` (retryable), unless the job completed.
 """
 
 from __future__ import annotations
@@ -33,11 +44,10 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from controlplane import creds
 from rank_runtime import checkpoint, faults
 from rank_runtime.client import EventClient
 from rank_runtime.identity import (
@@ -55,6 +65,7 @@ from rank_runtime.identity import (
     ROLE_ENV,
     Identity,
 )
+from schemas import creds
 from schemas.auth import COMMAND_KEY_ENV, MASTER_SECRET_ENV
 from schemas.commands import Reallocate, Stop
 from schemas.common import Role
@@ -121,19 +132,75 @@ class Running:
     killed_by_launcher: bool = False
 
 
+#: ``elasticctl run``'s exit statuses (docs/operations.md, "Launcher exit codes"); a launcher
+#: stopped by signal N (SIGTERM, SIGINT: forwarded to its members) exits ``128 + N``.
+EXIT_COMPLETED = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_NO_CONTROL_PLANE = 3
+
+
+def exit_code(
+    *, outcome: str | None, failed: Collection[str], heard: bool, signal: int | None = None
+) -> int:
+    """The launcher's exit status: the job's outcome, else what became of this node's members.
+
+    ``outcome``: what the control plane's (verified) ``Stop`` said, ``completed`` or
+    ``stopped``, None when none came (or it did not say). ``failed``: this launcher's members
+    that failed on their own and were not replaced (see ``LaunchResult.failed``). ``heard``:
+    some command of the job reached the launcher. ``signal``: the one that stopped the
+    launcher. In order: a completed job is 0 whatever its members went through; a launcher
+    stopped by a signal is ``128 + signal`` (retryable: preempted, evicted, cancelled); a
+    stopped job is 1; with no outcome, 0 when no member failed unreplaced, else 1, or 3 when
+    the launcher never heard from the control plane at all.
+    """
+    if outcome == "completed":
+        return EXIT_COMPLETED
+    if signal is not None:
+        return 128 + signal
+    if outcome == "stopped":
+        return EXIT_FAILED
+    if not failed:
+        return EXIT_COMPLETED
+    return EXIT_FAILED if heard else EXIT_NO_CONTROL_PLANE
+
+
 @dataclass(slots=True)
 class LaunchResult:
-    """How the members ended."""
+    """How the members ended, and the job with them."""
 
     job_id: str
     exits: dict[str, int] = field(default_factory=dict)
     #: Members the launcher killed on purpose (``random`` faults, fencing).
     killed: list[str] = field(default_factory=list)
+    #: Members that had a rank and that the newest generation the launcher saw goes on
+    #: without (replaced by a spare, or the world shrank): reported, not failed.
+    replaced: list[str] = field(default_factory=list)
+    #: The job's end as the control plane's ``Stop`` said (``completed``/``stopped``), or None.
+    outcome: str | None = None
+    #: The launcher received some command of the job (the control plane is there).
+    heard: bool = False
+    #: The signal that stopped the launcher (forwarded to its members), if any.
+    signal: int | None = None
+
+    @property
+    def failed(self) -> list[str]:
+        """Members that exited non-zero on their own (not killed by the launcher) and were not
+        replaced."""
+        return [m for m, code in self.exits.items()
+                if code != 0 and m not in self.killed and m not in self.replaced]  # fmt: skip
+
+    @property
+    def code(self) -> int:
+        """The launcher's exit status (``exit_code``)."""
+        return exit_code(
+            outcome=self.outcome, failed=self.failed, heard=self.heard, signal=self.signal
+        )
 
     @property
     def ok(self) -> bool:
-        """Every member the launcher did not kill exited cleanly."""
-        return all(code == 0 for m, code in self.exits.items() if m not in self.killed)
+        """The launcher exits 0: the job completed, or none of its members failed unreplaced."""
+        return self.code == 0
 
 
 def run(
@@ -153,9 +220,12 @@ def run(
     node: str | None = None,
     rack: str | None = None,
     fence: bool = True,
+    verdict_wait_s: float = 2.0,
 ) -> LaunchResult:
     """Launch the job and wait for every member; see the module docstring (``fence``
-    False: members a newer generation leaves out are not killed; for tests)."""
+    False: members a newer generation leaves out are not killed; for tests). When every
+    member has exited and no ``Stop`` said how the job ended, the launcher waits up to
+    ``verdict_wait_s`` for one (if it heard from the control plane at all)."""
     job_id = job_id or f"job-{uuid.uuid4().hex[:8]}"
     policy = policy or JobPolicy(world_size=nproc, min_world=1, max_world=max(nproc, 1))
     step_faults: list[faults.StepFault] = []
@@ -196,10 +266,12 @@ def run(
     #: node -> its launcher's reporter.
     reporters: dict[str, EventClient] = {}
     stopping = False
+    stopped_by: int | None = None
 
     def forward(signum: int, _frame: object) -> None:
-        nonlocal stopping
+        nonlocal stopping, stopped_by
         stopping = True
+        stopped_by = signum
         for m in members:
             if m.process.poll() is None:
                 m.process.send_signal(signum)
@@ -210,11 +282,15 @@ def run(
         {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
     )
     result = LaunchResult(job_id)
+    followed = _Followed()
     try:
+        #: node -> members started on it so far (a member's LOCAL_RANK: its GPU there).
+        local_ranks: dict[str, int] = {}
         for slot in layout(nproc, spares, nodes, racks, node=node, rack=rack):
             # One incarnation per process started: the launcher knows which process an exit
             # is of, and says so (a late exit never lands on a successor of the name).
             incarnation = uuid.uuid4().hex[:16]
+            local_rank = local_ranks[slot.node] = local_ranks.get(slot.node, -1) + 1
             member_env = {
                 **base,
                 NODE_ENV: slot.node,
@@ -222,6 +298,7 @@ def run(
                 MEMBER_ENV: slot.member,
                 ROLE_ENV: slot.role.value,
                 INCARNATION_ENV: incarnation,
+                "LOCAL_RANK": str(local_rank),
             }
             if node_creds:  # this node's: the exit reports below go out as its launcher
                 auth = dataclasses.replace(auth, nats_creds=str(node_creds[slot.node].launcher))
@@ -250,12 +327,12 @@ def run(
         # Follows the job's commands to fence: a member a newer generation leaves out (found
         # hung, say) is killed, which also fails the collectives its peers are blocked in.
         # It verifies the control plane's signature like the members do (a forged
-        # Reallocate must not fence anyone).
+        # Reallocate must not fence anyone, a forged Stop must not set the exit status), and
+        # learns who was replaced and how the job ended (``_Followed``: the exit status).
         watcher = EventClient(
             dataclasses.replace(auth, member=f"launcher-{uuid.uuid4().hex[:8]}"),
             command_key=base.get(COMMAND_KEY_ENV) or None,
         ).start()  # fmt: skip
-        in_world: set[str] = set()
         rng = random.Random(randoms[0].seed if randoms else 0)
         next_kill = time.monotonic() + randoms[0].every if randoms else None
         while any(m.returncode is None for m in members):
@@ -272,9 +349,12 @@ def run(
                     victim.killed_by_launcher = True
                     victim.process.kill()
                 next_kill += randoms[0].every
-            if fence:
-                _fence(watcher, members, in_world)
+            _follow(watcher, members, followed, fence=fence)
             time.sleep(0.02)
+        # The members' last Stop may still be on its way to the launcher's own subscription.
+        deadline = time.monotonic() + verdict_wait_s
+        while followed.heard and followed.outcome is None and time.monotonic() < deadline:
+            _follow(watcher, members, followed, fence=False, timeout=0.1)
     finally:
         if "watcher" in locals():
             watcher.close(flush_s=0.0)
@@ -290,6 +370,9 @@ def run(
     result.exits = {m.slot.member: m.returncode if m.returncode is not None else -9
                     for m in members}  # fmt: skip
     result.killed = [m.slot.member for m in members if m.killed_by_launcher]
+    result.replaced = [m.slot.member for m in members if followed.replaced(m.slot.member)]
+    result.outcome, result.heard, result.signal = followed.outcome, followed.heard, stopped_by
+    _report_result(result)
     return result
 
 
@@ -315,21 +398,83 @@ def _node_credentials(
     return found
 
 
-def _fence(watcher: EventClient, members: list[Running], in_world: set[str]) -> None:
-    """Kill members a newer generation left out; remember who is in the world."""
-    while (command := watcher.next_command()) is not None:
+@dataclass(slots=True)
+class _Followed:
+    """What the launcher learned from the job's commands (verified like its members do)."""
+
+    #: Every member some generation gave a rank.
+    in_world: set[str] = field(default_factory=set)
+    #: The world of the newest generation seen.
+    world: frozenset[str] = frozenset()
+    #: What the ``Stop`` said of the job's end (None: no Stop yet, or it did not say).
+    outcome: str | None = None
+    #: Some command of the job arrived.
+    heard: bool = False
+
+    def replaced(self, member: str) -> bool:
+        """``member`` had a rank and the newest generation goes on without it."""
+        return member in self.in_world and member not in self.world
+
+
+def _follow(
+    watcher: EventClient,
+    members: list[Running],
+    followed: _Followed,
+    *,
+    fence: bool,
+    timeout: float | None = None,
+) -> None:
+    """Take the commands that arrived (waiting up to ``timeout`` for the first): remember who
+    is in the world and how the job ended; with ``fence``, kill members a newer generation
+    left out (not those it demoted to spares)."""
+    while (command := watcher.next_command(timeout)) is not None:
+        timeout = None
+        followed.heard = True
         if isinstance(command, Stop):
+            log.info("the job ended (%s): %s", command.outcome or "outcome not said",
+                     command.reason)  # fmt: skip
+            followed.outcome = command.outcome or followed.outcome
             continue
-        world = set(command.world)
-        if isinstance(command, Reallocate):
+        world = frozenset(command.world)
+        if fence and isinstance(command, Reallocate):
+            # The survivors of a replica a shrink dropped become warm spares: not fenced.
+            kept = world | frozenset(command.demoted)
             for m in members:
                 name = m.slot.member
-                if name in in_world and name not in world and m.process.poll() is None:
+                if name in followed.in_world and name not in kept and m.process.poll() is None:
                     log.info("fencing %s: generation %d goes on without it", name,
                              command.generation)  # fmt: skip
                     m.killed_by_launcher = True
                     m.process.kill()
-        in_world |= world
+        followed.in_world |= world
+        followed.world = world  # the watcher passes no older generation's command
+
+
+def _report_result(result: LaunchResult) -> None:
+    """Log the members that were replaced (reported, not failed) and what the launcher exits
+    with, and why."""
+    for member in result.replaced:
+        code = result.exits.get(member, 0)
+        if code != 0 and member not in result.killed:
+            log.info("%s %s and was replaced: the job went on without it", member,
+                     f"died of signal {-code}" if code < 0 else f"exited {code}")  # fmt: skip
+    code = result.code
+    if result.outcome == "completed":
+        why = "the job completed"
+    elif result.signal is not None:
+        why = f"the launcher was stopped by signal {result.signal}"
+    elif result.outcome == "stopped":
+        why = "the job stopped"
+    elif not result.failed:
+        why = "no member of this launcher failed unreplaced"
+    else:
+        failed = ", ".join(result.failed)
+        why = (
+            f"{failed} failed and the job did not go on without them"
+            if result.heard
+            else f"{failed} failed; nothing came from the control plane"
+        )
+    log.info("job %s: exiting %d (%s)", result.job_id, code, why)
 
 
 def _report_exit(member: Running) -> None:

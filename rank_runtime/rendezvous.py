@@ -5,7 +5,7 @@ named by a generation's endpoint (``tcp://host:port/<job>/<generation>``) and bi
 generation's key space; ``init_process_group("gloo", store=...)`` then uses it as it would a
 TCPStore (gloo calls ``set``, ``wait`` and ``get``; ``add``, ``compare_set``, ``check``,
 ``delete_key``, ``num_keys``, ``multi_get``/``multi_set`` and ``append`` work too). The
-protocol and the server are in ``controlplane.rendezvous``. The secret is the job's
+protocol is ``schemas.rendezvous``; the server is the control plane's. The secret is the job's
 (``ELASTIC_JOB_SECRET``, from the launcher); without one the store runs unauthenticated and
 says so once.
 """
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from controlplane.rendezvous import (
+from schemas.rendezvous import (
     ADD,
     APPEND,
     CAS,

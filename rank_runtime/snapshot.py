@@ -10,9 +10,12 @@ one, marks it *writing* first and *complete* only after every tensor has landed,
 at any point of a copy (an exception, ``KeyboardInterrupt``) leaves the newest complete snapshot
 untouched; a dying process takes its memory with it. Each slot is one flat byte buffer,
 allocated on the first snapshot (pinned when the sources are CUDA tensors) and reused until the
-tensors' shapes change. Readers (``latest``, ``checksum``, ``iter_bytes``) pin the slot they
-read so that ``take`` never overwrites it mid-read: a ``take`` whose only writable slot is
-pinned is skipped (returns ``None``) rather than blocking training.
+tensors' shapes change. CUDA tensors are copied on a side stream without the CPU waiting: the
+copy follows what the step queued, the training stream's later work waits for it on the GPU,
+and readers wait for its event before they read. Readers (``latest``, ``checksum``,
+``iter_bytes``) pin the slot they read so that ``take`` never overwrites it mid-read: a
+``take`` whose only writable slot is pinned is skipped (returns ``None``) rather than blocking
+training.
 
 Checksums stay off ``take``'s path: ``checksum(step)`` computes one on demand over the same
 bytes that ``iter_bytes(step)`` streams to a peer, and ``from_bytes``/``SnapshotDecoder``
@@ -358,12 +361,17 @@ class _Slot:
         self.skeleton: object = None
         self.skeleton_bytes: bytes | None = None
         self.checksums: dict[str, str] = {}
+        #: The CUDA event of a copy still in flight on the side stream (None: none).
+        self.pending: Any = None
 
     @property
     def capacity(self) -> int:
         return 0 if self.buffer is None else self.buffer.numel()
 
     def reset(self, state: SlotState) -> None:
+        if self.pending is not None:  # never rewrite a buffer a copy still lands in
+            self.pending.synchronize()
+            self.pending = None
         self.state = state
         self.step = -1
         self.seq = -1
@@ -424,6 +432,8 @@ class HotSnapshot:
         self._seq = 0
         self._allocations = 0
         self._skipped = 0
+        #: One side stream per CUDA device, for copies that never block the step.
+        self._streams: dict[Any, Any] = {}
 
     # -- writing --------------------------------------------------------------------------------
 
@@ -449,11 +459,12 @@ class HotSnapshot:
                 slot.reset("writing")
             try:
                 allocated = self._prepare(slot, specs, pinned)
-                with torch.no_grad():
-                    for dst, src in zip(slot.views, tensors, strict=True):
-                        dst.copy_(src, non_blocking=pinned and src.is_cuda)
-                for device in cuda:
-                    torch.cuda.synchronize(device)
+                if pinned:
+                    slot.pending = self._copy_on_side_stream(slot.views, tensors, cuda)
+                else:
+                    with torch.no_grad():
+                        for dst, src in zip(slot.views, tensors, strict=True):
+                            dst.copy_(src)
             except BaseException:
                 if cuda:  # no copy still in flight may land in a slot that is reused
                     for device in cuda:
@@ -467,6 +478,30 @@ class HotSnapshot:
                 slot.skeleton = skeleton
             nbytes = sum(spec.nbytes for spec in specs)
             return SnapshotInfo(step, nbytes, time.perf_counter() - started, slot.index, allocated)
+
+    def _copy_on_side_stream(
+        self, views: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor], devices: set[Any]
+    ) -> Any:
+        """Copy CUDA ``tensors`` into the pinned ``views`` on a side stream, without waiting:
+        the copy starts after what the training stream queued so far (it sees the step's
+        results), and the training stream's later work waits for it on the GPU (the next
+        step's updates never race the copy), so the CPU goes on at once. Returns the event
+        that marks the copy done; readers wait for it (``_reading``)."""
+        (device,) = devices  # one GPU per member
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+        training = torch.cuda.current_stream(device)
+        stream.wait_stream(training)
+        done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        with torch.no_grad(), torch.cuda.stream(stream):
+            for dst, src in zip(views, tensors, strict=True):
+                if src.is_cuda:
+                    src.record_stream(stream)  # its memory outlives the copy
+                dst.copy_(src, non_blocking=src.is_cuda)
+        done.record(stream)
+        training.wait_stream(stream)
+        return done
 
     def _writable(self) -> _Slot | None:
         newest = self._newest()
@@ -511,6 +546,9 @@ class HotSnapshot:
                 raise SnapshotNotFound(f"no complete snapshot of {what} (have {self._steps()})")
             slot.readers += 1
         try:
+            if slot.pending is not None:  # a copy on the side stream: wait until it landed
+                slot.pending.synchronize()
+                slot.pending = None
             yield slot
         finally:
             with self._lock:

@@ -19,7 +19,11 @@ from schemas.common import (
     Strict,
     Text,
 )
-from schemas.events import Members, Placement
+from schemas.events import MAX_MESH_DIMS, Members, MeshDegree, MeshDimName, Placement
+
+#: A generation's mesh: dimension -> degree, outermost first (rank ``r`` is at the row-major
+#: coordinate of ``r``); after a shrink the replica dimension holds fewer replicas.
+MeshDegrees = Annotated[dict[MeshDimName, MeshDegree], Field(max_length=MAX_MESH_DIMS)]
 
 
 class CommandBase(Strict):
@@ -45,6 +49,9 @@ class WorldCommand(CommandBase):
     placement: Placement = Field(default_factory=list)
     rendezvous: ShortText
     endpoints: Endpoints = Field(default_factory=dict)
+    #: The generation's mesh (``JobPolicy.mesh`` at this generation's size: its replica
+    #: dimension shrunk or grown by whole replicas); None for a flat world.
+    mesh: MeshDegrees | None = None
 
 
 class Reallocate(WorldCommand):
@@ -60,6 +67,9 @@ class Reallocate(WorldCommand):
     #: ``digests[s]``: what shard ``s`` must hash to (``<alg>:<hex>``, its owner's report);
     #: a copy that does not is refused. Empty from a control plane that records none.
     digests: Annotated[list[Checksum], Field(max_length=MAX_WORLD)] = Field(default_factory=list)
+    #: Members of the replicas this shrink dropped that survive: not in ``world``, they become
+    #: warm spares (not to be fenced, nor told the job goes on without them).
+    demoted: Members = Field(default_factory=list)
 
 
 class Start(WorldCommand):
@@ -68,11 +78,20 @@ class Start(WorldCommand):
     kind: Literal["start"] = "start"
 
 
+#: How a job ended, as a ``Stop`` says: ``completed`` (training reached its last step) or
+#: ``stopped`` (the job could not go on).
+JobOutcome = Literal["completed", "stopped"]
+
+
 class Stop(CommandBase):
-    """Stop training; the job cannot go on."""
+    """Stop training: the job ended (completed, or it cannot go on); members still alive
+    leave."""
 
     kind: Literal["stop"] = "stop"
     reason: Text
+    #: The job's end (its state, COMPLETED or STOPPED); what a launcher exits with. None from a
+    #: control plane that does not say (the launcher then judges by its members' exits).
+    outcome: JobOutcome | None = None
 
 
 Command = Annotated[Union[Start, Reallocate, Stop], Field(discriminator="kind")]  # noqa: UP007

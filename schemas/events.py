@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Literal, Union
 from uuid import UUID
 
-from pydantic import Field, TypeAdapter, model_validator
+from pydantic import Field, StringConstraints, TypeAdapter, model_validator
 
 from schemas.common import (
     MAX_WORLD,
@@ -38,6 +39,105 @@ Members = Annotated[list[Ident], Field(max_length=MAX_WORLD)]
 
 # --------------------------------------------------------------------------- payloads
 
+#: Dimensions a mesh may have (pp, dp_replicate, dp_shard, dp, cp, ep, tp, ...).
+MAX_MESH_DIMS = 8
+#: A mesh dimension's name: the usual ``pp``, ``dp_replicate``, ``dp_shard``, ``dp``, ``cp``,
+#: ``ep``, ``tp``, or any other lowercase name.
+MeshDimName = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_]{0,31}$")]
+MeshDegree = Annotated[int, Field(ge=1, le=MAX_WORLD)]
+MeshDimNames = Annotated[list[MeshDimName], Field(max_length=MAX_MESH_DIMS)]
+#: The dimensions whose coordinate identifies a data-parallel replica when ``replica_dims``
+#: is not given.
+DEFAULT_REPLICA_DIMS = ("dp_replicate", "dp")
+
+
+class Mesh(Strict):
+    """A job's device mesh at full size (3D parallelism: data, tensor, pipeline, ...).
+
+    Rank ``r`` sits at the coordinate of ``r`` in row-major order over ``dims``: the first
+    dimension is the outermost, the last varies fastest (``numpy.unravel_index(r, degrees)``,
+    the order of ``torch.distributed.init_device_mesh(shape, mesh_dim_names=names)``).
+
+    A *replica* is the set of ranks sharing one coordinate of the ``replica_dims`` (its size
+    is the product of the other dimensions' degrees); replicas are numbered in row-major order
+    over the replica dims. The decider replaces a lost rank at its exact coordinate, or drops
+    the whole replica that lost it (a shrink); ``min_world`` counts replicas.
+    """
+
+    #: ``(name, degree)`` per dimension, outermost first (a list: a JSON object's key order is
+    #: not kept by every store).
+    dims: Annotated[
+        list[tuple[MeshDimName, MeshDegree]], Field(min_length=1, max_length=MAX_MESH_DIMS)
+    ]
+    #: The data-parallel dimensions whose coordinate identifies a replica. None: those of
+    #: ``dims`` named ``dp_replicate`` or ``dp``. Empty: the whole world is one replica (it
+    #: cannot shrink; a lost rank waits for a spare).
+    replica_dims: MeshDimNames | None = None
+    #: Dimensions kept inside a node (e.g. ``["tp"]``): the ranks that differ only in these
+    #: coordinates start on one node, and a replacement goes to their node first.
+    node_local: MeshDimNames = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Mesh:
+        names = [name for name, _ in self.dims]
+        if len(set(names)) != len(names):
+            raise ValueError(f"mesh dims name a dimension twice: {names}")
+        size = 1
+        for _, degree in self.dims:
+            size *= degree
+            if size > MAX_WORLD:
+                raise ValueError(
+                    f"mesh of {' x '.join(f'{n}={d}' for n, d in self.dims)} has more than"
+                    f" {MAX_WORLD} ranks"
+                )
+        for field, listed in (("replica_dims", self.replica_dims), ("node_local", self.node_local)):
+            if listed is None:
+                continue
+            unknown = [n for n in listed if n not in names]
+            if unknown:
+                raise ValueError(f"mesh {field} names {unknown}, not among the dims {names}")
+            if len(set(listed)) != len(listed):
+                raise ValueError(f"mesh {field} names a dimension twice: {listed}")
+        return self
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.dims)
+
+    @property
+    def degrees(self) -> tuple[int, ...]:
+        return tuple(degree for _, degree in self.dims)
+
+    @property
+    def replica_names(self) -> tuple[str, ...]:
+        """The replica dimensions, in ``dims`` order."""
+        chosen = self.replica_dims if self.replica_dims is not None else DEFAULT_REPLICA_DIMS
+        return tuple(name for name in self.names if name in chosen)
+
+    @property
+    def size(self) -> int:
+        """Ranks of the full mesh."""
+        return math.prod(self.degrees)
+
+    @property
+    def replicas(self) -> int:
+        """Replicas of the full mesh."""
+        replica = set(self.replica_names)
+        out = 1
+        for name, degree in self.dims:
+            if name in replica:
+                out *= degree
+        return out
+
+    @property
+    def replica_size(self) -> int:
+        """Ranks per replica."""
+        return self.size // self.replicas
+
+    def describe(self) -> str:
+        """``dp=64 x tp=8 x pp=8``."""
+        return " x ".join(f"{name}={degree}" for name, degree in self.dims)
+
 
 class JobPolicy(Strict):
     """How a job is run and recovered; fixed by ``job.registered``."""
@@ -67,6 +167,12 @@ class JobPolicy(Strict):
     start_timeout_s: PositiveSeconds = 300.0
     #: Decisions one incident may take (cascades, missed deadlines) before the job stops.
     max_decisions_per_incident: Annotated[int, Field(ge=1, le=1000)] = 8
+    #: The job's device mesh (None: a flat world of ranks). With a mesh, ``min_world`` counts
+    #: replicas (not ranks), the first generation waits for the whole mesh (``world_size``, if
+    #: given, must equal its size; ``max_world`` must hold it), the world grows and shrinks by
+    #: whole replicas, and a lost rank that no spare can take and whose replica cannot be
+    #: dropped waits for a spare up to ``recovery_deadline_s``, then the job stops.
+    mesh: Mesh | None = None
 
     @model_validator(mode="after")
     def _world_bounds(self) -> JobPolicy:
@@ -76,11 +182,31 @@ class JobPolicy(Strict):
             self.min_world <= self.world_size <= self.max_world
         ):
             raise ValueError("world_size must lie between min_world and max_world")
+        mesh = self.mesh
+        if mesh is not None:
+            shape = mesh.describe()
+            if self.world_size is not None and self.world_size != mesh.size:
+                raise ValueError(
+                    f"world_size {self.world_size} is not the size of the mesh {shape}"
+                    f" ({mesh.size} ranks)"
+                )
+            if mesh.size > self.max_world:
+                raise ValueError(
+                    f"the mesh {shape} has {mesh.size} ranks, more than max_world {self.max_world}"
+                )
+            if self.min_world > mesh.replicas:
+                raise ValueError(
+                    f"min_world {self.min_world} counts replicas with a mesh: the mesh {shape}"
+                    f" has {mesh.replicas} (of {mesh.replica_size} ranks each, replica dims"
+                    f" {list(mesh.replica_names)})"
+                )
         return self
 
     @property
     def start_world(self) -> int:
         """How many workers the first generation waits for."""
+        if self.mesh is not None:
+            return self.mesh.size
         return self.world_size if self.world_size is not None else self.min_world
 
 
@@ -267,6 +393,9 @@ class ReallocationIssued(Strict):
     digests: Annotated[list[Checksum], Field(max_length=MAX_WORLD)] = Field(default_factory=list)
     rendezvous: ShortText
     reason: Text
+    #: Members of the replicas a mesh-aware shrink dropped that survive: not in ``world``,
+    #: they stay up as warm spares (no one fences them).
+    demoted: Members = Field(default_factory=list)
 
 
 class IncidentResolved(Strict):

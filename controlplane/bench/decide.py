@@ -21,7 +21,11 @@ fold of the decision, the command built and published). With an external Postgre
 does not record commit times, the command's arrival is all there is to go by, and the
 figures say so (``measured_to``). All clocks are this machine's (an embedded PostgreSQL's
 too). The simulated world answers each reallocation with the first step of the new
-generation, so incidents resolve and the next fault opens a new one. Each member's events
+generation, so incidents resolve and the next fault opens a new one. With ``mesh`` (``--mesh
+dp=64,tp=8,pp=8``) the job's policy declares that mesh (``tp`` node-local; the members' layout
+puts a node-local group on each node), and the decider reasons in replicas: a spare takes the
+lost rank's coordinate, and once the spares are used the damaged replica is dropped and its
+survivors take later faults' ranks. Each member's events
 reach the stream in the order of their ``seq``, as a real member's do; ``sequence_gaps``
 counts the gaps the ingest recorded all the same (0 expected).
 """
@@ -51,8 +55,9 @@ from controlplane.bus import ensure_stream, unacknowledged
 from controlplane.publish import Outgoing
 from controlplane.settings import Settings, libpq_url
 from controlplane.store.postgres import PostgresEventStore
-from controlplane.subjects import command_subject
 from schemas.commands import COMMAND_ADAPTER, Reallocate, Start
+from schemas.events import Mesh
+from schemas.subjects import command_subject
 
 #: A hang's latency runs from the expiry of this timeout, so its length does not enter the
 #: figures; it only has to outlast a stall of the simulated world or of the ingest (on a
@@ -61,6 +66,19 @@ from schemas.commands import COMMAND_ADAPTER, Reallocate, Start
 HANG_TIMEOUT_S = 6.0
 #: The events the latencies are computed from.
 _MEASURED_TYPES = ("member.exited", "fault.detected", "reallocation.issued")
+
+
+def parse_mesh(text: str) -> Mesh:
+    """``dp=64,tp=8,pp=8`` -> that mesh (dimensions outermost first; ``tp`` node-local when
+    present); ValueError with a message otherwise."""
+    dims: list[tuple[str, int]] = []
+    for part in text.split(","):
+        name, sep, degree = part.strip().partition("=")
+        if not sep or not degree.strip().isdigit():
+            raise ValueError(f"mesh {text!r}: expected name=degree,... (e.g. dp=64,tp=8,pp=8)")
+        dims.append((name.strip(), int(degree)))
+    local = ["tp"] if any(name == "tp" for name, _ in dims) else []
+    return Mesh.model_validate({"dims": dims, "node_local": local}, strict=False)
 
 
 def _progress(message: str) -> None:
@@ -189,7 +207,14 @@ async def _until_caught_up(nc: Any, settings: Settings, behind: int, timeout_s: 
 
 
 async def _scenario(
-    url: str, database_url: str, job_id: str, *, members: int, faults: int, progress: bool
+    url: str,
+    database_url: str,
+    job_id: str,
+    *,
+    members: int,
+    faults: int,
+    progress: bool,
+    mesh: Mesh | None = None,
 ) -> tuple[dict[str, float], float]:
     """Run the job and its faults; return when each command reached the members, and how
     long the ingest took to catch up with the backup before the faults."""
@@ -207,6 +232,8 @@ async def _scenario(
         "recovery_deadline_s": 120.0,
         "max_decisions_per_incident": 100,
     }  # fmt: skip
+    if mesh is not None:
+        policy["mesh"] = mesh.model_dump(mode="json")
     stop = asyncio.Event()
     beating: asyncio.Task[None] | None = None
     try:
@@ -406,8 +433,13 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[index]
 
 
-def run_decide_bench(*, members: int, faults: int, progress: bool = True) -> dict[str, Any]:
-    """Run the benchmark and return its figures."""
+def run_decide_bench(
+    *, members: int, faults: int, progress: bool = True, mesh: Mesh | None = None
+) -> dict[str, Any]:
+    """Run the benchmark and return its figures (``mesh``: the job's mesh, of ``members``
+    ranks)."""
+    if mesh is not None and mesh.size != members:
+        raise ValueError(f"the mesh {mesh.describe()} has {mesh.size} ranks, not {members}")
     # ELASTIC_BENCH_LOG_LEVEL=INFO shows the service's decisions (its log is quiet otherwise).
     level = {"ELASTIC_LOG_LEVEL": os.environ.get("ELASTIC_BENCH_LOG_LEVEL", "WARNING")}
     with (
@@ -424,6 +456,7 @@ def run_decide_bench(*, members: int, faults: int, progress: bool = True) -> dic
                 members=members,
                 faults=faults,
                 progress=progress,
+                mesh=mesh,
             )
         )
         elapsed = time.monotonic() - started
@@ -443,6 +476,7 @@ def run_decide_bench(*, members: int, faults: int, progress: bool = True) -> dic
 
     return {
         "members": members,
+        "mesh": mesh.describe() if mesh is not None else None,
         "faults": faults,
         "decisions": len(latencies),
         "p50_ms": round(statistics.median(latencies), 1),

@@ -15,7 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from controlplane.publish import MSG_ID_HEADER, Outgoing
+from controlplane.publish import Outgoing
+from schemas.subjects import MSG_ID_HEADER
 
 _ACK_PREFIX = b"_INBOX.loadgen"
 

@@ -16,10 +16,10 @@ from typing import Any
 
 from nats.js import JetStreamContext
 
-from controlplane.publish import MSG_ID_HEADER, Outgoing, publish_all
-from controlplane.subjects import event_subject
+from controlplane.publish import Outgoing, publish_all
 from schemas.commands import Reallocate, Start
 from schemas.ids import new_event_id
+from schemas.subjects import MSG_ID_HEADER, event_subject
 
 
 @dataclass(slots=True)

@@ -16,6 +16,18 @@ and lose the same ranks at the same steps (SIGKILL of itself, after the step):
 
 ``ratio`` is ``mttr_median_s / baseline_median_s``, both measured in this one run.
 
+``phases_median_s``: the median of each phase of the incidents' timelines
+(``controlplane.core.timeline``: detect, decide, ack, restore, resume). ``restore_gbps``: per
+incident, the bytes every member of the new world restored (their ``restore.completed``
+events) over the longest of their restores' seconds (they restore at once), in GB/s; the
+median over the incidents, with ``restore_bytes``.
+
+``example`` (``mlp`` or ``transformer``): ``mlp`` is ``examples/train.py`` (DDP + ZeRO);
+``transformer`` is ``examples/transformer.py`` (FSDP2 tinygpt) with ``TRANSFORMER_ARGS``
+(``example_args`` replace them): a 2^20-token embedding, tied to the head, holds most of
+its 1.1 GB of parameters and AdamW state, and a step sees 8 tokens a rank. The baseline has
+no transformer version: it is skipped there.
+
 ``security`` (``off``, ``on`` or ``both``): with ``on`` the control plane has an installation
 secret (``ELASTIC_SECRET``: an authenticated rendezvous store, signed commands) and the
 launcher hands its members the job's secret and the command key, as deployed. ``both`` runs
@@ -34,14 +46,15 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from controlplane.bench import BenchError
 from controlplane.bench.stack import Stack, serving, stack
 from controlplane.core.fold import fold
-from controlplane.core.timeline import timeline
+from controlplane.core.timeline import PHASES, timeline
 from controlplane.core.view import JobView
 from controlplane.settings import NATS_URL_ENV
 from controlplane.store.postgres import PostgresEventStore
@@ -61,6 +74,39 @@ POLICY = (
     "redundancy=2,heartbeat_interval_s=0.2,recovery_deadline_s=60,"
     'heartbeat_timeout_s={"init":60,"train":5,"waiting":30,"backup":15,"restore":30}'
 )
+#: The transformer's: one peer copy of each shard (two of 1.1 GB of state do not fit beside
+#: the ranks on a small machine) and the time a model of that size takes to build and step.
+TRANSFORMER_POLICY = (
+    "redundancy=1,heartbeat_interval_s=0.2,recovery_deadline_s=300,"
+    'heartbeat_timeout_s={"init":300,"train":60,"waiting":300,"backup":60,"restore":120}'
+)
+#: The transformer's model: 2^20 x 88 tied embedding (92M parameters; with AdamW's two
+#: moments 1.11 GB over the ranks), one block, 8 tokens per rank and step.
+TRANSFORMER_ARGS = (
+    "--vocab", "1048576", "--dim", "88", "--layers", "1", "--heads", "4", "--seq", "8",
+    "--global-batch", "4",
+)  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Example:
+    """A training script of ``examples/`` the bench runs, with its defaults."""
+
+    script: str
+    args: tuple[str, ...]
+    policy: str
+    faults: int
+    backup_interval: int
+    timeout_s: float
+
+
+EXAMPLES_RUN = {
+    "mlp": Example("train.py", (), POLICY, faults=5, backup_interval=10, timeout_s=600.0),
+    "transformer": Example(
+        "transformer.py", TRANSFORMER_ARGS, TRANSFORMER_POLICY, faults=2, backup_interval=2,
+        timeout_s=900.0,
+    ),
+}  # fmt: skip
 
 
 def schedule(faults: int, backup_interval: int) -> list[tuple[int, int]]:
@@ -105,19 +151,25 @@ def elastic_run(
     workdir: Path,
     timeout: float = 600.0,
     master: bytes | None = None,
+    example: Example = EXAMPLES_RUN["mlp"],
+    example_args: Sequence[str] | None = None,
+    restores: list[dict[str, Any]] | None = None,
 ) -> JobView:
     """Run the job with in-process recovery; return its folded view once it completed.
     ``master``: the control plane's installation secret, whose job secret and command key
-    the launcher hands the members (None: security off)."""
+    the launcher hands the members (None: security off). ``example_args`` replace the
+    example's own; ``restores`` (when given) receives the payloads of the job's
+    ``restore.completed`` events."""
     job_id = f"bench-mttr-{uuid.uuid4().hex[:8]}"
     command = [
         sys.executable, "-m", "controlplane", "run", "--nproc", str(RANKS),
         "--spares", str(len(crashes)), "--nodes", str(RANKS), "--racks", "2",
-        "--job-id", job_id, "--policy", f"backup_interval={backup_interval},{POLICY}",
+        "--job-id", job_id, "--policy", f"backup_interval={backup_interval},{example.policy}",
     ]  # fmt: skip
     for step, rank in crashes:
         command += ["--fault", f"crash@{step}:rank={rank}"]
-    command += [str(_example("train.py")), "--steps", str(steps)]
+    command += [str(_example(example.script)), "--steps", str(steps)]
+    command += list(example.args if example_args is None else example_args)
     env = {**os.environ, NATS_URL_ENV: services.nats_url, "ELASTIC_LOG_LEVEL": "WARNING"}
     for name in (MASTER_SECRET_ENV, JOB_SECRET_ENV, COMMAND_KEY_ENV):
         env.pop(name, None)
@@ -129,8 +181,11 @@ def elastic_run(
     try:
         deadline = time.monotonic() + 30
         while True:
-            view = fold(None, store.read(job_id=job_id))
+            events = list(store.read(job_id=job_id))
+            view = fold(None, events)
             if view is not None and view.state in {JobState.COMPLETED, JobState.STOPPED}:
+                if restores is not None:
+                    restores += restored(events)
                 return view
             if time.monotonic() > deadline:
                 state = view.state.value if view is not None else "no events"
@@ -140,17 +195,44 @@ def elastic_run(
         store.close()
 
 
-def elastic_mttr(view: JobView) -> list[dict[str, Any]]:
-    """Each incident's downtime and phases, in order; every one must have recovered."""
+def restored(events: Iterable[Any]) -> list[dict[str, Any]]:
+    """The payloads of the ``restore.completed`` events among ``events`` (stored events)."""
+    return [
+        stored.event.payload.model_dump(mode="json")
+        for stored in events
+        if stored.event.type == "restore.completed"
+    ]
+
+
+def _restore_rate(incident: Any, restores: list[dict[str, Any]]) -> tuple[int | None, float | None]:
+    """(bytes, GB/s) of ``incident``'s restore: what every member of its last decision's world
+    restored over the longest member's restore seconds (they restore at once)."""
+    decision = incident.decisions[-1] if incident.decisions else None
+    if decision is None:
+        return None, None
+    mine = [r for r in restores if r["generation"] == decision.generation]
+    nbytes = sum(int(r["bytes"]) for r in mine)
+    seconds = max((float(r["seconds"]) for r in mine), default=0.0)
+    return nbytes, (nbytes / seconds / 1e9 if seconds > 0 and nbytes else None)
+
+
+def elastic_mttr(
+    view: JobView, restores: list[dict[str, Any]] | None = None
+) -> list[dict[str, Any]]:
+    """Each incident's downtime and phases, in order; every one must have recovered. With
+    ``restores`` (``restore.completed`` payloads), each one's restored bytes and rate too."""
     out = []
     for incident in view.incidents.values():
         line = timeline(incident)
         if line.outcome != "recovered" or line.downtime_s is None:
             raise BenchError(f"incident {incident.incident_id} ended {line.outcome!r}")
-        out.append(
-            {"members": incident.members, "downtime_s": line.downtime_s,
-             "steps_lost": line.steps_lost, "phases": line.phases}
-        )  # fmt: skip
+        record: dict[str, Any] = {
+            "members": incident.members, "downtime_s": line.downtime_s,
+            "steps_lost": line.steps_lost, "phases": line.phases,
+        }  # fmt: skip
+        if restores is not None:
+            record["restore_bytes"], record["restore_gbps"] = _restore_rate(incident, restores)
+        out.append(record)
     return out
 
 
@@ -195,18 +277,31 @@ def _summary(incidents: list[dict[str, Any]], crashes: list[tuple[int, int]]) ->
     mttr = [i["downtime_s"] for i in incidents]
     if len(mttr) != len(crashes):
         raise BenchError(f"{len(crashes)} faults injected, {len(mttr)} incidents recorded")
-    return {
+    summary: dict[str, Any] = {
         "faults": len(crashes),
         "recovered": len(mttr),
         "mttr_median_s": statistics.median(mttr),
         "mttr_p90_s": _percentile(mttr, 0.9),
         "mttr_s": mttr,
-        "phases_median_s": {
-            phase: statistics.median(i["phases"][phase] for i in incidents)
-            for phase in incidents[0]["phases"]
-        },
+        "phases_median_s": _phase_medians(incidents),
         "steps_lost": [i["steps_lost"] for i in incidents],
     }
+    rates = [i["restore_gbps"] for i in incidents if i.get("restore_gbps") is not None]
+    if rates:
+        summary["restore_gbps"] = statistics.median(rates)
+        summary["restore_bytes"] = statistics.median(
+            i["restore_bytes"] for i in incidents if i.get("restore_gbps") is not None
+        )
+    return summary
+
+
+def _phase_medians(incidents: list[dict[str, Any]]) -> dict[str, float | None]:
+    """The median of each timeline phase over ``incidents`` (None: a phase none reached)."""
+    phases: dict[str, float | None] = {}
+    for phase in PHASES:
+        values = [i["phases"][phase] for i in incidents if i["phases"].get(phase) is not None]
+        phases[phase] = statistics.median(values) if values else None
+    return phases
 
 
 def _modes(security: str, rounds: int) -> list[bool]:
@@ -220,17 +315,28 @@ def _modes(security: str, rounds: int) -> list[bool]:
 
 def run_mttr_bench(
     *,
-    faults: int = 5,
-    backup_interval: int = 10,
+    faults: int | None = None,
+    backup_interval: int | None = None,
     baseline: bool = True,
     security: str = "off",
     rounds: int = 1,
+    example: str = "mlp",
+    example_args: Sequence[str] | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Run both and summarise (see the module docstring)."""
+    """Run both and summarise (see the module docstring). ``faults`` and
+    ``backup_interval`` default to the example's."""
     if security not in SECURITY:
         raise BenchError(f"security is one of {', '.join(SECURITY)}, not {security!r}")
+    if example not in EXAMPLES_RUN:
+        raise BenchError(f"example is one of {', '.join(EXAMPLES_RUN)}, not {example!r}")
+    chosen = EXAMPLES_RUN[example]
+    faults = chosen.faults if faults is None else faults
+    backup_interval = chosen.backup_interval if backup_interval is None else backup_interval
     say = progress or (lambda _message: None)
+    if baseline and example != "mlp":
+        say(f"baseline: skipped (the torchrun baseline trains the mlp, not the {example})")
+        baseline = False
     crashes = schedule(faults, backup_interval)
     steps = crashes[-1][0] + 2 * backup_interval
     with tempfile.TemporaryDirectory(prefix="elastic-bench-mttr-") as tmp:
@@ -248,12 +354,15 @@ def run_mttr_bench(
                     say(f"elastic (security {label}): {RANKS} ranks + {faults} spares,"
                         f" {steps} steps, kills at {crashes}")  # fmt: skip
                     started = time.monotonic()
+                    restores: list[dict[str, Any]] = []
                     view = elastic_run(
                         services, crashes, steps=steps, backup_interval=backup_interval,
                         workdir=workdir, master=BENCH_SECRET if secured else None,
+                        timeout=chosen.timeout_s, example=chosen, example_args=example_args,
+                        restores=restores,
                     )  # fmt: skip
                     elastic_seconds += time.monotonic() - started
-                incidents = elastic_mttr(view)
+                incidents = elastic_mttr(view, restores)
                 _summary(incidents, crashes)
                 runs[secured] += incidents
                 say(f"elastic (security {label}): downtimes"
@@ -263,6 +372,8 @@ def run_mttr_bench(
             **_summary(main, crashes * (len(main) // len(crashes))),
             "faults": len(crashes),
             "security": security,
+            "example": example,
+            "example_args": list(chosen.args if example_args is None else example_args),
             "elastic_run_s": elastic_seconds,
             "ranks": RANKS,
             "steps": steps,

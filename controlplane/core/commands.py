@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from controlplane.core.decide import decision_id
+from controlplane.core.mesh import degrees
 from controlplane.core.view import Decision, JobView, MemberStatus
 from schemas.commands import Reallocate, Start, Stop
 from schemas.common import JobState
@@ -59,6 +60,7 @@ def owing(view: JobView) -> list[Owed]:
                     decision_position=change.position,
                     issued_at=change.at,
                     reason=change.reason,
+                    outcome="completed" if view.state is JobState.COMPLETED else "stopped",
                 ),
             )
         ]
@@ -92,7 +94,15 @@ def _reallocate(view: JobView, incident_id: str, decision: Decision) -> Realloca
         placement=placement,
         rendezvous=decision.rendezvous,
         endpoints=_endpoints(view, decision.world),
+        mesh=_mesh(view, len(decision.world)),
+        demoted=list(decision.demoted),
     )
+
+
+def _mesh(view: JobView, world_size: int) -> dict[str, int] | None:
+    """The degrees of a generation of ``world_size`` ranks on the job's mesh (None: none)."""
+    policy = view.policy
+    return degrees(policy.mesh, world_size) if policy is not None else None
 
 
 def _endpoints(view: JobView, world: tuple[str, ...]) -> dict[str, str]:
@@ -125,6 +135,7 @@ def _start(view: JobView) -> list[Owed]:
                 placement=list(map(list, view.placement)),
                 rendezvous=view.rendezvous,
                 endpoints=_endpoints(view, view.world),
+                mesh=_mesh(view, len(view.world)),
             ),
         )
     ]

@@ -20,6 +20,17 @@ RECOVERING re-decides inside the same incident (a cascade); a recovery that miss
 deadline drops the members that did not resume and re-decides, and an incident that needs more
 than ``max_decisions_per_incident`` decisions stops the job. RUNNING below ``max_world`` grows
 at a backup boundary when members joined after the start.
+
+With a mesh (``JobPolicy.mesh``) the decider reasons in replicas (``controlplane.core.mesh``):
+the first world puts the workers on the mesh's coordinates (node-local groups on one node);
+a spare takes the exact rank (coordinate) of the member it replaces; when the spares do not
+cover every lost rank, the fewest whole replicas that leave enough members are dropped (those
+that lost most first), the remaining replicas are renumbered densely (each member keeps its
+place inside its replica), and the survivors of a dropped replica take the lost ranks the
+spares could not, or stay up as warm spares (``demoted``); ``min_world`` counts replicas;
+growth adds whole replicas up to the mesh's size. When no spare can take a lost rank and no
+replica can be dropped (below ``min_world``, or a mesh without a replica dimension), the
+decision says so and waits for a spare up to ``recovery_deadline_s``, then stops.
 """
 
 from __future__ import annotations
@@ -38,6 +49,7 @@ from controlplane.core.detect import (
     silence_limit,
 )
 from controlplane.core.fold import fold
+from controlplane.core.mesh import Layout, full_layout, layout
 from controlplane.core.placement import SilentNode, place_columns, silent_nodes
 from controlplane.core.records import StoredEvent
 from controlplane.core.restore import plan_restore, refused_sources, restore_digests
@@ -66,6 +78,7 @@ from schemas.events import (
     JobRegistered,
     JobStateChanged,
     JobStopped,
+    Mesh,
     ReallocationIssued,
 )
 
@@ -213,6 +226,10 @@ def next_deadline(view: JobView) -> datetime | None:
         if incident.decisions:
             at = incident.decisions[-1].at
             deadlines.append(at + timedelta(seconds=policy.recovery_deadline_s))
+    if policy.mesh is not None and view.state is _S.REALLOCATING and view.history:
+        # Waiting for a spare (a mesh that cannot shrink): the job stops at the deadline.
+        at = view.history[-1].at
+        deadlines.append(at + timedelta(seconds=policy.recovery_deadline_s))
     return min(deadlines, default=None)
 
 
@@ -224,6 +241,11 @@ def natural_key(text: str) -> tuple[str | int, ...]:
 
 def _topology_key(member: Member) -> tuple[object, ...]:
     return (member.rack, member.node, natural_key(member.member_id))
+
+
+def _spare_like(member: Member) -> bool:
+    """A spare, or a survivor of a replica a shrink dropped (a warm spare since)."""
+    return member.role is Role.SPARE or member.demoted_position is not None
 
 
 @dataclass(slots=True)
@@ -244,6 +266,15 @@ class _Plan:
     reason: str
     #: Failed member -> the member that takes its rank.
     replacements: dict[str, str] = field(default_factory=dict)
+    #: Survivors of the replicas a mesh-aware shrink dropped (warm spares from now on).
+    demoted: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class _Wait:
+    """No plan yet: the lost ranks wait for a spare (a mesh that cannot shrink), and why."""
+
+    reason: str
 
 
 class _Round:
@@ -255,6 +286,7 @@ class _Round:
         self.now = now
         self.context = context
         self.policy = view.effective_policy
+        self.mesh: Mesh | None = self.policy.mesh
         self.out: list[Decided] = []
 
     # ------------------------------------------------------------------ helpers
@@ -300,16 +332,20 @@ class _Round:
         announced this process: a spare, or a worker that joined late, counts only then),
         alive, never failed, fresh, and nothing ``detect`` would hold against it once it is
         in the world."""
-        if self.flagged.members is None:
-            self.flagged.members = {f.member for f in detect(self.view, self.now)}
+        flagged = self._flagged()
         return (
             member.rank is None
             and member.announced_position is not None
             and member.status is MemberStatus.ACTIVE
             and member.detected_position is None
-            and member.member_id not in self.flagged.members
+            and member.member_id not in flagged
             and self._fresh(member)
         )
+
+    def _flagged(self) -> set[str]:
+        if self.flagged.members is None:
+            self.flagged.members = {f.member for f in detect(self.view, self.now)}
+        return self.flagged.members
 
     def _columns(self, members: Sequence[str]) -> tuple[list[str], list[str]]:
         """The nodes and the racks of ``members``."""
@@ -342,6 +378,9 @@ class _Round:
         return self.out
 
     def _pending(self) -> None:
+        if self.mesh is not None:
+            self._pending_mesh(self.mesh)
+            return
         view, policy = self.view, self.policy
         wanted = policy.start_world
         # With world_size set, exactly that many (the rest wait as candidates); without it,
@@ -374,9 +413,50 @@ class _Round:
                 f" {policy.start_timeout_s:g}s, fewer than min_world {policy.min_world}"
             )
 
+    def _pending_mesh(self, mesh: Mesh) -> None:
+        """PENDING with a mesh: the first world waits for the whole mesh; after the start
+        timeout it starts with the whole replicas there are (at least ``min_world``)."""
+        view, policy = self.view, self.policy
+        full = full_layout(mesh)
+        per = full.replica_size
+        workers = sorted(
+            (
+                m
+                for m in view.members.values()
+                if m.role is Role.WORKER and m.status is MemberStatus.ACTIVE and self._fresh(m)
+            ),
+            key=_topology_key,
+        )[: full.size]
+        shape = full.describe()
+        if len(workers) == full.size:
+            self._start(workers, f"{len(workers)} workers joined: the mesh {shape} is whole")
+            return
+        assert view.registered_at is not None
+        waited = (self.now - view.registered_at).total_seconds()
+        if waited <= policy.start_timeout_s:
+            return
+        replicas = len(workers) // per
+        if replicas >= policy.min_world:
+            self._start(
+                workers[: replicas * per],
+                f"start timeout ({policy.start_timeout_s:g}s): starting with {replicas} of the"
+                f" {full.replicas} replicas of the mesh {shape} ({replicas * per} of"
+                f" {full.size} workers)",
+            )
+        else:
+            self._stop(
+                f"only {len(workers)} of the {full.size} workers of the mesh {shape} joined"
+                f" within {policy.start_timeout_s:g}s: {replicas} whole replicas of {per}"
+                f" ranks, fewer than min_world {policy.min_world} (replicas)"
+            )
+
     def _start(self, workers: list[Member], reason: str) -> None:
         generation = self.view.generation + 1
         world = tuple(m.member_id for m in workers)
+        if self.mesh is not None:
+            on_mesh = layout(self.mesh, len(world))
+            assert on_mesh is not None
+            world = on_mesh.arrange(list(world))
         self._generation(generation, world)
         self._state(_S.RUNNING, reason)
 
@@ -388,6 +468,11 @@ class _Round:
         view = self.view
         previous = dict(zip(view.world, view.placement, strict=False))
         nodes, racks = self._columns(world)
+        replicas = None
+        if self.mesh is not None:
+            on_mesh = layout(self.mesh, len(world))
+            if on_mesh is not None and on_mesh.replicas > 1:
+                replicas = on_mesh.replica_ids()
         placement = place_columns(
             world,
             nodes,
@@ -395,6 +480,7 @@ class _Round:
             self.policy.redundancy,
             previous=previous,
             substitute=substitute,
+            replicas=replicas,
         )
         self._emit(
             f"generation/{generation}",
@@ -492,6 +578,9 @@ class _Round:
         if isinstance(plan, str):
             self._stop(plan)
             return
+        if isinstance(plan, _Wait):
+            self._wait(incident, plan)
+            return
         if view.state is _S.DEGRADED:
             self._state(_S.REALLOCATING, plan.reason)
         self._issue(incident.incident_id, plan)
@@ -513,6 +602,7 @@ class _Round:
                 digests=list(restore_digests(self.view, plan.restore_step, plan.sources)),
                 rendezvous=self._rendezvous(generation),
                 reason=plan.reason[:_MAX_TEXT],
+                demoted=list(plan.demoted),
             ),
             generation,
         )
@@ -523,8 +613,44 @@ class _Round:
             f" {plan.restore_step} from {plan.restore_from.value}",
         )
 
-    def _plan(self) -> _Plan | str:
+    def _wait(self, incident: Incident, wait: _Wait) -> None:
+        """Wait for a spare (a mesh that cannot shrink): say so on entering REALLOCATING, stop
+        once ``recovery_deadline_s`` has passed since, record new failures meanwhile."""
+        view, policy = self.view, self.policy
+        limit = policy.recovery_deadline_s
+        if view.state is _S.DEGRADED:
+            until = self.now + timedelta(seconds=limit)
+            self._state(
+                _S.REALLOCATING,
+                f"{wait.reason}; waiting for spares to take the lost ranks until"
+                f" {until.isoformat()} (recovery_deadline_s {limit:g}s), then the job stops",
+            )
+            return
+        since = view.history[-1].at if view.history else self.now
+        if (self.now - since).total_seconds() > limit:
+            self._stop(f"no spare came within recovery_deadline_s ({limit:g}s): {wait.reason}")
+            return
+        findings = self._findings()
+        if findings:  # a failure while waiting: the next plan counts it
+            self._detected(incident.incident_id, findings)
+
+    def _candidates(self, dead: dict[str, SilentNode]) -> list[Member]:
+        """Members outside the world that could take a rank, off the nodes taken as gone:
+        spares (and warm spares of dropped replicas) first, then by topology."""
+        return sorted(
+            # Outside the world first (a cheap test; ``_usable`` asks it again).
+            [
+                m
+                for m in self.view.members.values()
+                if m.rank is None and m.node not in dead and self._usable(m)
+            ],
+            key=lambda m: (not _spare_like(m), _topology_key(m)),
+        )
+
+    def _plan(self) -> _Plan | _Wait | str:
         """The new world and where its state comes from, or why the job cannot go on."""
+        if self.mesh is not None:
+            return self._mesh_plan(self.mesh)
         view, policy = self.view, self.policy
         members = view.members
         # The members of the world that are not active.
@@ -608,17 +734,212 @@ class _Round:
             return {}
         return silent_nodes(members, found, self.now, silence_limit(view))
 
+    def _mesh_plan(self, mesh: Mesh) -> _Plan | _Wait | str:
+        """``_plan`` by replicas: spares take the lost ranks' coordinates; when they are too
+        few, the fewest whole replicas are dropped (the most damaged first) and their
+        survivors take the remaining lost ranks or become warm spares; when no replica can be
+        dropped, a wait (or, past the deadline, a stop)."""
+        view, policy = self.view, self.policy
+        members = view.members
+        world = view.world
+        lay = layout(mesh, len(world))
+        if lay is None:
+            return (
+                f"generation {view.generation}'s world of {len(world)} ranks is not whole"
+                f" replicas of the mesh {mesh.describe()} ({mesh.replica_size} ranks each)"
+            )
+        active = MemberStatus.ACTIVE
+        failed = [r for r, m in enumerate(world) if members[m].status is not active]
+        dead = self._silent_nodes()
+        candidates = self._candidates(dead)
+        replica_of = lay.replica_ids()
+        lost: dict[int, list[int]] = {}
+        for r in failed:
+            lost.setdefault(replica_of[r], []).append(r)
+        flagged = self._flagged()
+
+        def reusable(member: Member) -> bool:
+            return (
+                member.status is active
+                and member.detected_position is None
+                and member.member_id not in flagged
+                and member.node not in dead
+                and self._fresh(member)
+            )
+
+        # Dropping a damaged replica removes its lost ranks and frees its survivors: drop the
+        # fewest (those that lost most first, then the last) until the lost ranks left are
+        # no more than the members that can take them.
+        order = sorted(lost, key=lambda q: (-len(lost[q]), -q))
+        dropped: list[int] = []
+        survivors: list[str] = []
+        freed: list[Member] = []
+        holes = len(failed)
+        ranks_of: dict[int, list[int]] = {}
+        while holes > len(candidates) + len(freed):
+            q = order[len(dropped)]
+            dropped.append(q)
+            holes -= len(lost[q])
+            if not ranks_of:  # the ranks of every damaged replica, in one pass
+                for r, of in enumerate(replica_of):
+                    if of in lost:
+                        ranks_of.setdefault(of, []).append(r)
+            for r in ranks_of[q]:
+                member_id = world[r]
+                member = members[member_id]
+                if member.status is active:
+                    survivors.append(member_id)
+                    if reusable(member):
+                        freed.append(member)
+        kept = lay.replicas - len(dropped)
+        if dropped and kept < policy.min_world:
+            return _Wait(self._cannot_shrink(lay, failed, candidates, dropped, kept))
+        # The lost ranks of the kept replicas, in rank order, each to the best member left:
+        # on its node-local group's node, in its rack, off its node, a spare first.
+        dropping = set(dropped)
+        pool = candidates + freed
+        replacements: dict[str, str] = {}
+        notes: list[str] = []
+        local = [lay.names[a] for a in lay.local_axes]
+        for r in failed:
+            if replica_of[r] in dropping:
+                continue
+            gone = members[world[r]]
+            peers = (
+                {
+                    members[world[p]].node
+                    for p in lay.local_peers(r)
+                    if p != r and members[world[p]].status is active
+                }
+                if local
+                else set()
+            )
+            best = min(
+                pool,
+                key=lambda m: (
+                    bool(peers) and m.node not in peers,
+                    m.rack != gone.rack,
+                    m.node == gone.node,
+                    not _spare_like(m),
+                    _topology_key(m),
+                ),
+            )
+            pool.remove(best)
+            replacements[world[r]] = best.member_id
+            if peers and best.node not in peers:
+                notes.append(
+                    f"rank {r} ({lay.describe_rank(r)}) runs on {best.node}, away from its"
+                    f" {'/'.join(local)} group on {', '.join(sorted(peers)[:2])} (no spare there)"
+                )
+        taken = set(replacements.values())
+        demoted = tuple(m for m in survivors if m not in taken)
+        receivers: dict[int, str] | None = None
+        new = lay
+        if not dropped:
+            new_world = tuple(map(replacements.get, world, world))
+        else:
+            new = lay.with_replicas(kept, full_layout(mesh))
+            dense: list[int | None] = [None] * lay.replicas
+            n = 0
+            for q in range(lay.replicas):
+                if q not in dropping:
+                    dense[q] = n
+                    n += 1
+            out = [""] * new.size
+            receivers = {}
+            for r, target in enumerate(lay.remap(new, dense)):
+                if target is not None:
+                    member_id = world[r]
+                    out[target] = receivers[r] = replacements.get(member_id, member_id)
+            new_world = tuple(out)
+        unheard = frozenset(m for node in dead.values() for m, _ in node.silent)
+        # The survivors that leave the world serve only shards no one else holds.
+        restore = self._restore_point(new_world, unheard, receivers, avoid=frozenset(demoted))
+        if isinstance(restore, str):
+            return restore
+        step, source, sources = restore
+        parts = [
+            f"replace {world[r]} with {replacements[world[r]]} at rank {r} ({lay.describe_rank(r)})"
+            for r in failed
+            if world[r] in replacements
+        ][:8]
+        if dropped:
+            which = ", ".join(
+                f"{lay.describe_replica(q)} (lost {', '.join(world[r] for r in lost[q][:4])})"
+                for q in sorted(dropped)[:8]
+            )
+            parts.append(
+                f"shrink to {kept} of {lay.replicas} replicas ({new.describe()},"
+                f" {len(new_world)} ranks) without {which}: too few spares; their"
+                f" {len(demoted)} other survivors become spares"
+            )
+        parts.extend(notes[:4])
+        parts.extend(
+            f"{node.describe()} (no replacement from it, no restore from its silent members)"
+            for node in list(dead.values())[:8]
+        )
+        reason = "; ".join(parts) or "re-form the world"
+        mode = ReallocationMode.SHRINK if dropped else ReallocationMode.REPLACE
+        return _Plan(
+            mode,
+            new_world,
+            step,
+            source,
+            sources,
+            f"{reason}; restore step {step}",
+            replacements,
+            demoted,
+        )
+
+    def _cannot_shrink(
+        self,
+        lay: Layout,
+        failed: list[int],
+        candidates: list[Member],
+        dropped: list[int],
+        kept: int,
+    ) -> str:
+        """Why a mesh's lost ranks cannot go on without a spare, for a person to read."""
+        world = self.view.world
+        lost = ", ".join(f"{world[r]} (rank {r}, {lay.describe_rank(r)})" for r in failed[:8])
+        more = f" and {len(failed) - 8} more" if len(failed) > 8 else ""
+        spares = (
+            f"only {len(candidates)} spare(s) for {len(failed)} lost ranks"
+            if candidates
+            else "no spare can take their coordinates"
+        )
+        if not lay.replica_axes or lay.replicas == 1:
+            why = (
+                f"the mesh {lay.describe()} is one replica (no data-parallel replica to drop"
+                f" and go on without)"
+            )
+        else:
+            which = ", ".join(lay.describe_replica(q) for q in sorted(dropped)[:8])
+            why = (
+                f"dropping the replicas that lost them ({which}) would leave {kept} of"
+                f" {lay.replicas} replicas, fewer than min_world {self.policy.min_world}"
+                f" (replicas)"
+            )
+        return f"cannot shrink: {lost}{more} failed and {spares}; {why}"
+
     def _restore_point(
-        self, world: tuple[str, ...], unheard: frozenset[str] = frozenset()
+        self,
+        world: tuple[str, ...],
+        unheard: frozenset[str] = frozenset(),
+        receivers: dict[int, str] | None = None,
+        *,
+        avoid: frozenset[str] = frozenset(),
     ) -> tuple[int, RestoreFrom, tuple[str, ...]] | str:
         """Newest step whose every shard survives (hot first, then cold), or why none does;
-        members in ``unheard`` (silent on a node taken as gone) are no source."""
+        members in ``unheard`` (silent on a node taken as gone) are no source. ``receivers``
+        maps a shard to the member that will need it (default: rank ``s`` of ``world``)."""
         view = self.view
         members = view.members
         active = MemberStatus.ACTIVE
         alive = {k for k, m in members.items() if m.status is active and k not in unheard}
-        receivers = dict(enumerate(world))
-        hot = plan_restore(view, alive, receivers, members)
+        if receivers is None:
+            receivers = dict(enumerate(world))
+        hot = plan_restore(view, alive, receivers, members, avoid)
         if hot is not None:  # hot first (seconds), even when a cold checkpoint is newer
             return hot.step, RestoreFrom.MEMORY, hot.sources
         cold = view.newest_complete_checkpoint()
@@ -657,16 +978,19 @@ class _Round:
             )
             self._state(_S.RUNNING, f"generation {decision.generation} took its first step")
             return
+        # With a mesh, a cascade re-enters DEGRADED: the next decision (a plan, or a wait for a
+        # spare) then says on entering REALLOCATING what it does.
+        reopen = _S.DEGRADED if self.mesh is not None else _S.REALLOCATING
         findings = self._findings()
         if findings:
             self._detected(incident.incident_id, findings)
-            self._state(_S.REALLOCATING, f"while recovering: {_summary(findings)}")
+            self._state(reopen, f"while recovering: {_summary(findings)}")
             return
         refused = refused_sources(view, decision)
         if refused:  # a copy of the plan is not what its owner reported: plan without it
             what = ", ".join(f"shard {s} from {m}" for s, m in refused[:8])
             self._state(
-                _S.REALLOCATING,
+                reopen,
                 f"while recovering: the restore refused {what} (not the recorded digest)",
             )
             return
@@ -695,9 +1019,12 @@ class _Round:
             for m in laggards
         ]
         self._detected(incident.incident_id, findings)
-        self._state(_S.REALLOCATING, f"recovery deadline missed: {_summary(findings)}")
+        self._state(reopen, f"recovery deadline missed: {_summary(findings)}")
 
     def _grow(self) -> None:
+        if self.mesh is not None:
+            self._grow_mesh(self.mesh)
+            return
         view, policy = self.view, self.policy
         room = policy.max_world - len(view.world)
         backup = view.last_complete_backup
@@ -721,6 +1048,61 @@ class _Round:
         step, source, sources = restore
         names = ", ".join(m.member_id for m in due[:8])
         reason = f"grow to {len(world)} with {names} at the backup of step {step}"
+        self._state(_S.REALLOCATING, reason)
+        n = len(view.incidents) + 1
+        self._issue(
+            decision_id(view.job_id, f"incident/{n}"),
+            _Plan(ReallocationMode.GROW, world, step, source, sources, reason),
+        )
+
+    def _grow_mesh(self, mesh: Mesh) -> None:
+        """Growth by whole replicas, up to the mesh's size: members that joined after the
+        start and warm spares of dropped replicas fill new replicas at a backup boundary."""
+        view, policy = self.view, self.policy
+        lay = layout(mesh, len(view.world))
+        if lay is None:
+            return
+        full = full_layout(mesh)
+        per = lay.replica_size
+        room = min(full.replicas - lay.replicas, (policy.max_world - len(view.world)) // per)
+        backup = view.last_complete_backup
+        if room <= 0 or view.started_position is None or backup is None:
+            return
+        started = view.started_position
+        due = sorted(
+            [
+                m
+                for m in view.members.values()
+                if (m.joined_position > started or m.demoted_position is not None)
+                and backup >= m.joined_step
+                and self._usable(m)
+            ],
+            key=_topology_key,
+        )
+        grown = min(room, len(due) // per)
+        if grown <= 0:
+            return
+        due = due[: grown * per]
+        new = lay.with_replicas(lay.replicas + grown, full)
+        out = [""] * new.size
+        for r, target in enumerate(lay.remap(new, list(range(lay.replicas)))):
+            assert target is not None
+            out[target] = view.world[r]
+        places = new.intra_fill_order()
+        fresh = iter(due)
+        for q in range(lay.replicas, lay.replicas + grown):
+            for j in places:
+                out[new.rank_of(q, j)] = next(fresh).member_id
+        world = tuple(out)
+        restore = self._restore_point(world, receivers=dict(enumerate(view.world)))
+        if isinstance(restore, str) or restore[1] is not RestoreFrom.MEMORY:
+            return  # grow only from a whole hot backup; try again at the next one
+        step, source, sources = restore
+        names = ", ".join(m.member_id for m in due[:8])
+        reason = (
+            f"grow to {lay.replicas + grown} of {full.replicas} replicas ({new.describe()},"
+            f" {len(world)} ranks) with {names} at the backup of step {step}"
+        )
         self._state(_S.REALLOCATING, reason)
         n = len(view.incidents) + 1
         self._issue(

@@ -806,6 +806,8 @@ class _Fold:
                 owned = self._member(member_id)
                 assert owned is not None
                 owned.rank = rank
+                if rank is not None:
+                    owned.demoted_position = None  # a warm spare no more
         missing = [m for m in p.world if m not in view.members]
         if missing:
             self._anomaly(stored, f"world names members that never joined: {missing[:5]}")
@@ -950,8 +952,14 @@ class _Fold:
                 digests=tuple(p.digests),
                 rendezvous=p.rendezvous,
                 reason=p.reason,
+                demoted=tuple(p.demoted),
             )
         )
+        for member_id in p.demoted:
+            # Survivors of a dropped replica: warm spares (a decision names each at most once).
+            member = self._member(member_id)
+            if member is not None and member.status is _ACTIVE:
+                member.demoted_position = stored.position
 
     def _resolved(self, stored: StoredEvent, p: Any) -> None:
         incident_id = str(p.incident_id)

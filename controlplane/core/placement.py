@@ -17,6 +17,13 @@ failure, then, a handful of ranks re-replicate instead of all of them, and placi
 takes a few milliseconds on the decider's hot path. Either way the result is a pure function of
 its arguments (the world, and the previous generation's placement), never random.
 
+With a mesh (``replicas``: the replica of each rank), a shard's holders are also outside its
+owner's replica: one in the owner's rack off the owner's replica and node, the rest in other
+racks, so that losing a whole replica (or its node, or its rack) leaves a copy. Only when the
+topology leaves no such member does a copy go inside the replica (off the owner's node), then
+on the owner's node, and the note says so. A replacement that came from another replica (a
+survivor of a dropped one) has its copies checked again.
+
 Replacements are placed by node liveness (``silent_nodes``): a node's liveness is judged as a
 whole. Once a member is found silent (its heartbeat timed out), every other member of its node
 whose last heartbeat is also older than the bound (``detect.silence_limit``: 3 heartbeat
@@ -76,8 +83,15 @@ class _Loads:
     in a handful of racks, not in all of them.
     """
 
-    def __init__(self, nodes: Sequence[str], racks: Sequence[str], load: list[int]) -> None:
+    def __init__(
+        self,
+        nodes: Sequence[str],
+        racks: Sequence[str],
+        load: list[int],
+        replicas: Sequence[int] | None = None,
+    ) -> None:
         self.nodes = nodes
+        self.replicas = replicas
         self.load = load
         self.racks: list[str] = []
         self.rack_of: list[int] = []
@@ -123,11 +137,15 @@ class _Loads:
             heapq.heappush(heap, (self.load[i], i))
         heapq.heappush(self.rack_heap, (self.rack_load[rack] / self.size[rack], rack))
 
-    def least_in_rack(self, rack: int, node: str | None, chosen: list[int]) -> int | None:
-        """The least-loaded member of ``rack`` off ``node`` and not in ``chosen``."""
+    def least_in_rack(
+        self, rack: int, node: str | None, chosen: list[int], replica: int | None = None
+    ) -> int | None:
+        """The least-loaded member of ``rack`` off ``node``, not in ``chosen`` (and, with
+        ``replica``, outside that replica)."""
         heap = self._heap(rack)
         load = self.load
         nodes = self.nodes
+        replicas = self.replicas if replica is not None else None
         skipped: list[tuple[int, int]] = []
         found = None
         while heap:
@@ -136,7 +154,11 @@ class _Loads:
                 continue  # stale: a newer entry for this member is in the heap
             skipped.append(entry)
             i = entry[1]
-            if nodes[i] != node and i not in chosen:
+            if (
+                nodes[i] != node
+                and i not in chosen
+                and (replicas is None or replicas[i] != replica)
+            ):
                 found = i
                 break
         for entry in skipped:
@@ -144,10 +166,15 @@ class _Loads:
         return found  # add() makes its entry stale when the member is chosen
 
     def least_rack(
-        self, excluded: set[int], node: str | None = None, chosen: list[int] | None = None
+        self,
+        excluded: set[int],
+        node: str | None = None,
+        chosen: list[int] | None = None,
+        replica: int | None = None,
     ) -> int | None:
         """The rack not in ``excluded`` with the fewest copies per member; with ``chosen``,
-        only a rack that still has a member off ``node`` and not in ``chosen``."""
+        only a rack that still has a member off ``node``, not in ``chosen`` (and outside
+        ``replica``)."""
         heap = self.rack_heap
         skipped: list[tuple[float, int]] = []
         found = None
@@ -159,7 +186,7 @@ class _Loads:
             skipped.append(entry)
             if rack in excluded:
                 continue
-            if chosen is None or self.least_in_rack(rack, node, chosen) is not None:
+            if chosen is None or self.least_in_rack(rack, node, chosen, replica) is not None:
                 found = rack
                 break
         for entry in skipped:
@@ -172,17 +199,25 @@ def place(
     redundancy: int,
     previous: Mapping[str, Sequence[str]] | None = None,
     substitute: Mapping[str, str] | None = None,
+    replicas: Sequence[int] | None = None,
 ) -> Placement:
     """Choose ``redundancy`` holders for the shard of each rank ``r`` (owned by ``world[r]``).
 
     ``previous`` maps an owner to the holders its shard had (the last generation); copies on
     holders that are still valid stay. ``substitute`` renames members first (a failed member
-    -> its replacement), as owners and as holders.
+    -> its replacement), as owners and as holders. ``replicas[r]`` (a mesh) is the replica of
+    rank ``r``: holders go outside the owner's replica.
     """
     # Columns of the world, transposed in C (a world is a sequence of tuples).
     members, nodes, racks = (list(c) for c in zip(*world, strict=True)) if world else ([], [], [])
     return place_columns(
-        members, nodes, racks, redundancy, previous=previous, substitute=substitute
+        members,
+        nodes,
+        racks,
+        redundancy,
+        previous=previous,
+        substitute=substitute,
+        replicas=replicas,
     )
 
 
@@ -194,6 +229,7 @@ def place_columns(
     *,
     previous: Mapping[str, Sequence[str]] | None = None,
     substitute: Mapping[str, str] | None = None,
+    replicas: Sequence[int] | None = None,
 ) -> Placement:
     """``place`` of the world ``zip(members, nodes, racks)``, given as its columns (what a
     decider has at hand: building a ``Slot`` per rank costs more than placing)."""
@@ -201,6 +237,11 @@ def place_columns(
         raise ValueError("redundancy must be >= 0")
     if not len(members) == len(nodes) == len(racks):
         raise ValueError("members, nodes and racks differ in length")
+    if replicas is not None:
+        if len(replicas) != len(members):
+            raise ValueError("replicas and members differ in length")
+        if len(set(replicas)) < 2:
+            replicas = None  # one replica: the rule has no other to use
     index = dict(zip(members, range(len(members)), strict=True))
     if len(index) != len(members):
         raise ValueError("a member appears twice in the world")
@@ -214,6 +255,7 @@ def place_columns(
         previous=previous or {},
         substitute=substitute or {},
         multi_rack=multi_rack,
+        replicas=replicas,
     )
     loads: _Loads | None = None  # built on the first shard that needs a holder
     shortfalls: list[str] = []
@@ -225,7 +267,7 @@ def place_columns(
         assert isinstance(chosen, list)
         if len(chosen) < redundancy:
             if loads is None:
-                loads = _Loads(nodes, racks, _load(kept, unsettled, members))
+                loads = _Loads(nodes, racks, _load(kept, unsettled, members), replicas)
             _fill(loads, r, chosen, redundancy, shortfalls)
         if redundancy >= 1 and chosen and not multi_rack:
             shortfalls.append(f"shard {r}: one rack only, no copy survives losing rack {racks[r]}")
@@ -256,9 +298,11 @@ def _kept(
     previous: Mapping[str, Sequence[str]],
     substitute: Mapping[str, str],
     multi_rack: bool,
+    replicas: Sequence[int] | None = None,
 ) -> tuple[list[tuple[str, ...] | list[int]], list[int]]:
     """Per rank, the previous holders that remain valid: in the world, not the owner, not on
-    its node, and not leaving every copy in the owner's rack while other racks exist.
+    its node, not in its replica (``replicas``), and not leaving every copy in the owner's rack
+    while other racks exist.
 
     A shard nothing happened to (same owner, every holder still there, none renamed) keeps
     its holders as they were (a tuple of names); the others get the indices kept (a list)
@@ -279,6 +323,9 @@ def _kept(
     # owner is new (a replacement, or no previous shard). One pass over the previous owners
     # (a comprehension: Python 3.11 runs it faster than chains of ``map`` over ``operator``
     # functions).
+    # With replicas, a replacement may come from another replica (a survivor of a dropped
+    # one): the copies it held are checked again.
+    moved = set(origin) if replicas is not None else set()
     suspect = {
         owner
         for owner, before in previous.items()
@@ -286,6 +333,7 @@ def _kept(
         or owner in before
         or not present.issuperset(before)
         or (renamed and not renamed.isdisjoint(before))
+        or (moved and not moved.isdisjoint(before))
     }
     redo = (suspect & present) | (present - previous.keys()) | (origin.keys() & present)
     unsettled = sorted(index[name] for name in redo)
@@ -299,6 +347,8 @@ def _kept(
         for held_by in before:
             i = index.get(substitute.get(held_by, held_by))
             if i is None or i == r or nodes[i] == node or i in chosen:
+                continue
+            if replicas is not None and replicas[i] == replicas[r]:
                 continue
             if len(chosen) == redundancy:
                 break
@@ -315,34 +365,50 @@ def _fill(loads: _Loads, r: int, chosen: list[int], redundancy: int, shortfalls:
     own_rack = loads.rack_of[r]
     own_node = loads.nodes[r]
     multi_rack = len(loads.racks) > 1
+    # With replicas: holders outside the owner's replica (None: no replica to keep out of).
+    replica = loads.replicas[r] if loads.replicas is not None else None
     if redundancy >= 2 and not any(loads.rack_of[i] == own_rack for i in chosen):
-        pick = loads.least_in_rack(own_rack, own_node, chosen)
+        pick = loads.least_in_rack(own_rack, own_node, chosen, replica)
         if pick is not None:
             chosen.append(pick)
             loads.add(pick)
         elif multi_rack:
-            shortfalls.append(f"shard {r}: no other node in rack {loads.racks[own_rack]}")
+            outside = " outside its replica" if replica is not None else ""
+            shortfalls.append(f"shard {r}: no other node{outside} in rack {loads.racks[own_rack]}")
     racks_used = {own_rack, *(loads.rack_of[i] for i in chosen)}
     while len(chosen) < redundancy and multi_rack:
-        rack = loads.least_rack(racks_used)
+        if replica is None:
+            rack = loads.least_rack(racks_used)
+        else:  # a rack may hold only the owner's replica
+            rack = loads.least_rack(racks_used, own_node, chosen, replica)
         if rack is None:  # every other rack holds a copy already: use one again
-            rack = loads.least_rack({own_rack}, own_node, chosen)
+            rack = loads.least_rack({own_rack}, own_node, chosen, replica)
         if rack is None:
             break
-        pick = loads.least_in_rack(rack, own_node, chosen)
+        pick = loads.least_in_rack(rack, own_node, chosen, replica)
         assert pick is not None
         chosen.append(pick)
         loads.add(pick)
         racks_used.add(rack)
     if len(chosen) < redundancy:
-        # Fewer racks or nodes than the rule needs: same rack, then same node, is better
-        # than no copy at all.
+        # Fewer racks or nodes than the rule needs: same rack, then (with replicas) inside
+        # the owner's replica, then same node, is better than no copy at all.
         while len(chosen) < redundancy:
-            pick = loads.least_in_rack(own_rack, own_node, chosen)
+            pick = loads.least_in_rack(own_rack, own_node, chosen, replica)
             if pick is None:
                 break
             chosen.append(pick)
             loads.add(pick)
+        while replica is not None and len(chosen) < redundancy:
+            pick = loads.least_in_rack(own_rack, own_node, chosen)
+            if pick is None:
+                rack = loads.least_rack({own_rack}, own_node, chosen)
+                pick = loads.least_in_rack(rack, own_node, chosen) if rack is not None else None
+            if pick is None:
+                break
+            chosen.append(pick)
+            loads.add(pick)
+            shortfalls.append(f"shard {r}: a copy inside its own replica")
         same_node = [i for i in loads.same_node(own_node) if i != r]
         while len(chosen) < redundancy:
             rest = [i for i in same_node if i not in chosen]

@@ -7,7 +7,9 @@ owner's own snapshot counts while the owner survives; a member that rejoined as 
 lost whatever its earlier process held). Each shard
 then comes from the member that will run it if that member holds a copy (local memory), else
 from a surviving holder on the same node, then the same rack, then anywhere, the least used
-source first, so one holder does not serve every shard. A copy that a restore refused (it did
+source first, so one holder does not serve every shard (members in ``avoid``, survivors that
+leave the world such as those of a replica a shrink dropped, serve only shards no one else
+holds). A copy that a restore refused (it did
 not hash to the digest its owner reported: ``ShardBackup.refuted``) is never a source again.
 """
 
@@ -79,11 +81,13 @@ def plan_restore(
     survivors: Set[str],
     receivers: Mapping[int, str],
     slots: Mapping[str, Located],
+    avoid: Set[str] = frozenset(),
 ) -> RestorePlan | None:
     """The newest restorable step and a source per shard; None when no hot copy is whole.
 
     ``receivers`` maps each shard to the member that will need it (its new owner);
-    ``slots`` locates members on nodes and racks.
+    ``slots`` locates members on nodes and racks; a survivor in ``avoid`` is a source only
+    of a shard no other survivor holds.
     """
     staying = set(receivers.values())
     members = view.members
@@ -98,6 +102,7 @@ def plan_restore(
             staying=staying,
             receivers=receivers,
             slots=slots,
+            avoid=avoid,
         )
         if sources is not None:
             return RestorePlan(step, view.backups[step].generation, sources)
@@ -125,6 +130,7 @@ def _sources(
     staying: Set[str],
     receivers: Mapping[int, str],
     slots: Mapping[str, Located],
+    avoid: Set[str] = frozenset(),
 ) -> tuple[str, ...] | None:
     """A source per shard of ``backup``, or None when some shard has no surviving copy."""
     numbers = range(backup.num_shards)
@@ -166,7 +172,7 @@ def _sources(
             return None
         served.update(sources[counted:shard_no])
         counted = shard_no
-        sources[shard_no] = _closest(copies, receiver, slots, served, owner)
+        sources[shard_no] = _closest(copies, receiver, slots, served, owner, avoid=avoid)
     return tuple(sources)
 
 
@@ -201,9 +207,13 @@ def _closest(
     slots: Mapping[str, Located],
     served: Mapping[str, int],
     owner: str | None = None,
+    *,
+    avoid: Set[str] = frozenset(),
 ) -> str:
     if receiver is not None and receiver in copies:
         return receiver  # already in its own memory
+    if avoid:
+        copies = [c for c in copies if c not in avoid] or copies
     here = slots.get(receiver) if receiver is not None else None
 
     def distance(member: str) -> tuple[int, int, bool, str]:

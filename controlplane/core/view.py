@@ -171,6 +171,9 @@ class Member:
     #: Position of the ``member.launched`` of this member's launcher that vouches for this
     #: process (same node, role and pid), None while no launcher announced it.
     announced_position: int | None = None
+    #: Position of the ``reallocation.issued`` that dropped this member's replica (a mesh
+    #: shrink) while it survived: a warm spare since, until a generation gives it a rank.
+    demoted_position: int | None = None
 
 
 @dataclass(slots=True)
@@ -273,6 +276,8 @@ class Decision:
     digests: tuple[str, ...] = ()
     rendezvous: str = ""
     reason: str = ""
+    #: Survivors of the replicas this decision dropped (a mesh shrink): warm spares.
+    demoted: tuple[str, ...] = ()
     #: member -> the first event that shows it (position and time).
     acked: dict[str, Mark] = field(default_factory=dict)
     restored: dict[str, Mark] = field(default_factory=dict)

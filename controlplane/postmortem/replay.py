@@ -7,7 +7,6 @@ from __future__ import annotations
 import gc
 import io
 import itertools
-import json
 import multiprocessing
 import operator
 import os
@@ -25,6 +24,7 @@ from controlplane.core.fold import fold
 from controlplane.core.records import StoredEvent
 from controlplane.core.view import JobView
 from controlplane.postmortem.logfile import LogFormatError, decode_line, read_blocks
+from schemas.overrides import parse_overrides as policy_overrides
 
 #: Events folded at a time: the fold copies a view's top-level containers once per call.
 FOLD_CHUNK = 4096
@@ -53,29 +53,11 @@ def parse_until(text: str) -> Until:
 
 
 def parse_overrides(text: str) -> dict[str, object]:
-    """``a=1,b=2.5,c={"x":1}`` -> {"a": 1, "b": 2.5, "c": {"x": 1}}: values are JSON where
-    they parse as JSON, else strings; commas inside braces or brackets do not split."""
-    parts, depth, current = [], 0, ""
-    for char in text:
-        depth += {"{": 1, "[": 1, "}": -1, "]": -1}.get(char, 0)
-        if char == "," and depth == 0:
-            parts.append(current)
-            current = ""
-        else:
-            current += char
-    parts.append(current)
-    out: dict[str, object] = {}
-    for part in filter(None, (p.strip() for p in parts)):
-        key, sep, value = part.partition("=")
-        if not sep or not key.strip():
-            raise ReplayError(f"--policy entry {part!r}: expected key=value")
-        try:
-            out[key.strip()] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key.strip()] = value.strip()
-    if not out:
-        raise ReplayError("--policy: expected key=value[,key=value...]")
-    return out
+    """``--policy``: ``key=value,...`` (``schemas.overrides``); ReplayError when malformed."""
+    try:
+        return policy_overrides(text)
+    except ValueError as exc:
+        raise ReplayError(str(exc)) from None
 
 
 @contextmanager

@@ -15,8 +15,8 @@ import nats
 import pytest
 
 from controlplane.core.view import DiscountReason
-from controlplane.subjects import event_subject
 from schemas.common import JobState
+from schemas.subjects import event_subject
 from tests.integration.helpers import running_controlplane, wait_until
 
 pytestmark = [pytest.mark.usefixtures("clean_stream"), pytest.mark.timeout(300)]

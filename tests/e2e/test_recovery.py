@@ -38,6 +38,9 @@ def launch(
     spares: int = 1,
     policy: str = POLICY,
     options: tuple[str, ...] = (),
+    example: str = EXAMPLE,
+    steps: int = 40,
+    example_args: tuple[str, ...] = (),
 ) -> subprocess.Popen[bytes]:
     command = [
         sys.executable, "-m", "controlplane", "run", "--nproc", "4", "--spares", str(spares),
@@ -45,7 +48,7 @@ def launch(
     ]  # fmt: skip
     for fault in faults:
         command += ["--fault", fault]
-    command += [EXAMPLE, "--steps", "40", "--out", str(out)]
+    command += [example, "--steps", str(steps), "--out", str(out), *example_args]
     env = {**os.environ, "ELASTIC_NATS_URL": settings.nats_url, "ELASTIC_LOG_LEVEL": "WARNING"}
     return subprocess.Popen(command, env=env, cwd=ROOT)
 
@@ -86,9 +89,9 @@ def reference(tmp_path_factory):  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize(
     ("fault", "reason", "status"),
     [
-        # The rank's own SIGKILL: the launcher reports a member that failed (status 1).
-        ("crash@25:rank=1", "exited", 1),
-        ("crash@25:rank=0", "exited", 1),  # rank 0 is an ordinary rank: it hosts nothing
+        # The rank's own SIGKILL: reported, but replaced, and the job completed (status 0).
+        ("crash@25:rank=1", "exited", 0),
+        ("crash@25:rank=0", "exited", 0),  # rank 0 is an ordinary rank: it hosts nothing
         # SIGSTOP: found by heartbeats; the launcher fences it (kills it on purpose, so 0),
         # which also releases the peers blocked in a collective with it.
         ("hang@25:rank=2", "heartbeat_timeout", 0),
@@ -135,7 +138,7 @@ async def test_without_a_spare_the_world_shrinks_and_ends_near_the_fault_free_lo
     [decision] = incident.decisions
     assert decision.mode == "shrink" and len(decision.world) == 3
     assert timeline(incident).outcome == "recovered"
-    assert code == 1
+    assert code == 0  # the job completed: members lost on the way do not fail it
     clean, shrunk = torch.load(reference)["loss"], torch.load(faulty_out)["loss"]
     assert abs(shrunk - clean) <= 0.01 * abs(clean), (shrunk, clean)
 
@@ -173,7 +176,7 @@ async def test_a_second_fault_during_recovery_takes_the_plans_holder_and_the_job
     print(f"cascade: downtime {line.downtime_s:.2f}s, phases {line.phases}")
     detected = [s.event.payload for s in pg_store.read(job_id=job, types=["fault.detected"])]
     assert [(d.members, d.reason) for d in detected] == [(["w1"], "exited"), (["w0"], "exited")]
-    assert code == 1
+    assert code == 0  # the job completed: members lost on the way do not fail it
     assert_matches_reference(reference, out)
 
 
@@ -194,14 +197,16 @@ async def test_when_no_hot_copy_survives_the_cold_checkpoint_is_restored(
     assert view.state is JobState.COMPLETED, [(h.to_state, h.reason) for h in view.history]
     [incident] = view.incidents.values()
     [decision] = incident.decisions
-    assert (decision.restore_from, decision.restore_step) == ("checkpoint", 20)
+    # Step 20's files are written in the background within the next five (millisecond)
+    # steps; on a loaded machine the crash at 25 can come first, and step 10 is restored.
+    assert decision.restore_from == "checkpoint" and decision.restore_step in (10, 20)
     assert timeline(incident).outcome == "recovered"
     saved = pg_store.read(job_id=job, types=["checkpoint.saved"])
     assert {(e.event.payload.step, e.event.payload.shard) for e in saved} >= {
-        (20, shard) for shard in range(4)
+        (decision.restore_step, shard) for shard in range(4)
     }
     # Each shard keeps its two newest checkpoints on disk.
     for shard in range(4):
         assert len(list(checkpoints.glob(f"{job}/step-*/shard-{shard:05d}-of-*.pt"))) == 2
-    assert code == 1
+    assert code == 0  # the job completed: members lost on the way do not fail it
     assert_matches_reference(reference, out)

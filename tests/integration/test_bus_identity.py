@@ -27,15 +27,15 @@ from nats.aio.client import Client
 
 from controlplane import bus, creds
 from controlplane.devstack import NatsServer
-from controlplane.publish import MSG_ID_HEADER
 from controlplane.settings import Settings
-from controlplane.subjects import command_subject, event_subject
 from rank_runtime import launcher
 from rank_runtime.client import EventClient
 from rank_runtime.identity import NATS_CREDS_ENV, NATS_PASSWORD_ENV, NATS_USER_ENV, Identity
 from schemas.auth import COMMAND_KEY_ENV, JOB_SECRET_ENV, command_public_key, job_secret
 from schemas.commands import Stop
 from schemas.common import Role
+from schemas.creds import CREDS_DIR_ENV, nkey_connect_options
+from schemas.subjects import MSG_ID_HEADER, command_subject, event_subject
 
 pytestmark = [pytest.mark.services, pytest.mark.timeout(90)]
 
@@ -89,7 +89,7 @@ class Conn:
         async def error(exc: Exception) -> None:
             self.errors.append(str(exc))
 
-        options = creds.nkey_connect_options(path)
+        options = nkey_connect_options(path)
         assert options is not None
         self.nc = await nats.connect(url, error_cb=error, **options)
         return self
@@ -444,7 +444,7 @@ def test_the_launcher_takes_its_nodes_credentials_and_hands_members_theirs(
     master = os.urandom(32)
     creds.issue(master, tmp_path, JOB_A, ["node0", "node1"])
     base = {
-        creds.CREDS_DIR_ENV: str(tmp_path),
+        CREDS_DIR_ENV: str(tmp_path),
         NATS_USER_ENV: "trainer",
         NATS_PASSWORD_ENV: "shared",
         NATS_CREDS_ENV: str(tmp_path / creds.CONTROLPLANE_FILE),
@@ -461,7 +461,7 @@ def test_the_launcher_takes_its_nodes_credentials_and_hands_members_theirs(
     # A node with no credentials stops the launch before any member starts.
     with pytest.raises(creds.CredentialsError, match="node2"):
         launcher._node_credentials(
-            {creds.CREDS_DIR_ENV: str(tmp_path)}, JOB_A, launcher.layout(3, 0, 3, 1)
+            {CREDS_DIR_ENV: str(tmp_path)}, JOB_A, launcher.layout(3, 0, 3, 1)
         )
     assert launcher._node_credentials({}, JOB_A, launcher.layout(1, 0, 1, 1)) == {}
 
@@ -565,7 +565,7 @@ async def test_nats_over_tls_with_the_settings_url(
         async def error(exc: Exception) -> None:
             errors.append(exc)
 
-        options = creds.nkey_connect_options(path) or {}
+        options = nkey_connect_options(path) or {}
         try:
             nc = await asyncio.wait_for(
                 nats.connect(url, allow_reconnect=False, error_cb=error, **options), 10
@@ -665,7 +665,7 @@ async def test_a_launcher_runs_its_members_under_their_nodes_credentials(
     job = JOB_A  # issued on nodes n0 and n1 only: lay the members out by hand over those
     env = {
         **os.environ,
-        creds.CREDS_DIR_ENV: str(secured.creds),
+        CREDS_DIR_ENV: str(secured.creds),
         "ELASTIC_SECRET": secured.master.hex(),  # must not reach the members
         "PYTHONPATH": str(ROOT),
     }

@@ -24,12 +24,12 @@ from controlplane.bench.members import SimMember, SimulatedJob
 from controlplane.core.fold import fold
 from controlplane.core.replay import redecide
 from controlplane.core.view import Incident, JobView
-from controlplane.rendezvous import parse_endpoint
 from controlplane.settings import Settings
 from controlplane.store.postgres import PostgresEventStore
-from controlplane.subjects import command_wildcard
 from schemas.commands import COMMAND_ADAPTER, Reallocate, Start, Stop
 from schemas.common import JobState
+from schemas.rendezvous import parse_endpoint
+from schemas.subjects import command_wildcard
 from tests.integration.helpers import running_controlplane, wait_until
 
 pytestmark = pytest.mark.usefixtures("clean_stream")

@@ -26,8 +26,8 @@ from controlplane.core.fold import fold
 from controlplane.core.view import DiscountReason, JobView, MemberStatus
 from controlplane.settings import Settings
 from controlplane.store.postgres import PostgresEventStore
-from controlplane.subjects import command_wildcard
 from schemas.commands import COMMAND_ADAPTER, Reallocate, Start, Stop
+from schemas.subjects import command_wildcard
 from tests.integration.helpers import wait_until
 
 pytestmark = pytest.mark.usefixtures("clean_stream")

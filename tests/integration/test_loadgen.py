@@ -10,7 +10,7 @@ from controlplane.bench import loadgen
 from controlplane.bus import ensure_stream
 from controlplane.publish import Outgoing
 from controlplane.settings import Settings
-from controlplane.subjects import event_subject
+from schemas.subjects import event_subject
 
 pytestmark = [pytest.mark.services, pytest.mark.usefixtures("clean_stream")]
 

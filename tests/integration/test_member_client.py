@@ -23,14 +23,14 @@ from pydantic import SecretStr
 
 from controlplane.bus import ensure_command_stream, ensure_stream
 from controlplane.devstack import NatsServer
-from controlplane.publish import MSG_ID_HEADER
 from controlplane.settings import Settings
 from rank_runtime.client import EventClient
 from rank_runtime.identity import Identity, IdentityError
-from rank_runtime.launcher import Running, Slot, _fence
+from rank_runtime.launcher import Running, Slot, _follow, _Followed
 from schemas.auth import SIGNATURE_HEADER, CommandSigner, command_message, command_public_key
 from schemas.commands import Reallocate, Start, Stop
 from schemas.common import Phase, ReallocationMode, RestoreFrom, Role
+from schemas.subjects import MSG_ID_HEADER
 from tests.integration.helpers import running_controlplane, wait_until
 
 pytestmark = pytest.mark.usefixtures("clean_stream")
@@ -301,12 +301,12 @@ async def test_the_launchers_fencing_obeys_only_signed_current_commands(settings
                 EventClient(identity(job_id, settings.nats_url, member=name), commands=False))
         for name in ("w0", "w1", "w2")
     ]  # fmt: skip
-    in_world = {"w0", "w1", "w2"}
+    followed = _Followed(in_world={"w0", "w1", "w2"})
 
     async def fence_for(seconds: float) -> None:
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
-            _fence(watcher, members, in_world)
+            _follow(watcher, members, followed, fence=True)
             await asyncio.sleep(0.05)
 
     try:

@@ -19,7 +19,6 @@ import pytest
 import torch.distributed as dist
 from pydantic import SecretStr
 
-from controlplane.rendezvous import parse_endpoint
 from controlplane.settings import Settings
 from rank_runtime.client import EventClient
 from rank_runtime.identity import Identity
@@ -27,6 +26,7 @@ from rank_runtime.rendezvous import RendezvousAuthError, RendezvousStore
 from schemas.auth import command_public_key, job_secret
 from schemas.commands import Start
 from schemas.common import Role
+from schemas.rendezvous import parse_endpoint
 from tests.integration.helpers import running_controlplane
 
 pytestmark = pytest.mark.usefixtures("clean_stream")

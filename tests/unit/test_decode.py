@@ -12,7 +12,9 @@ from hypothesis import strategies as st
 
 from controlplane.core.records import DeadLetter
 from controlplane.decode import decode
-from controlplane.subjects import (
+from schemas.common import MAX_EVENT_BYTES
+from schemas.events import CONTROLPLANE_EVENT_TYPES, EnvelopeBase, MemberHeartbeatEvent
+from schemas.subjects import (
     BROADCAST,
     COMMAND_PREFIX,
     EVENT_PREFIX,
@@ -23,8 +25,6 @@ from controlplane.subjects import (
     event_subject,
     parse_event_subject,
 )
-from schemas.common import MAX_EVENT_BYTES
-from schemas.events import CONTROLPLANE_EVENT_TYPES, EnvelopeBase, MemberHeartbeatEvent
 
 SUBJECT = "elastic.evt.job1.n0.m0.member.heartbeat"
 

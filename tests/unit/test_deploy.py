@@ -8,7 +8,7 @@
 - every ``ELASTIC_*`` variable set is a setting (``controlplane.settings.Settings``) or one the
   rank runtime reads;
 - ``deploy/nats/nats.conf`` loads the users ``elasticctl creds`` issues, which give each
-  identity the subjects of ``controlplane.subjects`` (a static check), and a real
+  identity the subjects of ``schemas.subjects`` (a static check), and a real
   ``nats-server`` started with it lets the control plane, a member and its launcher do what the
   code does, and refuses what they must not (marked ``services``);
 - the Dockerfile copies what the services run, and the health check finds the ingest lock.
@@ -40,15 +40,16 @@ import pytest
 import typer.main
 import yaml  # type: ignore[import-untyped]
 
-from controlplane.cli import app, launch_policy
+from controlplane.cli import app
 from controlplane.settings import ENV_PREFIX, Settings
-from controlplane.subjects import (
+from rank_runtime import faults
+from rank_runtime.launcher_cli import launch_policy
+from schemas.subjects import (
     BROADCAST,
     EVENTS_WILDCARD,
     command_subject,
     event_subject,
 )
-from rank_runtime import faults
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -198,7 +199,7 @@ def known_env() -> set[str]:
     rank runtime reads (its source names each as a string)."""
     names = {ENV_PREFIX + name.upper() for name in Settings.model_fields}
     sources = [*(ROOT / "rank_runtime").glob("*.py"), ROOT / "schemas" / "auth.py"]
-    sources.append(ROOT / "controlplane" / "creds.py")  # what the launcher reads through it
+    sources.append(ROOT / "schemas" / "creds.py")  # what the launcher reads through it
     for path in sources:
         names |= set(re.findall(r"\"(ELASTIC_[A-Z0-9_]+)\"", path.read_text()))
     return names
@@ -420,7 +421,7 @@ def test_dockerfile_builds_what_the_services_run() -> None:
     assert lines[0] == "FROM python:3.11-slim"
     assert re.search(r"pip install \"?torch==\$\{TORCH_VERSION\}\"? --index-url \S+/whl/cpu", text)
     assert re.search(r"^ARG TORCH_VERSION=2\.13\.0$", text, re.M)
-    assert "RUN pip install ." in text
+    assert "RUN pip install '.[server]'" in text
     user = [ln for ln in lines if ln.startswith("USER ")]
     assert user and user[-1] not in ("USER root", "USER 0")
     assert 'ENTRYPOINT ["elasticctl"]' in lines
@@ -606,6 +607,7 @@ def test_compose_gives_every_nats_client_its_own_credential(tmp_path: Path) -> N
     from controlplane import creds
     from rank_runtime import launcher
     from schemas.auth import MASTER_SECRET_ENV, parse_secret
+    from schemas.creds import CREDS_DIR_ENV
 
     services = compose()["services"]
     issue = check_cli([interpolate(str(c)) for c in services["creds"]["command"]], "creds")
@@ -623,14 +625,14 @@ def test_compose_gives_every_nats_client_its_own_credential(tmp_path: Path) -> N
         assert env[MASTER_SECRET_ENV] == secret
         assert "nats-creds:/creds:ro" in services[name]["volumes"]
     trainer = service_env(services["trainer"])
-    assert trainer[creds.CREDS_DIR_ENV] == "/creds"
+    assert trainer[CREDS_DIR_ENV] == "/creds"
     assert "nats-creds:/creds:ro" in services["trainer"]["volumes"]
     assert MASTER_SECRET_ENV not in trainer, "members never hold the installation secret"
     for env in (service_env(s) for s in services.values()):
         assert "ELASTIC_NATS_USER" not in env and "ELASTIC_NATS_PASSWORD" not in env
     # What the creds service writes is what the launcher looks for, node by node.
     creds.issue(parse_secret(secret), tmp_path, job, [f"node{j}" for j in range(nodes)])
-    base = {creds.CREDS_DIR_ENV: str(tmp_path)}
+    base = {CREDS_DIR_ENV: str(tmp_path)}
     found = launcher._node_credentials(base, job, launcher.layout(nproc, spares, nodes, racks))
     assert len(found) == nodes and "ELASTIC_JOB_SECRET" in base
 
@@ -687,11 +689,12 @@ async def test_nats_roles_let_each_side_do_its_part(nats_with_roles: tuple[str, 
     import nkeys
 
     from controlplane import bus, creds
-    from controlplane.publish import MSG_ID_HEADER
     from rank_runtime.client import EventClient
     from rank_runtime.identity import Identity
     from schemas.commands import Stop
     from schemas.common import Role
+    from schemas.creds import nkey_connect_options
+    from schemas.subjects import MSG_ID_HEADER
 
     url, directory = nats_with_roles
     job = JOB
@@ -746,7 +749,7 @@ async def test_nats_roles_let_each_side_do_its_part(nats_with_roles: tuple[str, 
                 event_subject(job, "node0", "w0", "member.heartbeat"), b"{}", timeout=1
             )
         launcher_seed = directory / job / "node0" / "launcher.nk"
-        options = creds.nkey_connect_options(launcher_seed)
+        options = nkey_connect_options(launcher_seed)
         assert options is not None
         trainer = await nats.connect(url, **options)
         try:

@@ -19,14 +19,15 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from controlplane.rendezvous import (
+from controlplane.rendezvous import RendezvousLimits, RendezvousServer
+from rank_runtime.rendezvous import RendezvousAuthError, RendezvousStore
+from schemas.auth import job_secret
+from schemas.rendezvous import (
     ERROR,
     MAGIC,
     OK,
     SET,
     RendezvousError,
-    RendezvousLimits,
-    RendezvousServer,
     encode_int,
     frame,
     hello_mac,
@@ -34,8 +35,6 @@ from controlplane.rendezvous import (
     seal,
     session_key,
 )
-from rank_runtime.rendezvous import RendezvousAuthError, RendezvousStore
-from schemas.auth import job_secret
 
 MASTER = bytes(range(32))
 ROOT = Path(__file__).resolve().parents[2]

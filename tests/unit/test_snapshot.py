@@ -398,6 +398,24 @@ def test_cuda_tensors_snapshot_into_pinned_memory():
     assert_same(from_bytes(hot.to_bytes(3)).state, restored.state)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_cuda_snapshot_does_not_wait_for_its_copy_and_sees_the_step_not_the_next():
+    weight = torch.randn(4096, 4096, device="cuda")  # 64 MB: a copy long enough to overlap
+    before = weight.clone()
+    hot = HotSnapshot()
+    hot.take(1, {"w": weight})
+    hot.take(2, {"w": weight})  # both slots allocated: the timed take below reuses one
+    weight.add_(1.0)  # queued after the copy of step 2 on the training stream
+    torch.cuda.synchronize()
+    before_3 = weight.clone()
+    info = hot.take(3, {"w": weight})
+    assert info is not None
+    weight.mul_(0.0)  # the next step's update: ordered after the copy, never racing it
+    restored = hot.get(3)  # waits for the copy's event
+    assert torch.equal(restored.state["w"], before_3.cpu())
+    assert torch.equal(hot.get(2).state["w"], before.cpu())
+
+
 def test_discard_forgets_a_step():
     hot = HotSnapshot()
     hot.take(10, small_state(1.0, 10))

@@ -1,4 +1,7 @@
-"""NATS subject layout (DESIGN.md): events per job/node/member/type, commands per job/member."""
+"""NATS subject layout (DESIGN.md): events per job/node/member/type, commands per job/member.
+
+Shared by both sides: members publish on these subjects, the control plane reads them.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +12,8 @@ COMMAND_PREFIX = "elastic.cmd"
 #: What the events stream captures.
 EVENTS_WILDCARD = f"{EVENT_PREFIX}.>"
 BROADCAST = "all"
+#: The header JetStream de-duplicates a publication by (the event's or command's id).
+MSG_ID_HEADER = "Nats-Msg-Id"
 
 
 class EventSubject(NamedTuple):

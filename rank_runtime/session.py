@@ -1,0 +1,460 @@
+"""The loop integration: a training loop made elastic by a handful of lines.
+
+::
+
+    session = Session(build, state={"sampler": sampler})  # build(world) -> (model, optimizer)
+    for step in session.steps(total_steps):                # from the restored step on
+        with session.step():                               # a lost peer: recover, go on
+            loss, samples = train_step(session.model, session.optimizer, step)
+            session.report(loss=loss, samples=samples)
+    session.finish()
+
+The step's tensors, the model and the optimizer hold the generation's process group: keep them
+in ``train_step``'s frame, not in the loop's, so that a recovery drops them with the broken
+group (a survivor a collective still waits on then closes its connections at once instead of
+at the collective timeout).
+
+``build(world)`` wraps the model on the current generation's process group (DDP, FSDP2's
+``fully_shard``, tensor parallelism over ``session.mesh(...)``) and creates the optimizer; it is
+called at the start and again after every recovery, and must make a fresh model from the
+job's seed each time (what it returns is then restored from the backup). The session reads and
+restores the state by what it is given:
+
+- a model whose parameters are DTensors (FSDP2, TP, both): each rank's local shards with their
+  global layout (``rank_runtime.sharded``), resharded in memory when the world changed;
+- a ``ZeroRedundancyOptimizer``: this rank's optimizer shard (``rank_runtime.zero``); the
+  model is the same on every rank;
+- any other optimizer over a replicated (DDP) model: model and optimizer alike everywhere.
+
+``state`` registers more of what a rank must resume with: objects with ``state_dict`` and
+``load_state_dict`` (a sampler, a data loader's position, a scheduler kept outside ``build``),
+or ``(get, set)`` pairs of callables.
+
+What only this rank has (shards, its random number generators, the ``state`` objects) is backed
+up to peers every ``backup_interval`` steps; what every rank has alike is kept in this process
+only, and after a recovery a survivor hands it to the newcomer over the new group.
+
+Only an error that means the group or a peer is gone starts a recovery (``is_peer_failure``):
+torch.distributed's ``DistError`` family, gloo's and NCCL's transport errors and timeouts, and
+the runtime's own ``GenerationSuperseded``. Any other exception (a shape error, an out-of-memory,
+a ``ValueError`` of the loop) leaves the ``with`` block as it would without the session.
+
+The low-level ``Elastic`` calls (``start``, ``step_done``, ``recover``, ``finish``) stay
+available for loops that need another shape.
+"""
+
+from __future__ import annotations
+
+import gc
+import io
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping
+from types import TracebackType
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
+
+from rank_runtime import sharded
+from rank_runtime.elastic import Elastic, GenerationSuperseded, World
+from schemas.common import RestoreFrom
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Parts", "Session", "is_peer_failure", "unique_state"]
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any, /) -> Any: ...
+
+
+#: Marks of an error raised because the group or a peer is gone, in the messages of gloo's and
+#: NCCL's transports and of torch.distributed's stores (they raise a plain RuntimeError).
+_PEER_MARKS = (
+    "gloo/transport",
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Connection refused",
+    "Broken pipe",
+    "Timed out waiting",
+    "Socket Timeout",
+    "NCCL error",
+    "NCCL communicator",
+    "ProcessGroupNCCL",
+    "ProcessGroupGloo",
+    "has been aborted",
+    "Watchdog caught collective operation timeout",
+)
+
+
+def is_peer_failure(error: BaseException) -> bool:
+    """Whether ``error`` (or an error it was raised from) means a peer or the group is gone,
+    so that the control plane, not the loop, decides what follows."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, GenerationSuperseded | dist.DistError):
+            return True
+        if isinstance(current, RuntimeError) and any(m in str(current) for m in _PEER_MARKS):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def _module(model: nn.Module) -> nn.Module:
+    """The module under a DDP wrapper (DDP keeps its parameters in ``.module``)."""
+    inner = getattr(model, "module", None)
+    return inner if isinstance(inner, nn.Module) else model
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: Mapping[str, Any]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+class _Parts:
+    """What ``build`` returned, and how its state is read and restored."""
+
+    def __init__(self, model: nn.Module, optimizer: Optimizer) -> None:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        self.model = model
+        self.optimizer = optimizer
+        self.module = _module(model)
+        self.kind = (
+            "sharded"
+            if sharded.is_sharded(self.module)
+            else "zero"
+            if isinstance(optimizer, ZeroRedundancyOptimizer)
+            else "replicated"
+        )
+        group = getattr(model, "process_group", None)  # DDP's (None: not DDP)
+        if (
+            self.kind == "replicated"
+            and group is not None
+            and dist.get_world_size(group) != dist.get_world_size()
+        ):
+            # DDP over a sub-group (a pipeline stage's data-parallel group): alike only
+            # within that group, so the world cannot share it: each rank backs it up whole.
+            self.kind = "local"
+
+    def unique(self) -> dict[str, Any]:
+        """What only this rank has of the model and optimizer."""
+        if self.kind == "sharded":
+            return {"sharded": sharded.capture(self.module, self.optimizer)}
+        if self.kind == "zero":
+            from rank_runtime.zero import shard_state
+
+            return {"zero": shard_state(self.optimizer)}  # type: ignore[arg-type]
+        if self.kind == "local":
+            return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+        return {}
+
+    def replicated(self) -> dict[str, Any] | None:
+        """What every rank of the group has alike (None: nothing)."""
+        if self.kind in ("sharded", "local"):
+            return None
+        state: dict[str, Any] = {"model": self.module.state_dict()}
+        if self.kind == "replicated":
+            state["optimizer"] = self.optimizer.state_dict()
+        return state
+
+    def load(self, shards: Mapping[int, Any], replicated: Any, own: int | None = None) -> None:
+        if self.kind == "sharded":
+            sharded.load(self.module, self.optimizer, {r: s["sharded"] for r, s in shards.items()})
+            return
+        if self.kind == "local":
+            if own is None or own not in shards or len(shards) != 1:
+                raise RuntimeError(
+                    "DDP over a sub-group restores only a replacement (each rank its own "
+                    "shard); to re-partition after a shrink, shard with FSDP2 (DTensor)"
+                )
+            self.module.load_state_dict(shards[own]["model"])
+            self.optimizer.load_state_dict(shards[own]["optimizer"])
+            return
+        if replicated is None:
+            raise RuntimeError("no member of the group holds the replicated state to restore")
+        self.module.load_state_dict(replicated["model"])
+        if self.kind == "zero":
+            from rank_runtime.zero import consolidate
+
+            zero = [s["zero"] for s in shards.values()]
+            self.optimizer.load_state_dict(consolidate(zero, self.optimizer))  # type: ignore[arg-type]
+        else:
+            self.optimizer.load_state_dict(replicated["optimizer"])
+
+
+#: What ``build`` returned, read as a ``Session`` reads it (``unique()``, ``replicated()``):
+#: public for tools that measure a backup without running a job (``elasticctl bench backup``).
+Parts = _Parts
+
+
+def unique_state(
+    parts: _Parts,
+    state: Mapping[str, Stateful | tuple[Callable[[], Any], Callable[[Any], Any]]],
+) -> dict[str, Any]:
+    """What a ``Session`` backs up to peers for this rank: ``parts.unique()``, the state of
+    each ``state`` object (as ``Session(state=...)`` takes them), and this process's random
+    number generators."""
+    unique = parts.unique()
+    unique["state"] = {
+        name: item[0]() if isinstance(item, tuple) else item.state_dict()
+        for name, item in state.items()
+    }
+    unique["rng"] = _rng_state()
+    return unique
+
+
+class Session:
+    """One member's elastic training loop (see the module's docstring)."""
+
+    def __init__(
+        self,
+        build: Callable[[World], tuple[nn.Module, Optimizer]],
+        *,
+        state: Mapping[str, Stateful | tuple[Callable[[], Any], Callable[[Any], Any]]]
+        | None = None,
+        elastic: Elastic | None = None,
+    ) -> None:
+        self.elastic = elastic if elastic is not None else Elastic()
+        self._build = build
+        #: name -> (get, set): an object's ``state_dict``/``load_state_dict``, or a pair.
+        self._state = {
+            name: item if isinstance(item, tuple) else (item.state_dict, item.load_state_dict)
+            for name, item in (state or {}).items()
+        }
+        self._parts: _Parts | None = None
+        self._next = 1
+        self._step: int | None = None
+        self._report: tuple[float, int] | None = None
+        self._started_at = 0.0
+        self._last_loss: float | None = None
+        self._running = False
+
+    # ------------------------------------------------------------------ the world
+
+    @property
+    def world(self) -> World:
+        """The current generation (rank, size, members)."""
+        world = self.elastic.world
+        if world is None:
+            raise RuntimeError("the session has no world yet: iterate over steps() first")
+        return world
+
+    @property
+    def device(self) -> torch.device:
+        """This member's device (the GPU of its LOCAL_RANK, or the CPU)."""
+        device: torch.device = self.elastic.device
+        return device
+
+    def mesh(
+        self, shape: tuple[int, ...] | None = None, names: tuple[str, ...] | None = None
+    ) -> Any:
+        """A device mesh over the current generation's ranks (for ``fully_shard`` and
+        ``parallelize_module`` in ``build``); its product must be the world's size. Without
+        ``shape`` and ``names``: the generation's mesh as the control plane decided it (the
+        job's ``JobPolicy.mesh``, with fewer replicas after a shrink)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if shape is None or names is None:
+            decided = self.world.mesh
+            if decided is None:
+                raise ValueError("the job's policy declares no mesh: pass shape and names")
+            shape, names = tuple(decided.values()), tuple(decided)
+        return init_device_mesh(self.device.type, shape, mesh_dim_names=names)
+
+    # ------------------------------------------------------------------ the loop
+
+    def steps(self, total: int) -> Iterator[int]:
+        """The steps to run, from the one after the restored step to ``total``. Joins the job
+        first (a spare waits here until it takes a rank; nothing is yielded to a spare the
+        job never needed), and builds the parts of each generation before its first step."""
+        if not self._running:
+            if self.elastic.start() is None:
+                return
+            self._running = True
+            self._next = self.elastic.resume_step + 1
+        while self._next <= total:
+            if self.elastic.world is None:  # demoted to a spare, and the job ended
+                return
+            if self._parts is None:
+                try:
+                    self._enter_generation()
+                except Exception as exc:
+                    if not is_peer_failure(exc):
+                        raise
+                    self._recover(exc, self._next)
+                    continue
+            self._step = self._next
+            yield self._next
+
+    @property
+    def model(self) -> Any:
+        """The model ``build`` returned for the current generation."""
+        return self._current().model
+
+    @property
+    def optimizer(self) -> Any:
+        """The optimizer ``build`` returned for the current generation."""
+        return self._current().optimizer
+
+    def _current(self) -> _Parts:
+        if self._parts is None:
+            raise RuntimeError("no parts built: use them inside `for step in session.steps(n)`")
+        return self._parts
+
+    def step(self) -> _StepGuard:
+        """The guard of the current step: ``with session.step():`` (it also yields the model
+        and the optimizer, for ``with session.step() as (model, optimizer):``)."""
+        if self._parts is None or self._step is None:
+            raise RuntimeError("session.step() belongs inside `for step in session.steps(n)`")
+        return _StepGuard(self)
+
+    def report(self, *, loss: float, samples: int) -> None:
+        """The step's global loss and the samples this rank used (published when the step's
+        ``with`` block ends)."""
+        self._report = (float(loss), int(samples))
+
+    def finish(self) -> None:
+        """Report the end of training and leave (a no-op for a spare never used)."""
+        if not self._running:
+            return
+        self._running = False
+        if self.elastic.world is None:  # a spare again (its replica dropped): nothing to report
+            self.elastic.close()
+            return
+        self.elastic.finish(self._next - 1, self._last_loss)
+
+    # ------------------------------------------------------------------ internals
+
+    def _enter_generation(self) -> None:
+        """Build on the new group and restore what the control plane's decision names."""
+        elastic = self.elastic
+        # Sub-groups (a device mesh's) connect here: leaving the generation ends them too.
+        with elastic.group_sockets.recording():
+            model, optimizer = self._build(self.world)
+        parts = _Parts(model, optimizer)
+        restoring = elastic.restored_from in (RestoreFrom.MEMORY, RestoreFrom.CHECKPOINT)
+        if restoring:
+            shards = elastic.restored_shards
+            replicated = self._share_replicated(elastic.restored_replicated)
+            own = elastic.own_shard if elastic.own_shard in shards else min(shards, default=None)
+            parts.load(shards, replicated, own)
+            if own is not None:
+                mine = shards[own]
+                for name, (_, put) in self._state.items():
+                    if name in mine.get("state", {}):
+                        put(mine["state"][name])
+                if "rng" in mine:
+                    _set_rng_state(mine["rng"])
+        self._parts = parts
+
+    def _share_replicated(self, mine: Any) -> Any:
+        """The replicated state of the restore step on every rank: this member's own copy, or
+        one a survivor sends over the new group (collective: every rank calls it)."""
+        world = self.world
+        have = torch.zeros(world.size, dtype=torch.int64, device=self._comm_device())
+        have[world.rank] = 0 if mine is None else 1
+        dist.all_reduce(have)
+        holders = [r for r in range(world.size) if have[r]]
+        if not holders or len(holders) == world.size:
+            return mine
+        source = holders[0]
+        if world.rank == source:
+            buffer = io.BytesIO()
+            torch.save(mine, buffer)
+            payload = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
+            length = torch.tensor([payload.numel()], dtype=torch.int64)
+        else:
+            length = torch.zeros(1, dtype=torch.int64)
+        length = length.to(self._comm_device())
+        dist.broadcast(length, source)
+        if world.rank != source:
+            payload = torch.empty(int(length.item()), dtype=torch.uint8)
+        moved = payload.to(self._comm_device())
+        dist.broadcast(moved, source)
+        if world.rank == source:
+            return mine
+        log.info("replicated state of the restore step from rank %d (%d bytes)", source,
+                 moved.numel())  # fmt: skip
+        data = moved.cpu().numpy().tobytes()
+        return torch.load(io.BytesIO(data), weights_only=True)
+
+    def _comm_device(self) -> torch.device:
+        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    def _unique(self) -> dict[str, Any]:
+        assert self._parts is not None
+        return unique_state(self._parts, self._state)
+
+    def _replicated(self) -> Any:
+        assert self._parts is not None
+        return self._parts.replicated()
+
+    def _done(self, step: int, seconds: float) -> None:
+        if self._report is None:
+            raise RuntimeError(f"step {step} ended without session.report(loss=..., samples=...)")
+        loss, samples = self._report
+        self._report = None
+        self._last_loss = loss
+        self._next = step + 1
+        self.elastic.step_done(step, loss=loss, samples=samples, seconds=seconds,
+                               state=self._unique, replicated=self._replicated)  # fmt: skip
+
+    def _recover(self, error: BaseException, step: int) -> None:
+        """Drop the parts (they hold the broken group) and follow the control plane."""
+        self._parts = None
+        self._report = None
+        gc.collect()
+        self.elastic.recover(error, step)
+        self._next = self.elastic.resume_step + 1
+
+
+class _StepGuard:
+    """The ``with`` block of one step: times it, reports it, and turns a lost peer into a
+    recovery (the next iteration of ``steps`` goes on from the restored step)."""
+
+    def __init__(self, session: Session) -> None:
+        self._session = session
+
+    def __enter__(self) -> tuple[Any, Any]:
+        parts = self._session._parts
+        assert parts is not None
+        self._started = time.perf_counter()
+        return parts.model, parts.optimizer
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> bool:
+        session = self._session
+        step = session._step
+        assert step is not None
+        session._step = None
+        if error is None:
+            try:
+                session._done(step, time.perf_counter() - self._started)
+            except GenerationSuperseded as newer:  # decided while this step ran
+                session._recover(newer, step)
+            return False
+        if not isinstance(error, Exception) or not is_peer_failure(error):
+            return False  # the loop's own error: it propagates untouched
+        del traceback  # its frames hold the step's tensors and, through them, the old group
+        session._recover(error, step)
+        return True

@@ -1,0 +1,131 @@
+"""examples/tinygpt.py: the model trains, the data is a function of the step, FSDP2 state moves."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("tinygpt", ROOT / "examples" / "tinygpt.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("tinygpt", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+tinygpt = _load()
+
+
+def test_the_corpus_is_stdlib_text_and_named_by_its_digest() -> None:
+    text = tinygpt.corpus()
+    assert len(text) > 200_000
+    assert b"def dedent(" in text  # textwrap
+    assert tinygpt.corpus_digest() == tinygpt.corpus_digest() and len(tinygpt.corpus_digest()) == 16
+
+
+def test_a_step_batch_depends_on_the_step_alone_and_splits_over_any_world() -> None:
+    data = tinygpt.TextData(seq=32, global_batch=10, seed=3)
+    other = tinygpt.TextData(seq=32, global_batch=10, seed=3)
+    x, y = data.batch(7)
+    assert x.shape == y.shape == (10, 32) and x.dtype == torch.long
+    assert torch.equal(x[:, 1:], y[:, :-1])  # targets are the inputs shifted by one
+    assert torch.equal(x, other.batch(7)[0])
+    assert not torch.equal(x, data.batch(8)[0])
+    for world in (3, 4, 12):
+        parts = [data.batch(7, rank, world) for rank in range(world)]
+        assert torch.equal(torch.cat([p[0] for p in parts]), x)
+        assert torch.equal(torch.cat([p[1] for p in parts]), y)
+    assert data.batch(7, 11, 12)[0].shape == (0, 32)  # more ranks than samples: empty shard
+
+
+def test_step_loss_averaged_over_ranks_is_the_global_mean() -> None:
+    torch.set_num_threads(1)
+    model = tinygpt.build_model(256, 32, 1, 2, 16, seed=0)
+    data = tinygpt.TextData(seq=16, global_batch=7)
+    x, y = data.batch(0)
+    full = torch.nn.functional.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1))
+    world = 3
+    parts = [tinygpt.step_loss(model, *data.batch(0, r, world), world, 7) for r in range(world)]
+    assert torch.allclose(sum(parts) / world, full, rtol=1e-5)
+    empty = tinygpt.step_loss(model, *data.batch(0, 7, 8), 8, 7)
+    assert empty.item() == 0.0 and empty.requires_grad
+
+
+def test_build_model_is_deterministic_and_leaves_the_global_rng_alone() -> None:
+    state = torch.random.get_rng_state()
+    a = tinygpt.build_model(256, 32, 2, 4, 16, seed=5)
+    b = tinygpt.build_model(256, 32, 2, 4, 16, seed=5, tied=False)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert a.head.weight is a.tok.weight and b.head.weight is not b.tok.weight
+    sa, sb = a.state_dict(), b.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa if k != "head.weight")
+
+
+def test_forty_steps_lower_the_loss() -> None:
+    torch.set_num_threads(1)
+    model = tinygpt.build_model(256, 64, 2, 4, 64, seed=0)
+    data = tinygpt.TextData(seq=64, global_batch=16)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for step in range(40):
+        loss = tinygpt.step_loss(model, *data.batch(step), 1, 16)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[0] > 5.0  # about ln(256) = 5.55 at the start
+    assert sum(losses[-5:]) / 5 < 0.75 * sum(losses[:5]) / 5, losses
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_fsdp2_shards_move_through_rank_runtime_sharded(tied: bool) -> None:
+    """World 1 (FSDP2 over one gloo rank): capture -> HotSnapshot bytes -> load into a fresh
+    sharded model; the next step is the same bit for bit, tied head included."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from rank_runtime import sharded
+    from rank_runtime.snapshot import HotSnapshot, from_bytes
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        data = tinygpt.TextData(seq=16, global_batch=4)
+
+        def make(seed: int) -> tuple[Any, torch.optim.Optimizer]:
+            model = tinygpt.shard(tinygpt.build_model(256, 32, 2, 2, 16, seed, tied=tied), mesh)
+            return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+        def train(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+            loss = tinygpt.step_loss(model, *data.batch(step), 1, 4)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+        model, opt = make(0)
+        assert sharded.is_sharded(model)
+        for step in range(2):
+            train(model, opt, step)
+        hot = HotSnapshot()
+        hot.take(2, sharded.capture(model, opt))
+        fresh, fresh_opt = make(1)
+        sharded.load(fresh, fresh_opt, {0: from_bytes(hot.to_bytes(2)).state})
+        if tied:
+            assert fresh.head.weight is fresh.tok.weight
+        train(model, opt, 2)
+        train(fresh, fresh_opt, 2)
+        for (name, p), q in zip(model.named_parameters(), fresh.parameters(), strict=True):
+            assert torch.equal(p.full_tensor(), q.full_tensor()), name
+    finally:
+        dist.destroy_process_group()
