@@ -241,7 +241,6 @@ class Session:
         self._next = 1
         self._step: int | None = None
         self._report: tuple[float, int] | None = None
-        self._started_at = 0.0
         self._last_loss: float | None = None
         self._running = False
 
@@ -318,8 +317,9 @@ class Session:
         return self._parts
 
     def step(self) -> _StepGuard:
-        """The guard of the current step: ``with session.step():`` (it also yields the model
-        and the optimizer, for ``with session.step() as (model, optimizer):``)."""
+        """The guard of the current step: ``with session.step():``. It yields the model and
+        the optimizer too, but names bound in the loop's own frame outlive a recovery and keep
+        the old group's objects alive: prefer ``session.model`` inside ``train_step``."""
         if self._parts is None or self._step is None:
             raise RuntimeError("session.step() belongs inside `for step in session.steps(n)`")
         return _StepGuard(self)
