@@ -169,6 +169,9 @@ class MemberOut(ApiModel):
     announced: bool = False
     #: Members whose fault report names this one and waits for corroboration.
     suspected_by: list[str] = Field(default_factory=list)
+    #: A shrink dropped its replica (a mesh job): it waits as a warm spare until a later
+    #: generation gives it a rank again.
+    demoted: bool = False
 
 
 class DiscountOut(ApiModel):

@@ -181,6 +181,7 @@ def member_out(member: Member, suspected_by: list[str] | None = None) -> MemberO
         failed_reason=member.failed_reason,
         announced=member.announced_position is not None,
         suspected_by=suspected_by or [],
+        demoted=member.demoted_position is not None,
     )
 
 

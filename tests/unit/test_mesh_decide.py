@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from controlplane.api.render import member_out
 from controlplane.core.commands import owed
 from controlplane.core.decide import Decided, decide, next_deadline
 from controlplane.core.fold import fold
@@ -311,6 +312,7 @@ def test_a_shrink_drops_the_whole_replica_and_renumbers_densely(dims):
     for m in survivors:
         member = s.v.members[m]
         assert member.rank is None and member.demoted_position is not None
+        assert member_out(member).demoted  # and the cluster API says so
     # The new generation's placement keeps every shard's copies out of its replica (when
     # there is another replica).
     replica_ids = new.replica_ids()
