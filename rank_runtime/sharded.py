@@ -129,7 +129,22 @@ def _plain(tensor: torch.Tensor) -> torch.Tensor:
     return data if data.is_contiguous() else data.contiguous()
 
 
-def _chunks_of(fqn: str, value: torch.Tensor) -> list[dict[str, Any]]:
+#: What identifies one piece of memory seen through two names (a tied embedding and head).
+_Alias = tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype]
+
+
+def _once(data: torch.Tensor, seen: dict[_Alias, torch.Tensor]) -> torch.Tensor:
+    """``data``, or the tensor captured before over the same memory in the same layout: a
+    parameter reached under two names (weight tying) is then one object, which a snapshot
+    stores and sends once."""
+    key = (data.untyped_storage().data_ptr(), int(data.storage_offset()), tuple(data.shape),
+           tuple(data.stride()), data.dtype)  # fmt: skip
+    return seen.setdefault(key, data)
+
+
+def _chunks_of(
+    fqn: str, value: torch.Tensor, seen: dict[_Alias, torch.Tensor]
+) -> list[dict[str, Any]]:
     if isinstance(value, DTensor):
         if value.device_mesh.get_coordinate() is None:
             return []  # this rank is outside the DTensor's (sub)mesh: it holds none of it
@@ -143,10 +158,13 @@ def _chunks_of(fqn: str, value: torch.Tensor) -> list[dict[str, Any]]:
                 for m in metas
             ]
         return [
-            {"offsets": list(m.offsets), "sizes": list(m.sizes), "data": _plain(t)}
+            {"offsets": list(m.offsets), "sizes": list(m.sizes), "data": _once(_plain(t), seen)}
             for m, t in zip(metas, locals_, strict=True)
         ]
-    return [{"offsets": [0] * value.dim(), "sizes": list(value.shape), "data": _plain(value)}]
+    return [
+        {"offsets": [0] * value.dim(), "sizes": list(value.shape),
+         "data": _once(_plain(value), seen)}
+    ]  # fmt: skip
 
 
 def capture(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -175,12 +193,13 @@ def capture(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any
     flat, _ = flatten_state_dict({_MODEL: model_sd, _OPTIM: optim_sd})
     tensors: dict[str, Any] = {}
     objects: dict[str, Any] = {}
+    seen: dict[_Alias, torch.Tensor] = {}
     for fqn, value in flat.items():
         if isinstance(value, torch.Tensor):
             tensors[fqn] = {
                 "shape": list(value.shape),
                 "dtype": _dtype_name(value.dtype),
-                "chunks": _chunks_of(fqn, value),
+                "chunks": _chunks_of(fqn, value, seen),
             }
         else:
             objects[fqn] = value

@@ -129,3 +129,35 @@ def test_fsdp2_shards_move_through_rank_runtime_sharded(tied: bool) -> None:
             assert torch.equal(p.full_tensor(), q.full_tensor()), name
     finally:
         dist.destroy_process_group()
+
+
+def test_a_tied_weight_is_captured_and_stored_once() -> None:
+    """The tied head is the embedding's memory under a second name: one tensor in the capture,
+    so a snapshot stores (and a peer receives) it once. Untied, the head adds its weight and
+    its two Adam moments and its step counter: the difference is exactly that."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from rank_runtime import sharded
+    from rank_runtime.snapshot import HotSnapshot
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        data = tinygpt.TextData(seq=16, global_batch=4)
+        sizes = {}
+        for tied in (True, False):
+            model = tinygpt.shard(tinygpt.build_model(256, 32, 2, 2, 16, 0, tied=tied), mesh)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            loss = tinygpt.step_loss(model, *data.batch(0), 1, 4)
+            loss.backward()
+            opt.step()
+            info = HotSnapshot().take(1, sharded.capture(model, opt))
+            assert info is not None
+            sizes[tied] = info.nbytes
+        embedding = 256 * 32 * 4  # float32
+        step = 4  # the head's own Adam step counter (a float32 scalar), untied only
+        # Stored twice (the tied weight under both names), the difference would be 2 x.
+        assert sizes[False] - sizes[True] == 3 * embedding + step, sizes
+    finally:
+        dist.destroy_process_group()
