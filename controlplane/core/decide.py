@@ -1027,18 +1027,7 @@ class _Round:
             return
         view, policy = self.view, self.policy
         room = policy.max_world - len(view.world)
-        backup = view.last_complete_backup
-        if room <= 0 or view.started_position is None or backup is None:
-            return
-        started = view.started_position
-        due = sorted(
-            [
-                m
-                for m in view.members.values()
-                if m.joined_position > started and backup >= m.joined_step and self._usable(m)
-            ],
-            key=_topology_key,
-        )[:room]
+        due = self._growth_candidates(room, demoted=False)[:room]
         if not due:
             return
         world = (*view.world, *(m.member_id for m in due))
@@ -1055,6 +1044,26 @@ class _Round:
             _Plan(ReallocationMode.GROW, world, step, source, sources, reason),
         )
 
+    def _growth_candidates(self, room: int, *, demoted: bool) -> list[Member]:
+        """Members that may join a growing world, in topology order: joined after the start
+        (or, with ``demoted``, dropped from a replica) and covered by the newest complete
+        backup; none when there is no room, no start or no backup."""
+        view = self.view
+        backup = view.last_complete_backup
+        if room <= 0 or view.started_position is None or backup is None:
+            return []
+        started = view.started_position
+        return sorted(
+            [
+                m
+                for m in view.members.values()
+                if (m.joined_position > started or (demoted and m.demoted_position is not None))
+                and backup >= m.joined_step
+                and self._usable(m)
+            ],
+            key=_topology_key,
+        )
+
     def _grow_mesh(self, mesh: Mesh) -> None:
         """Growth by whole replicas, up to the mesh's size: members that joined after the
         start and warm spares of dropped replicas fill new replicas at a backup boundary."""
@@ -1065,20 +1074,7 @@ class _Round:
         full = full_layout(mesh)
         per = lay.replica_size
         room = min(full.replicas - lay.replicas, (policy.max_world - len(view.world)) // per)
-        backup = view.last_complete_backup
-        if room <= 0 or view.started_position is None or backup is None:
-            return
-        started = view.started_position
-        due = sorted(
-            [
-                m
-                for m in view.members.values()
-                if (m.joined_position > started or m.demoted_position is not None)
-                and backup >= m.joined_step
-                and self._usable(m)
-            ],
-            key=_topology_key,
-        )
+        due = self._growth_candidates(room, demoted=True)
         grown = min(room, len(due) // per)
         if grown <= 0:
             return
