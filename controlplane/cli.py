@@ -271,13 +271,13 @@ def bench_mttr(
     *,
     faults: Annotated[
         int | None,
-        typer.Option(min=1, help="Ranks to kill, one after another (mlp 5, transformer 2)."),
+        typer.Option(min=1, help="Ranks to kill, one after another (mlp 5, transformer 3)."),
     ] = None,
     backup_interval: Annotated[
         int | None,
         typer.Option(
             min=2,
-            help="Steps between hot backups (and baseline checkpoints): mlp 10, transformer 2.",
+            help="Steps between hot backups (and baseline checkpoints): mlp 10, transformer 10.",
         ),
     ] = None,
     baseline: Annotated[

@@ -4,8 +4,12 @@
   ``layers`` pre-norm blocks (causal self-attention, then a GELU MLP), a final LayerNorm and a
   bias-free head (tied to the token embedding by default). Deterministic for a seed, without
   touching the global RNG.
+- ``HashedNgrams(rows, dim, mesh, seed)``: an optional large input embedding of hashed byte
+  trigrams (``model.ngrams``), its rows sharded over a mesh (a DTensor, ``Shard(0)``) and never
+  gathered: each rank looks up its rows for the whole global batch and one reduce-scatter of
+  the activations hands every rank its samples' sum. Gigabytes of state, a cheap step.
 - ``shard(model, mesh)``: FSDP2, one ``fully_shard`` per block, then the root (embeddings,
-  final norm, head).
+  final norm, head; ``ngrams`` stays row-sharded, outside FSDP2).
 - ``split_stages(model, stages)``: an untied ``TinyGPT`` cut into pipeline stages
   (``GPTStage``: the embeddings and the first blocks, ..., the last blocks, final norm and
   head), each keeping the whole model's parameter names.
@@ -26,7 +30,7 @@ import importlib.util
 import math
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -37,15 +41,18 @@ from rank_runtime.data import StepSampler
 __all__ = [
     "CORPUS_MODULES",
     "GPTStage",
+    "HashedNgrams",
     "TextData",
     "TinyGPT",
     "build_model",
     "corpus",
     "corpus_digest",
+    "ngram_rows",
     "shard",
     "split_stages",
     "step_loss",
     "tensor_parallel",
+    "trigram_ids",
 ]
 
 VOCAB = 256
@@ -114,6 +121,8 @@ class TinyGPT(nn.Module):
         self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
         self.ln_f = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
+        #: An input embedding added to the token's (``HashedNgrams``), set after construction.
+        self.ngrams: nn.Module | None = None
         if tied:
             self.head.weight = self.tok.weight
         for name, p in self.named_parameters():
@@ -130,6 +139,8 @@ class TinyGPT(nn.Module):
             raise ValueError(f"sequence of {t} tokens exceeds the model's {self.seq}")
         positions = torch.arange(t, device=tokens.device)
         x = self.tok(tokens) + self.pos(positions)
+        if self.ngrams is not None:
+            x = x + self.ngrams(tokens)
         for block in self.blocks:
             x = block(x)
         # Bias-free head: its output is not a view (FSDP2 warns about views returned by a root).
@@ -144,6 +155,125 @@ def build_model(  # noqa: PLR0917 (the signature the training scripts call)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return TinyGPT(vocab, dim, layers, heads, seq, tied=tied)
+
+
+#: Rows of a ``HashedNgrams`` initialised from one generator (world-independent init).
+_INIT_BLOCK = 1 << 14
+
+
+class _ReduceScatter(torch.autograd.Function):
+    """``(world, *shape)`` partial sums in, this rank's ``shape`` sum out; backward gathers the
+    ranks' gradients of their outputs and averages them, as FSDP2 averages its gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, partial: torch.Tensor, group: Any) -> torch.Tensor:
+        import torch.distributed as dist
+
+        ctx.group = group
+        out = partial.new_empty(partial.shape[1:])
+        dist.reduce_scatter_single(out, partial.flatten(0, 1).contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        import torch.distributed as dist
+
+        size = dist.get_world_size(ctx.group)
+        gathered = grad.new_empty((size * grad.shape[0], *grad.shape[1:]))
+        dist.all_gather_single(gathered, grad.contiguous(), group=ctx.group)
+        return gathered.view(size, *grad.shape) / size, None
+
+
+def trigram_ids(tokens: torch.Tensor, rows: int) -> torch.Tensor:
+    """The row of each position's byte trigram (the two bytes before it, zeros at the start of
+    a window, and itself), hashed into ``rows``."""
+    p1 = F.pad(tokens, (1, 0))[:, :-1]
+    p2 = F.pad(tokens, (2, 0))[:, :-2]
+    gram = (p2 * VOCAB + p1) * VOCAB + tokens
+    return (gram * 2654435761 + 97) % rows
+
+
+def ngram_rows(  # noqa: PLR0917
+    rows: int, dim: int, seed: int, lo: int, hi: int, std: float = 0.02
+) -> torch.Tensor:
+    """Rows ``lo`` to ``hi - 1`` of a ``HashedNgrams``'s initial weight (normal, ``std``),
+    drawn in blocks of ``_INIT_BLOCK`` rows from generators seeded by ``seed`` and the block:
+    the same values whichever rank (of whichever world) draws them."""
+    out = torch.empty(hi - lo, dim)
+    for block in range(lo // _INIT_BLOCK, -(-hi // _INIT_BLOCK)):
+        start = block * _INIT_BLOCK
+        stop = min(rows, start + _INIT_BLOCK)
+        key = hashlib.sha256(f"{seed}:{block}".encode()).digest()[:8]
+        gen = torch.Generator().manual_seed(int.from_bytes(key) >> 1)
+        values = torch.empty(stop - start, dim).normal_(0.0, std, generator=gen)
+        a, b = max(start, lo), min(stop, hi)
+        out[a - lo : b - lo] = values[a - start : b - start]
+    return out
+
+
+class HashedNgrams(nn.Module):
+    """A ``rows x dim`` embedding of hashed byte trigrams, row-sharded over the 1-D ``mesh``.
+
+    ``weight`` is a DTensor sharded on dimension 0 (``Shard(0)``, as ``torch.chunk`` splits
+    it): this rank holds its rows only, and they never move. A forward gathers the token ids
+    of every rank (bytes, not rows), looks up this rank's rows for all of them (zero for rows
+    held elsewhere) and reduce-scatters those partial sums: each rank gets its own samples'
+    embeddings. Backward gathers the output gradients, so each rank's rows get the gradient of
+    every sample that used them (averaged over ranks, as FSDP2 averages); no further reduction.
+    The ranks' batches may differ in size (they are padded for the collectives); the windows
+    must have one length.
+
+    ``init``: the rows drawn from ``seed`` in blocks of ``_INIT_BLOCK`` (each rank draws only
+    the blocks over its rows, and the values do not depend on the world); without, the memory
+    is left as allocated (for a build whose state is restored right after).
+    """
+
+    def __init__(
+        self, rows: int, dim: int, mesh: Any, seed: int, *, init: bool = True, std: float = 0.02
+    ) -> None:
+        super().__init__()
+        from torch.distributed.tensor import DTensor, Shard
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        if mesh.ndim != 1:
+            raise ValueError("HashedNgrams shards over a 1-D mesh")
+        if rows < mesh.size():
+            raise ValueError(f"{rows} rows do not shard over {mesh.size()} ranks")
+        self.rows, self.dim, self.mesh = rows, dim, mesh
+        shape, offset = compute_local_shape_and_global_offset((rows, dim), mesh, [Shard(0)])
+        self.lo, self.hi = offset[0], offset[0] + shape[0]
+        device = mesh.device_type
+        local = torch.empty(shape, device=device)
+        if init:
+            local.copy_(ngram_rows(rows, dim, seed, self.lo, self.hi, std))
+        weight = DTensor.from_local(
+            local, mesh, [Shard(0)], run_check=False, shape=torch.Size((rows, dim)),
+            stride=(dim, 1),
+        )  # fmt: skip
+        self.weight = nn.Parameter(weight)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        group = self.mesh.get_group()
+        size = self.mesh.size()
+        n, t = tokens.shape
+        counts = torch.zeros(size, dtype=torch.long, device=tokens.device)
+        dist.all_gather_single(
+            counts, torch.tensor([n], dtype=torch.long, device=tokens.device), group=group
+        )
+        most = int(counts.max().item())
+        ids = torch.zeros(most, t, dtype=torch.long, device=tokens.device)
+        ids[:n] = trigram_ids(tokens, self.rows)
+        every = ids.new_empty((size * most, t))
+        dist.all_gather_single(every, ids, group=group)
+        every = every.view(size, most, t)
+        local: torch.Tensor = cast(Any, self.weight).to_local()
+        mine = (every >= self.lo) & (every < self.hi)
+        rows = F.embedding((every - self.lo).clamp(0, self.hi - self.lo - 1), local)
+        partial = rows * mine.unsqueeze(-1).to(rows.dtype)
+        out: torch.Tensor = _ReduceScatter.apply(partial, group)  # type: ignore[no-untyped-call]
+        return out[:n]
 
 
 class GPTStage(nn.Module):
@@ -199,7 +329,8 @@ def split_stages(model: nn.Module, stages: int) -> list[GPTStage]:
 
 
 def shard(model: nn.Module, mesh: Any, **options: Any) -> nn.Module:
-    """FSDP2 over ``mesh``: each block its own ``fully_shard`` group, the rest in the root's.
+    """FSDP2 over ``mesh``: each block its own ``fully_shard`` group, the rest in the root's
+    (a ``HashedNgrams`` excepted: its rows stay sharded as they are, outside FSDP2).
 
     ``options`` go to every ``fully_shard`` call (e.g. ``reshard_after_forward=False``).
     """
@@ -210,6 +341,9 @@ def shard(model: nn.Module, mesh: Any, **options: Any) -> nn.Module:
         raise TypeError("shard expects a model with a ModuleList of blocks (a TinyGPT)")
     for block in blocks:
         fully_shard(block, mesh=mesh, **options)
+    ngrams = getattr(model, "ngrams", None)
+    if isinstance(ngrams, nn.Module):
+        options = {**options, "ignored_params": set(ngrams.parameters())}
     fully_shard(model, mesh=mesh, **options)
     return model
 

@@ -13,16 +13,25 @@ rank backs up its shards with their global layout to peers; a spare that takes a
 gets exactly its shards, and a world that shrinks re-partitions the surviving shards in memory
 (``rank_runtime.sharded``). Byte-level tokens of the standard library's sources (no
 download); the global batch of each step is fixed by the step, whatever the world.
+
+``--ngram-rows N`` adds ``tinygpt.HashedNgrams``: an N-row input embedding of hashed byte
+trigrams, row-sharded over the data-parallel ranks and never gathered (only the activations of
+its lookups move), so its state can reach gigabytes while a step stays cheap (``elasticctl
+bench mttr --example transformer`` trains it). When the generation restores its state anyway
+(``session.restoring``), ``build`` makes the model on the meta device and allocates it without
+initialising it: the restore writes every value.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from tinygpt import (  # beside this script
+    HashedNgrams,
     TextData,
     build_model,
     shard,
@@ -48,6 +57,14 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument(
         "--tp", type=int, default=1, help="tensor-parallel degree inside each replica"
     )
+    parser.add_argument(
+        "--ngram-rows", type=int, default=0,
+        help="rows of a hashed-trigram input embedding, row-sharded over the ranks (0: none)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--fused-adamw", action="store_true",
+        help="AdamW's fused kernel (one pass over each parameter's state per step)",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="", help="rank 0 saves the final parameters here")
     return parser
@@ -65,14 +82,27 @@ def main() -> None:
         inside each data-parallel replica, FSDP2 across replicas — and its optimizer."""
         if world.size % args.tp:
             raise ValueError(f"a world of {world.size} ranks does not split into tp={args.tp}")
+        if args.ngram_rows and args.tp > 1:
+            raise ValueError("--ngram-rows shards its rows over all ranks: use it with --tp 1")
         mesh = session.mesh((world.size // args.tp, args.tp), ("dp", "tp"))
         meshes.update(dp=mesh["dp"], tp=mesh["tp"])
-        net = build_model(args.vocab, args.dim, args.layers, args.heads, args.seq, args.seed)
-        net = net.to(session.device)
+        # A restore overwrites every value: no initialisation then, only memory (meta first).
+        restoring = session.restoring
+        with torch.device("meta") if restoring else contextlib.nullcontext():
+            net = build_model(args.vocab, args.dim, args.layers, args.heads, args.seq, args.seed)
+        if not restoring:
+            net = net.to(session.device)
         if args.tp > 1:
             tensor_parallel(net, mesh["tp"])
+        if args.ngram_rows:
+            net.ngrams = HashedNgrams(
+                args.ngram_rows, args.dim, mesh["dp"], args.seed, init=not restoring
+            )
         model = shard(net, mesh["dp"])
-        return model, torch.optim.AdamW(model.parameters(), lr=args.lr)
+        if restoring:
+            model.to_empty(device=session.device)
+        fused = {"fused": True} if args.fused_adamw else {}
+        return model, torch.optim.AdamW(model.parameters(), lr=args.lr, **fused)
 
     def train_step(
         model: nn.Module, optimizer: torch.optim.Optimizer, step: int

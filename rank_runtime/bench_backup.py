@@ -18,9 +18,12 @@ this rank's own memory):
   process), AdamW, a snapshot every ``every`` steps replicated in the background to
   ``redundancy`` real peer stores in a process of their own (as ``mlp`` below, ABBA blocks):
   ``overhead``, ``blocking_ms_per_gb`` (the step's wait per GB snapshotted), then, training
-  paused, the replicator's phases on the same bytes (``serialize_s``: ``to_bytes``;
-  ``digest_s``: sha256; ``send_s``: ``replication.send`` to one store, which hashes what it
-  receives before it answers) alternating with plain sockets (``sendall`` to a process that
+  paused, the replicator's phases on the same bytes, as ``Elastic._replicate`` runs them
+  (``digest_s``: one pass of sha256 and the snapshot trailer's crc32,
+  ``HotSnapshot.stream_digest``; ``serialize_s``: pinning the slot's views,
+  ``HotSnapshot.serialized``, no copy; ``send_s``: ``replication.send`` of those views to one
+  store, which receives them into the buffer it evicted last and keeps them under the
+  digest without hashing them) alternating with plain sockets (``sendall`` to a process that
   ``recv_into``s one reused buffer): ``replication_gbps`` (one ``send``) and
   ``tcp_loopback_gbps``, ``replicator_gbps`` (a whole replication per copy).
 - ``mlp``: one process, below.
@@ -42,9 +45,9 @@ over the median take, flattening included), ``copy_gbps`` and ``copy_fraction`` 
 GB are 10**9 bytes; MB are MiB.
 
 With ``replicas`` > 0 a background thread plays the replicator after every snapshot, as a
-member does: it serializes the snapshot, computes its sha256 digest and sends it over loopback
+member does: it computes the snapshot's sha256 digest and sends the slot's bytes over loopback
 TCP to that many real peer stores (``rank_runtime.replication``, in a process of their own, as
-the members of other nodes are), each of which hashes what it receives and keeps it. It runs
+the members of other nodes are), each of which keeps it under that digest. It runs
 during the snapshot's block and is awaited after it, untimed: its interference with the
 block's steps counts in ``overhead``; the time it takes beyond them does not (a training loop
 never waits for it) and is reported as ``replicate_s``.
@@ -78,7 +81,7 @@ from typing import Any
 
 import torch
 
-from rank_runtime.replication import ReplicationError, digest, send
+from rank_runtime.replication import ReplicationError, background_priority, send
 from rank_runtime.snapshot import HotSnapshot, SnapshotNotFound
 
 #: How the replicator authenticates: no secret, the job's secret, or one kind of block each.
@@ -128,24 +131,29 @@ class _Replicator:
         self.phases: list[tuple[float, float, float]] = []
         self.nbytes = 0
         self.errors: list[str] = []
+        #: Recompute a snapshot's digest each time it is replicated (the same step sent again,
+        #: timed as a new one would be).
+        self.fresh = False
         self.thread = threading.Thread(target=self._run, name="replicator", daemon=True)
 
     def _run(self) -> None:
+        background_priority()  # as Elastic._replicate
         while (step := self.steps.get()) is not None:
             started = time.perf_counter()
             try:
-                data = self.hot.to_bytes(step)  # what Elastic._replicate does, in its order
-                serialized = time.perf_counter()
-                reported = digest(data, self.algorithm)
+                # What Elastic._replicate does, in its order: one digest pass (sha256, with
+                # the trailer's crc32 in the same pass), then the slot's bytes as they are.
+                reported = self.hot.stream_digest(step, self.algorithm, cached=not self.fresh)
                 digested = time.perf_counter()
-                for endpoint in self.endpoints:
-                    send(endpoint, owner="bench", shard=0, step=step, generation=1,
-                         data=data, digest=reported, secret=self.secret)  # fmt: skip
+                with self.hot.serialized(step, self.algorithm) as form:
+                    serialized = time.perf_counter()  # views of the slot: no copy
+                    for endpoint in self.endpoints:
+                        send(endpoint, owner="bench", shard=0, step=step, generation=1,
+                             data=form.parts, digest=reported, secret=self.secret)  # fmt: skip
+                    self.nbytes = form.nbytes
                 ended = time.perf_counter()
                 self.seconds.append(ended - started)
-                self.phases.append((serialized - started, digested - serialized, ended - digested))
-                self.nbytes = len(data)
-                del data
+                self.phases.append((serialized - digested, digested - started, ended - serialized))
             except (ReplicationError, SnapshotNotFound) as exc:
                 self.errors.append(str(exc))
             finally:
@@ -436,10 +444,10 @@ def sizing(
       FSDP2 0, plain DDP (p+o)·P;
     - ``sent_per_backup``: R·U, what a rank sends its peers per backup;
     - ``own_unique`` 2U and ``own_replicated`` 2M: the two slots of each ``HotSnapshot``;
-    - ``held`` keep·R·U: the peers' copies its store keeps (R shards on average; one more
-      copy of a shard for as long as a newer one is arriving);
-    - ``sending`` U: the serialized copy the replicator builds and keeps until the next one;
-    - ``total``: (3 + keep·R)·U + 2M.
+    - ``held`` (keep+1)·R·U: the peers' copies its store keeps (R shards on average, ``keep``
+      steps each) and, per shard, the buffer evicted last, which the next copy arrives in;
+    - ``sending`` 0: the replicator sends the slot's bytes as they are (no serialized copy);
+    - ``total``: (2 + (keep+1)·R)·U + 2M.
     """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {', '.join(KINDS)}")
@@ -455,8 +463,8 @@ def sizing(
     parts = {
         "own_unique": 2 * unique,
         "own_replicated": 2 * replicated,
-        "held": keep * (redundancy * unique if held_unique is None else held_unique),
-        "sending": unique,
+        "held": (keep + 1) * (redundancy * unique if held_unique is None else held_unique),
+        "sending": 0.0,
     }
     return {
         "unique": unique,
@@ -924,6 +932,7 @@ def _run_transformer(
             nbytes = len(payload)
             tcp: list[float] = []
             replicator.phases.clear()
+            replicator.fresh = True
             with _Sink() as sink:
                 sink.send(payload)
                 for i in range(rounds):
@@ -948,8 +957,8 @@ def _run_transformer(
     digest_s = _median([p[1] for p in isolated])
     send_s = _median([p[2] for p in isolated]) / redundancy  # to one holder
     tcp_s = _median(tcp)
-    # One copy over the replicator's wire path (``send``: the header, the bytes, the holder
-    # hashing them as they arrive and answering) against plain sockets, the same bytes.
+    # One copy over the replicator's wire path (``send``: the header, the slot's bytes, the
+    # holder receiving them into a reused buffer and answering) against plain sockets.
     replication_gbps = nbytes / send_s / GB
     tcp_gbps = nbytes / tcp_s / GB
     # A whole replication, per copy: serialized and digested once, sent to every holder.
@@ -981,7 +990,7 @@ def _run_transformer(
         "digest_s": round(digest_s, 6),
         "send_s": round(send_s, 6),
         "tcp_loopback_s": round(tcp_s, 6),
-        # What the holder adds to a plain transfer: mostly hashing what it receives.
+        # What the protocol and the holder add to a plain transfer (header, MAC, answer).
         "holder_extra_s": round(send_s - tcp_s, 6),
         "serialize_gbps": round(nbytes / serialize_s / GB, 3),
         "digest_gbps": round(nbytes / digest_s / GB, 3),

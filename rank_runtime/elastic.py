@@ -13,9 +13,10 @@ A few lines in an ordinary DDP loop::
 ``start`` returns None for a spare the job never needed (the job ended first). ``step_done``
 publishes ``train.step``, keeps the heartbeat's step current, takes the hot backup every
 ``backup_interval`` steps (a copy into preallocated, double-buffered memory: the only part on
-the training path) and hands it to a background thread that checksums it, publishes
-``backup.snapshot`` and sends it to the holders the control plane placed it on (each holder
-verifies and publishes ``backup.replicated``); training does not wait for replication.
+the training path) and hands it to a background thread that digests it, publishes
+``backup.snapshot`` and sends the slot's bytes as they are to the holders the control plane
+placed it on (each holder keeps it under that digest and publishes ``backup.replicated``; a
+restore verifies every copy against the digest); training does not wait for replication.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from rank_runtime.replication import (
     Held,
     PeerStore,
     ReplicationError,
+    background_priority,
     bind_address,
     digest,
     fetch,
@@ -462,7 +464,9 @@ class Elastic:
             if command.restore_from is RestoreFrom.MEMORY
             else None
         )
+        forming = time.perf_counter()
         self._form(command)
+        formed = time.perf_counter() - forming
         self.client.phase = Phase.RESTORE
         try:
             started = time.perf_counter()
@@ -517,8 +521,9 @@ class Elastic:
                 target=self._replicate, name="elastic-replicate", daemon=True
             )
             self._replicator.start()
-        log.info("generation %d: rank %d of %d from step %d", world.generation, world.rank,
-                 world.size, command.restore_step)  # fmt: skip
+        log.info("generation %d: rank %d of %d from step %d (group formed in %.3fs; %d bytes"
+                 " restored in %.3fs, from %s)", world.generation, world.rank, world.size,
+                 command.restore_step, formed, nbytes, seconds, sources)  # fmt: skip
 
     def _leave_group(self) -> None:
         import torch.distributed as dist
@@ -570,6 +575,12 @@ class Elastic:
         for shard in wanted:
             source = command.plan[shard] if shard < len(command.plan) else me
             expected = command.digests[shard] if shard < len(command.digests) else None
+            own = self._own_state(shard, command.restore_step, expected)
+            if own is not None:  # this member's own snapshot, unchanged since it was digested
+                shards[shard], size = own
+                sources[str(shard)] = me
+                nbytes += size
+                continue
             data: bytes | bytearray | None = self._own_copy(shard, command.restore_step)
             if data is not None and expected is not None and not _matches(data, expected):
                 log.warning("own copy of shard %d does not match its digest %s", shard, expected)
@@ -638,6 +649,21 @@ class Elastic:
         try:
             return self.hot_replicated.get(step).state
         except SnapshotNotFound:
+            return None
+
+    def _own_state(self, shard: int, step: int, expected: str | None) -> tuple[Any, int] | None:
+        """This member's own backup of ``shard`` at ``step`` as state (a copy of the slot's
+        tensors) and its serialized size, when the slot still holds what was digested as
+        ``expected``: the digest its snapshot cached when it was replicated, so no byte is
+        hashed, serialized or decoded again. None otherwise (not its shard, not that step any
+        more, another digest): the caller then reads and verifies the bytes."""
+        if shard != self._backup_shard or expected is None:
+            return None
+        try:
+            if self.hot.stream_digest(step, expected.partition(":")[0]) != expected:
+                return None
+            return self.hot.get(step).state, self.hot.nbytes(step)
+        except (SnapshotNotFound, ValueError):
             return None
 
     def _own_copy(self, shard: int, step: int) -> bytes | None:
@@ -811,19 +837,14 @@ class Elastic:
     def backup_memory(self) -> dict[str, int]:
         """CPU bytes this member holds for backups now: ``unique`` (the two slots of its own
         unique state), ``replicated`` (the two slots of the state every rank has alike),
-        ``held`` (the copies of peers' shards its store keeps, ``keep`` steps each),
-        ``sending`` (the serialized copy of its newest backup the replicator builds and keeps
-        until the next one) and ``total``. docs/operations.md gives the sizing formula."""
+        ``held`` (the copies of peers' shards its store keeps, ``keep`` steps each, and one
+        reused receive buffer per shard), ``sending`` (0: the replicator sends the slot's bytes
+        as they are, no serialized copy) and ``total``. docs/operations.md gives the sizing
+        formula."""
         unique = self.hot.reserved_bytes
         replicated = self.hot_replicated.reserved_bytes
         held = self.peers.nbytes()
-        newest = self.hot.steps()
         sending = 0
-        if newest and self._replicator is not None:
-            try:
-                sending = self.hot.nbytes(newest[0])
-            except SnapshotNotFound:  # overwritten meanwhile
-                sending = 0
         return {"unique": unique, "replicated": replicated, "held": held, "sending": sending,
                 "total": unique + replicated + held + sending}  # fmt: skip
 
@@ -902,24 +923,30 @@ class Elastic:
         return self.world
 
     def _replicate(self) -> None:
+        background_priority()  # where it contends with training for a core, training wins
         while True:
             item = self._replicas.get()
             if item is None:
                 return
             step, copy_seconds = item
-            world = self._world()
-            shard = world.rank
             try:
-                data = self.hot.to_bytes(step)
+                self._replicate_step(step, copy_seconds)
             except SnapshotNotFound:
                 continue  # overwritten by two newer backups meanwhile
-            reported = digest(data, self._digest_algorithm)
+
+    def _replicate_step(self, step: int, copy_seconds: float) -> None:
+        """Digest the backup of ``step`` once, report it, send it to each holder: the slot's
+        bytes as they are (pinned meanwhile: a ``take`` skips rather than overwrite them)."""
+        world = self._world()
+        shard = world.rank
+        with self.hot.serialized(step, self._digest_algorithm) as form:
+            reported = form.digest
             self._digests[(shard, step)] = reported
             for old in sorted(self._digests, key=_by_step)[: max(0, len(self._digests) - 4)]:
                 del self._digests[old]
             self.client.publish(
                 "backup.snapshot",
-                {"step": step, "shard": shard, "nbytes": len(data), "checksum": reported,
+                {"step": step, "shard": shard, "nbytes": form.nbytes, "checksum": reported,
                  "seconds": copy_seconds},
             )  # fmt: skip
             holders = world.placement[shard] if shard < len(world.placement) else ()
@@ -930,7 +957,7 @@ class Elastic:
                     continue
                 try:
                     send(endpoint, owner=self.identity.member, shard=shard, step=step,
-                         generation=world.generation, data=data, digest=reported,
+                         generation=world.generation, data=form.parts, digest=reported,
                          secret=self._secret)  # fmt: skip
                 except ReplicationError as exc:
                     log.warning("%s", exc)

@@ -1,9 +1,10 @@
 """Peer replication of hot backups: each member keeps copies of other ranks' shards in memory.
 
 Every member runs a ``PeerStore``: a small TCP server (a thread per connection) that accepts a
-shard (``put``), verifies its digest before keeping it, and serves it back (``get``) for a
+shard (``put``), keeps it under the digest its owner gave, and serves it back (``get``) for a
 restore. Memory stays bounded: per (owner, shard) the newest ``keep`` steps are kept, older ones
-evicted once a newer one is complete; one put is at most ``max_bytes``.
+evicted once a newer one is complete, and the buffer evicted last receives the next put of the
+same size (``keep`` + 1 buffers per (owner, shard)); one put is at most ``max_bytes``.
 
 The protocol, one request per connection (JSON lines, then raw bytes)::
 
@@ -15,13 +16,32 @@ With the job's secret (``ELASTIC_JOB_SECRET``, see ``schemas.auth``) both sides 
 authenticated: the request's MAC is HMAC-SHA256 under the peer-store key over the server's
 fresh nonce and the request (so a recorded request replayed on a new connection is refused,
 and so is any request from someone without the secret), the answer's MAC covers both nonces and
-the answer. Bytes are bound by hash-then-MAC: a put's header carries the shard's digest
-(``sha256:<hex>``, the one its owner reports to the control plane) under the MAC, and the holder
-hashes the bytes as they arrive and refuses them unless they match; a get's answer carries the
-copy's digest under the MAC, and the fetcher hashes what it receives and refuses it unless it
-matches that digest and, when given, the digest the control plane recorded (``expected``). Each
-byte is therefore hashed once at each end, while it is received; the MACs themselves cover a
-few hundred bytes. Without a secret the same protocol runs unauthenticated (no MACs), as before.
+the answer. The MACs cover a few hundred bytes; the shard's bytes are bound to its owner end to
+end, by the digest, and checked where they are used:
+
+- a put's header carries the shard's size and digest (``sha256:<hex>``, computed once by its
+  owner, the one it reports to the control plane in ``backup.snapshot``) under the MAC, so only
+  a member with the secret can store a copy, and the digest a copy is kept and served under is
+  the one its sender claimed. The holder does not hash the bytes before it answers (they arrive
+  at loopback/network speed, into a reused buffer) unless it verifies puts (``verify``,
+  ``ELASTIC_PEER_VERIFY=1``): then it hashes them as they arrive and refuses a copy that does
+  not match, so a corrupt copy is caught at backup time rather than at restore;
+- a get's answer carries the copy's digest under the MAC, and the fetcher hashes every byte it
+  receives and refuses the copy (``DigestMismatch``) unless it matches that digest and, when
+  given, the digest the control plane recorded from the owner (``expected``). The restore
+  (``Elastic._restore``) always gives it, so a refused copy is reported and the control plane
+  re-plans from another copy, an older step or the cold checkpoint.
+
+Why this is sound: the bytes a restore loads must hash to the digest the owner reported on its
+own NATS credential, whatever a holder says. A path that changes a put's bytes, or a holder
+that keeps or serves other bytes (even an insider with the secret, whose MACs are valid), can
+only make its copy unusable — refused at restore, which costs a re-plan — never make a restore
+load bytes other than the owner's; changing the digest in a put's header breaks its MAC. What
+an unverified copy loses is only how early corruption is noticed: a holder's
+``backup.replicated`` says it holds ``nbytes`` under the owner's digest, not that it hashed
+them (``Held.verified``). Each byte is hashed once by its owner and once by whoever restores
+it (twice with ``verify``). Without a secret the same protocol runs unauthenticated (no MACs),
+as before, and the same digests guard against corruption.
 """
 
 from __future__ import annotations
@@ -36,10 +56,11 @@ import secrets
 import socket
 import socketserver
 import ssl
+import sys
 import threading
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
 from typing import Any, Protocol
@@ -58,6 +79,14 @@ TLS_KEY_ENV = "ELASTIC_TLS_KEY"
 #: The CA bundle (PEM) a ``tls://`` store's certificate is verified with (else the system's).
 TLS_CA_ENV = "ELASTIC_TLS_CA"
 _TLS_SCHEME = "tls://"
+#: ``1``: a holder hashes each put as it arrives and refuses one that does not match the
+#: owner's digest (a corrupt copy caught at backup time); default: the fetcher checks it.
+VERIFY_ENV = "ELASTIC_PEER_VERIFY"
+#: How much lower (``nice``) than training a replicator thread and a holder's put run.
+BACKGROUND_NICE = 5
+#: How much lower (``nice``, default 5) than training the replicator thread and a holder's
+#: receiving threads run (Linux; 0: at training's priority).
+NICE_ENV = "ELASTIC_REPLICATION_NICE"
 #: Largest header line accepted.
 _MAX_HEADER = 64 * 1024
 #: Bytes received (and hashed) per read.
@@ -69,6 +98,16 @@ _PROTOCOL = 2
 _IDLE_S = 60.0
 _REQUEST = b"elastic-peer/request"
 _ANSWER = b"elastic-peer/answer"
+
+
+#: Bytes as they can be sent: one buffer, or the parts of one in order.
+Buffer = bytes | bytearray | memoryview
+
+
+def _parts(data: Buffer | Sequence[Buffer]) -> list[memoryview]:
+    """``data`` as byte views, one per part (no copy)."""
+    pieces = [data] if isinstance(data, bytes | bytearray | memoryview) else data
+    return [memoryview(piece).cast("B") for piece in pieces]
 
 
 class ReplicationError(RuntimeError):
@@ -154,20 +193,24 @@ def _nonce(body: dict[str, Any]) -> bytes:
     return bytes.fromhex(value)
 
 
-def _receive(rfile: Any, size: int, algorithm: str) -> tuple[bytearray, str]:
-    """Read exactly ``size`` bytes, hashing them as they arrive."""
-    data = bytearray(size)
+def _receive(
+    rfile: Any, size: int, algorithm: str | None, into: bytearray | None = None
+) -> tuple[bytearray, str | None]:
+    """Read exactly ``size`` bytes into ``into`` (when it has that size; else a new buffer),
+    hashing them as they arrive with ``algorithm`` (None: not hashed)."""
+    data = into if into is not None and len(into) == size else bytearray(size)
     view = memoryview(data)
-    h = hasher(algorithm)
+    h = hasher(algorithm) if algorithm is not None else None
     position = 0
     while position < size:
         part = view[position : position + _CHUNK]
         got = rfile.readinto(part)
         if not got:
             raise ValueError(f"short transfer: {position} of {size} bytes")
-        h.update(part[:got])
+        if h is not None:
+            h.update(part[:got])
         position += got
-    return data, f"{algorithm}:{h.hexdigest()}"
+    return data, None if h is None else f"{algorithm}:{h.hexdigest()}"
 
 
 def _algorithm(text: object) -> str:
@@ -181,7 +224,9 @@ def _algorithm(text: object) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Held:
-    """A copy of one shard at one step, verified against the digest its sender gave."""
+    """A copy of one shard at one step, kept under the digest its owner gave for it (in the
+    put's header, under the MAC with the job's secret). ``verified``: the holder hashed the
+    bytes and they match it (``PeerStore(verify=True)``); otherwise the fetcher checks them."""
 
     owner: str
     shard: int
@@ -189,6 +234,7 @@ class Held:
     generation: int
     checksum: str
     data: bytes | bytearray
+    verified: bool = False
 
 
 #: Called after a copy is verified and kept: (copy, seconds the transfer took).
@@ -219,6 +265,31 @@ def client_tls(cafile: str | None = None) -> ssl.SSLContext:
     return context
 
 
+def background_priority(nice: int | None = None) -> bool:
+    """Lower the calling thread's CPU priority by ``nice`` (default ``ELASTIC_REPLICATION_NICE``,
+    else ``BACKGROUND_NICE``), so that where replication and training contend for a core,
+    training wins. Linux only, where a thread has a priority of its own (elsewhere it would
+    lower the whole process): returns whether it was done."""
+    if nice is None:
+        text = os.environ.get(NICE_ENV, "").strip()
+        nice = int(text) if text.isdigit() else BACKGROUND_NICE
+    if not sys.platform.startswith("linux") or nice <= 0:
+        return False
+    try:
+        tid = threading.get_native_id()
+        current = os.getpriority(os.PRIO_PROCESS, tid)
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, current + nice))
+    except OSError:
+        return False
+    return True
+
+
+def verify_from_env(env: dict[str, str] | None = None) -> bool:
+    """Whether a holder hashes every put before it keeps it (``ELASTIC_PEER_VERIFY=1``)."""
+    value = (os.environ if env is None else env).get(VERIFY_ENV, "").strip().lower()
+    return value in {"1", "true", "yes", "on"}
+
+
 def bind_address(advertise: str, env: dict[str, str] | None = None) -> str:
     """Where a peer store listens: ``ELASTIC_PEER_BIND`` when set, else the advertised address
     (never every interface unless asked: ``ELASTIC_PEER_BIND=0.0.0.0``)."""
@@ -230,7 +301,15 @@ class PeerStore:
     """Copies of other members' shards, served over TCP. No I/O before ``start``.
 
     ``secret`` is the job's secret: with it every request and answer is authenticated; without
-    it (None) the store accepts anyone, as before the job secret existed.
+    it (None) the store accepts anyone, as before the job secret existed. ``verify``: hash
+    each put as it arrives and refuse it unless it matches its owner's digest (default:
+    ``ELASTIC_PEER_VERIFY``; off: the copy is kept under the owner's digest and checked by
+    whoever fetches it, see the module's docstring).
+
+    Receive buffers are reused: per (owner, shard) the buffer of the copy evicted last is kept
+    (unless a get still serves it) and the next put of the same size is received into it, so
+    a holder's memory stays at ``keep`` + 1 buffers per (owner, shard), as it peaked before
+    during each put, and a put's bytes land in memory already faulted in.
     """
 
     def __init__(
@@ -243,8 +322,11 @@ class PeerStore:
         secret: bytes | None = None,
         max_bytes: int = DEFAULT_MAX_BYTES,
         tls: ssl.SSLContext | None = None,
+        verify: bool | None = None,
     ) -> None:
         self._advertise = advertise
+        #: Hash each put before keeping it (None: ``ELASTIC_PEER_VERIFY``).
+        self.verify = verify_from_env() if verify is None else verify
         #: The TLS context to serve with (None: plain TCP); read by ``start``.
         self.tls = tls
         self._bind = bind if bind is not None else advertise
@@ -254,6 +336,10 @@ class PeerStore:
         self._max_bytes = max_bytes
         self._lock = threading.Lock()
         self._held: dict[tuple[str, int], dict[int, Held]] = {}
+        #: Per (owner, shard): the buffer of the copy evicted last, for the next put.
+        self._spare: dict[tuple[str, int], bytearray] = {}
+        #: id(buffer) -> gets serving it now (such a buffer is never reused).
+        self._serving: dict[int, int] = {}
         self._server: socketserver.ThreadingTCPServer | None = None
         self._thread: threading.Thread | None = None
         self.on_held: OnHeld | None = None
@@ -326,6 +412,7 @@ class PeerStore:
             server.server_close()
         with self._lock:
             self._held.clear()
+            self._spare.clear()
 
     def held(
         self, owner: str | None, shard: int, step: int, digest: str | None = None
@@ -347,17 +434,31 @@ class PeerStore:
         return candidates[0] if candidates else None
 
     def nbytes(self) -> int:
-        """Bytes held for others."""
+        """Bytes held for others: their copies and the receive buffers kept for reuse."""
         with self._lock:
-            return sum(len(c.data) for steps in self._held.values() for c in steps.values())
+            held = sum(len(c.data) for steps in self._held.values() for c in steps.values())
+            return held + sum(len(b) for b in self._spare.values())
 
     def keep(self, copy: Held) -> None:
-        """Keep a verified copy, evicting the oldest steps beyond ``keep``."""
+        """Keep a copy, evicting the oldest steps beyond ``keep`` (the last one evicted, when
+        no get serves it, becomes the receive buffer of the next put of that shard)."""
         with self._lock:
-            steps = self._held.setdefault((copy.owner, copy.shard), {})
+            key = (copy.owner, copy.shard)
+            steps = self._held.setdefault(key, {})
+            replaced = steps.get(copy.step)
             steps[copy.step] = copy
-            for old in sorted(steps)[: max(0, len(steps) - self._keep)]:
-                del steps[old]
+            dropped = [steps.pop(old) for old in sorted(steps)[: max(0, len(steps) - self._keep)]]
+            for gone in [replaced, *dropped]:
+                data = None if gone is None else gone.data
+                reusable = data is not copy.data and id(data) not in self._serving
+                if isinstance(data, bytearray) and reusable:
+                    self._spare[key] = data
+
+    def _buffer(self, owner: str, shard: int, size: int) -> bytearray | None:
+        """The spare buffer of (owner, shard) when it has ``size`` bytes (else it is freed)."""
+        with self._lock:
+            spare = self._spare.pop((owner, shard), None)
+        return spare if spare is not None and len(spare) == size else None
 
     # ------------------------------------------------------------------ serving
 
@@ -411,23 +512,23 @@ class PeerStore:
         client_nonce: bytes,
     ) -> None:
         started = time.perf_counter()
+        background_priority()  # this connection's thread: receiving yields to training
         size = int(header["nbytes"])
         if not 0 <= size <= self._max_bytes:
             raise ValueError(f"a shard of {size} bytes exceeds this holder's {self._max_bytes}")
         claimed = header["digest"]
-        data, got = _receive(rfile, size, _algorithm(claimed))
-        if got != claimed:
+        algorithm = _algorithm(claimed)
+        owner, shard = str(header["owner"]), int(header["shard"])
+        step, generation = int(header["step"]), int(header["generation"])
+        verify = self.verify
+        data, got = _receive(rfile, size, algorithm if verify else None,
+                             self._buffer(owner, shard, size))  # fmt: skip
+        if verify and got != claimed:
             self._answer(wfile, server_nonce, client_nonce,
                          {"ok": False, "error": f"digest {got} != {claimed}"})  # fmt: skip
             return
-        copy = Held(
-            owner=str(header["owner"]),
-            shard=int(header["shard"]),
-            step=int(header["step"]),
-            generation=int(header["generation"]),
-            checksum=got,
-            data=data,
-        )
+        copy = Held(owner=owner, shard=shard, step=step, generation=generation,
+                    checksum=claimed, data=data, verified=verify)  # fmt: skip
         self.keep(copy)
         # Reported before the sender hears back, so "sent" implies "reported" (no race).
         if self.on_held is not None:
@@ -455,10 +556,18 @@ class PeerStore:
         if self.tamper is not None:
             data = self.tamper(data)
             known = digest(data, _algorithm(known))
-        self._answer(wfile, server_nonce, client_nonce,
-                     {"ok": True, "nbytes": len(data), "digest": known})  # fmt: skip
-        wfile.write(memoryview(data))
-        wfile.flush()
+        with self._lock:  # a buffer being served is not reused for a put meanwhile
+            self._serving[id(data)] = self._serving.get(id(data), 0) + 1
+        try:
+            self._answer(wfile, server_nonce, client_nonce,
+                         {"ok": True, "nbytes": len(data), "digest": known})  # fmt: skip
+            wfile.write(memoryview(data))
+            wfile.flush()
+        finally:
+            with self._lock:
+                left = self._serving.pop(id(data)) - 1
+                if left:
+                    self._serving[id(data)] = left
 
 
 # ---------------------------------------------------------------------- clients
@@ -499,13 +608,14 @@ class _Session:
             )
         self.client_nonce = secrets.token_bytes(16)
 
-    def request(self, body: dict[str, Any], data: bytes | bytearray | memoryview = b"") -> None:
+    def request(self, body: dict[str, Any], parts: Sequence[Buffer] = ()) -> None:
         body = {**body, "nonce": self.client_nonce.hex()}
         if self.key is not None:
             body["mac"] = _mac(self.key, _REQUEST, self.server_nonce, _canonical(body))
         self.sock.sendall(json.dumps(body).encode() + b"\n")
-        if len(data):
-            self.sock.sendall(data)
+        for part in parts:  # as they are: no copy into one buffer
+            if len(part):
+                self.sock.sendall(part)
 
     def answer(self) -> dict[str, Any]:
         answer = json.loads(self.rfile.readline(_MAX_HEADER) or b"{}")
@@ -529,7 +639,7 @@ def send(
     shard: int,
     step: int,
     generation: int,
-    data: bytes | bytearray | memoryview,
+    data: Buffer | Sequence[Buffer],
     digest: str,
     secret: bytes | None = None,
     timeout: float = 30.0,
@@ -537,17 +647,20 @@ def send(
 ) -> None:
     """Give a copy to the peer at ``endpoint``; raise ``ReplicationError`` if it refuses.
 
-    ``digest`` is the bytes' digest (``digest(data)``), which the holder checks as they arrive.
+    ``data``: the bytes, or their parts in order (e.g. a snapshot slot's views, sent as they
+    are). ``digest`` is their digest (``digest(data)``, computed once by the owner), which the
+    holder keeps the copy under (and checks as the bytes arrive when it verifies puts).
     """
+    parts = _parts(data)
     header = {
         "op": "put", "owner": owner, "shard": shard, "step": step, "generation": generation,
-        "nbytes": len(data), "digest": digest,
+        "nbytes": sum(len(part) for part in parts), "digest": digest,
     }  # fmt: skip
     try:
         with _connect(endpoint, timeout, tls) as sock:
             session = _Session(sock, endpoint, secret)
             try:
-                session.request(header, memoryview(data).cast("B"))
+                session.request(header, parts)
                 answer = session.answer()
             finally:
                 session.close()
@@ -610,8 +723,6 @@ def serve(count: int, secret: bytes | None, *, bind: str = "127.0.0.1") -> None:
     """Run ``count`` peer stores in this process until stdin closes, having printed their
     endpoints (one JSON list) first: holders in a process of their own, as a benchmark's
     stand-in for the members of other nodes."""
-    import sys
-
     stores = [PeerStore(advertise=bind, secret=secret) for _ in range(count)]
     try:
         print(json.dumps([store.start() for store in stores]), flush=True)
@@ -622,7 +733,5 @@ def serve(count: int, secret: bytes | None, *, bind: str = "127.0.0.1") -> None:
 
 
 if __name__ == "__main__":  # python -m rank_runtime.replication COUNT (secret from the env)
-    import sys
-
     _secret = os.environ.get("ELASTIC_JOB_SECRET", "")
     serve(int(sys.argv[1]) if len(sys.argv) > 1 else 1, bytes.fromhex(_secret) if _secret else None)

@@ -17,7 +17,10 @@ at the collective timeout).
 ``build(world)`` wraps the model on the current generation's process group (DDP, FSDP2's
 ``fully_shard``, tensor parallelism over ``session.mesh(...)``) and creates the optimizer; it is
 called at the start and again after every recovery, and must make a fresh model from the
-job's seed each time (what it returns is then restored from the backup). The session reads and
+job's seed each time (what it returns is then restored from the backup). When the generation
+restores its state right after ``build`` (``session.restoring``), ``build`` may skip the random
+initialisation: make the model on the meta device and allocate it (``to_empty``), since the
+restore writes every parameter, persistent buffer and optimizer state. The session reads and
 restores the state by what it is given:
 
 - a model whose parameters are DTensors (FSDP2, TP, both): each rank's local shards with their
@@ -255,6 +258,14 @@ class Session:
         return world
 
     @property
+    def restoring(self) -> bool:
+        """Whether the current generation's state is restored from a backup (in memory or a
+        cold checkpoint) right after ``build``: ``build`` may then leave the model
+        uninitialised (the meta device and ``to_empty``), as every parameter, persistent
+        buffer and optimizer state is overwritten. False at a fresh start."""
+        return self.elastic.restored_from in (RestoreFrom.MEMORY, RestoreFrom.CHECKPOINT)
+
+    @property
     def device(self) -> torch.device:
         """This member's device (the GPU of its LOCAL_RANK, or the CPU)."""
         device: torch.device = self.elastic.device
@@ -344,12 +355,13 @@ class Session:
     def _enter_generation(self) -> None:
         """Build on the new group and restore what the control plane's decision names."""
         elastic = self.elastic
+        started = time.perf_counter()
         # Sub-groups (a device mesh's) connect here: leaving the generation ends them too.
         with elastic.group_sockets.recording():
             model, optimizer = self._build(self.world)
         parts = _Parts(model, optimizer)
-        restoring = elastic.restored_from in (RestoreFrom.MEMORY, RestoreFrom.CHECKPOINT)
-        if restoring:
+        built = time.perf_counter()
+        if self.restoring:
             shards = elastic.restored_shards
             replicated = self._share_replicated(elastic.restored_replicated)
             own = elastic.own_shard if elastic.own_shard in shards else min(shards, default=None)
@@ -361,6 +373,9 @@ class Session:
                         put(mine["state"][name])
                 if "rng" in mine:
                     _set_rng_state(mine["rng"])
+        loaded = time.perf_counter()
+        log.info("generation %d: built in %.3fs, state loaded in %.3fs", self.world.generation,
+                 built - started, loaded - built)  # fmt: skip
         self._parts = parts
 
     def _share_replicated(self, mine: Any) -> Any:

@@ -444,20 +444,150 @@ class _CoveringPlanner(DefaultLoadPlanner):
 # -- load -------------------------------------------------------------------------------------
 
 
+def _local_view(value: torch.Tensor) -> tuple[torch.Tensor, list[tuple[list[int], list[int]]]]:
+    """The local tensor of ``value`` and its chunks in the global tensor (offsets, sizes)."""
+    if isinstance(value, DTensor):
+        if value.device_mesh.get_coordinate() is None:
+            return value.to_local(), []
+        metas = cast(list[ChunkStorageMetadata], value.__create_chunk_list__())  # type: ignore[no-untyped-call]
+        return value.to_local(), [(list(m.offsets), list(m.sizes)) for m in metas]
+    return value, [([0] * value.dim(), list(value.shape))]
+
+
+def _fits(entry: Mapping[str, Any], value: torch.Tensor) -> torch.Tensor | None:
+    """The captured chunk of ``entry`` when it is exactly ``value``'s local chunk (same global
+    shape, dtype, offsets and sizes); None otherwise."""
+    local, chunks = _local_view(value)
+    if (
+        list(entry["shape"]) != list(value.shape)
+        or entry["dtype"] != _dtype_name(value.dtype)
+        or len(chunks) != 1
+        or len(entry["chunks"]) != 1
+    ):
+        return None
+    (chunk,) = entry["chunks"]
+    data = chunk["data"]
+    if (list(chunk["offsets"]), list(chunk["sizes"])) != chunks[0] or tuple(data.shape) != tuple(
+        local.shape
+    ):
+        return None
+    return cast(torch.Tensor, data)
+
+
+def _load_same_layout(
+    model: nn.Module, optimizer: torch.optim.Optimizer, capture: Mapping[str, Any]
+) -> bool:
+    """Load one capture taken in this rank's own layout (a replacement, or a survivor of one)
+    by copying each captured chunk into the tensor it came from: no resharding plan, no
+    optimizer initialisation. False, having written nothing, when anything differs (a key, a
+    shape, a chunk, the parameter order of the optimizer): ``load``'s general path then runs.
+    """
+    if capture.get("format") != FORMAT:
+        return False
+    tensors: Mapping[str, Any] = capture["tensors"]
+    objects: Mapping[str, Any] = capture["objects"]
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+    model_sd = get_model_state_dict(model)
+    model_keys = {f"{_MODEL}.{fqn}" for fqn in model_sd}
+    if {k for k in tensors if k.startswith(f"{_MODEL}.")} != model_keys or any(
+        k.startswith(f"{_MODEL}.") for k in objects
+    ):
+        return False
+    for fqn, value in model_sd.items():
+        if not isinstance(value, torch.Tensor):
+            return False
+        data = _fits(tensors[f"{_MODEL}.{fqn}"], value)
+        if data is None:
+            return False
+        copies.append((_local_view(value)[0], data))
+    names = {id(p): fqn for fqn, p in model.named_parameters()}
+    stateless = set(capture.get("stateless", ()))
+    groups: list[dict[str, Any]] = []
+    states: list[tuple[torch.Tensor, dict[str, Any]]] = []
+    used = set(model_keys)
+    for i, group in enumerate(optimizer.param_groups):
+        prefix = f"{_OPTIM}.param_groups.{i}."
+        fqns = [names.get(id(p), "") for p in group["params"]]
+        if objects.get(f"{prefix}params") != fqns:
+            return False
+        settings: dict[str, Any] = {}
+        for key, current in group.items():
+            if key == "params":
+                continue
+            if f"{prefix}{key}" not in objects:
+                return False
+            saved = objects[f"{prefix}{key}"]
+            settings[key] = tuple(saved) if isinstance(current, tuple) else saved
+        used.update(f"{prefix}{key}" for key in group)
+        groups.append(settings)
+        for param, fqn in zip(group["params"], fqns, strict=True):
+            mine = f"{_OPTIM_STATE}{fqn}."
+            keys = [k for k in tensors if k.startswith(mine)] + [
+                k for k in objects if k.startswith(mine)
+            ]
+            if not keys:
+                if fqn not in stateless:
+                    return False
+                continue
+            entry: dict[str, Any] = {}
+            for key in keys:
+                name = key[len(mine) :]
+                if "." in name:  # nested per-parameter state: the general path handles it
+                    return False
+                if key in objects:
+                    entry[name] = objects[key]
+                    continue
+                spec = tensors[key]
+                like = param if list(spec["shape"]) == list(param.shape) else None
+                if like is not None and spec["dtype"] == _dtype_name(param.dtype):
+                    target = torch.empty_like(param)  # a DTensor laid out as the parameter
+                else:
+                    dtype = _DTYPES.get(spec["dtype"])
+                    if dtype is None or len(spec["chunks"]) != 1:
+                        return False
+                    target = torch.empty(spec["shape"], dtype=dtype, device=param.device)
+                data = _fits(spec, target)
+                if data is None:
+                    return False
+                copies.append((_local_view(target)[0], data))
+                entry[name] = target
+            used.update(keys)
+            states.append((param, entry))
+    if used != set(tensors) | set(objects):
+        return False  # the capture holds state this optimizer has no place for
+    with torch.no_grad():
+        for target, data in copies:
+            target.copy_(data)
+    optimizer.state.clear()
+    for param, entry in states:
+        optimizer.state[param] = entry
+    for group, settings in zip(optimizer.param_groups, groups, strict=True):
+        group.update(settings)
+    return True
+
+
 def load(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     shards: Mapping[int, dict[str, Any]],
-) -> None:
+) -> str:
     """Set ``model`` and ``optimizer`` (built on the current mesh) from captured ``shards``.
 
     ``shards`` maps old ranks to what ``capture`` returned there; they must cover every chunk
     this rank holds (its own old shard on a replace, all of them on a shrink or grow). No
     collective is issued, so ranks may call it independently. Raises ``ValueError`` (before
     writing anything) when a key or a region is missing.
+
+    One capture in this rank's own layout (a replace) is copied chunk by chunk into the live
+    tensors (``"same-layout"``); anything else goes through DCP's planner (``"resharded"``).
+    Returns which.
     """
     if not shards:
         raise ValueError("no shards to load from")
+    if len(shards) == 1:
+        (capture,) = shards.values()
+        if _load_same_layout(model, optimizer, capture):
+            return "same-layout"
     reader = InMemoryReader(shards)
     stored = reader.read_metadata().state_dict_metadata
     # A fresh optimizer's state is replaced wholesale; clearing it lets get_optimizer_state_dict
@@ -522,3 +652,4 @@ def load(
     set_optimizer_state_dict(model, optimizer, optim_sd)
     for fqn in stateless:
         optimizer.state.pop(param_of[fqn], None)
+    return "resharded"

@@ -18,8 +18,9 @@ def test_the_formula_for_ddp_with_zero():
     assert got["replicated"] == replicated
     assert got["sent_per_backup"] == 2 * unique
     assert got["own_unique"] == 2 * unique and got["own_replicated"] == 2 * replicated
-    assert got["held"] == 2 * 2 * unique and got["sending"] == unique
-    assert got["total"] == 2 * unique + 2 * replicated + 4 * unique + unique == 22_000
+    # Per shard held: 2 steps kept and the buffer the next copy arrives in; nothing serialized.
+    assert got["held"] == 3 * 2 * unique and got["sending"] == 0
+    assert got["total"] == 2 * unique + 2 * replicated + 6 * unique == 24_000
 
 
 def test_the_formula_for_fsdp_plain_ddp_and_an_uneven_zero_partition():
@@ -27,14 +28,14 @@ def test_the_formula_for_fsdp_plain_ddp_and_an_uneven_zero_partition():
                      redundancy=2)  # fmt: skip
     assert seven_b["unique"] == pytest.approx(10 * 7e9 / 64)
     assert seven_b["replicated"] == 0
-    assert seven_b["total"] == pytest.approx(7 * 10 * 7e9 / 64)  # (3 + 2R) U
+    assert seven_b["total"] == pytest.approx(8 * 10 * 7e9 / 64)  # (2 + 3R) U
     plain = sizing("replicated", params=100, param_bytes=4, optimizer_bytes=8, world=8,
                    redundancy=2)  # fmt: skip
     assert plain["unique"] == 0 and plain["sent_per_backup"] == 0
     assert plain["total"] == 2 * 12 * 100
     uneven = sizing("zero", params=100, param_bytes=4, optimizer_bytes=8, world=4,
                     redundancy=1, partition=70, held_unique=8 * 10)  # fmt: skip
-    assert uneven["unique"] == 8 * 70 and uneven["held"] == 2 * 80
+    assert uneven["unique"] == 8 * 70 and uneven["held"] == 3 * 80
     with pytest.raises(ValueError, match="kind must be one of"):
         sizing("tp", params=1, param_bytes=4, optimizer_bytes=8, world=1, redundancy=0)
 

@@ -1,12 +1,14 @@
-"""Peer replication over loopback TCP: verified before kept, served back, bounded memory, and
-with the job's secret authenticated both ways (no secret, a wrong one, a replayed request,
-tampered bytes: refused)."""
+"""Peer replication over loopback TCP: kept under the owner's digest and verified by whoever
+fetches it (or, opted in, by the holder before it keeps it), served back, bounded memory with
+receive buffers reused, and with the job's secret authenticated both ways (no secret, a wrong
+one, a replayed request: refused; tampered bytes: refused at fetch)."""
 
 from __future__ import annotations
 
 import json
 import os
 import socket
+import sys
 
 import pytest
 
@@ -52,14 +54,97 @@ def test_a_copy_is_kept_reported_and_served_back(store):
     assert fetch(store.endpoint, owner="m1", shard=1, step=10) == data
 
 
-def test_a_corrupt_copy_is_refused_and_not_kept(store):
+def test_a_corrupt_copy_is_kept_unverified_and_refused_when_fetched(store):
+    """By default the holder does not hash a put: the copy is kept under the digest its owner
+    claimed, and whoever fetches it hashes it and refuses it."""
     data = b"payload"
-    with pytest.raises(ReplicationError, match="digest"):
-        send(store.endpoint, owner="m1", shard=0, step=5, generation=1, data=data,
-             digest=digest(b"other"))  # fmt: skip
-    assert store.held("m1", 0, 5) is None
-    with pytest.raises(ReplicationError, match="no shard 0"):
+    send(store.endpoint, owner="m1", shard=0, step=5, generation=1, data=data,
+         digest=digest(b"other"))  # fmt: skip
+    held = store.held("m1", 0, 5)
+    assert held is not None and held.checksum == digest(b"other") and not held.verified
+    with pytest.raises(DigestMismatch, match="its holder announced"):
         fetch(store.endpoint, owner="m1", shard=0, step=5)
+    with pytest.raises(DigestMismatch):
+        fetch(store.endpoint, owner="m1", shard=0, step=5, expected=digest(b"other"))
+
+
+@pytest.mark.parametrize("how", ["argument", "env"])
+def test_a_verifying_holder_refuses_a_corrupt_copy_and_keeps_none(monkeypatch, how):
+    if how == "env":
+        monkeypatch.setenv("ELASTIC_PEER_VERIFY", "1")
+    peer = PeerStore(verify=True) if how == "argument" else PeerStore()
+    assert peer.verify
+    peer.start()
+    try:
+        with pytest.raises(ReplicationError, match="digest"):
+            send(peer.endpoint, owner="m1", shard=0, step=5, generation=1, data=b"payload",
+                 digest=digest(b"other"))  # fmt: skip
+        assert peer.held("m1", 0, 5) is None
+        with pytest.raises(ReplicationError, match="no shard 0"):
+            fetch(peer.endpoint, owner="m1", shard=0, step=5)
+        good = b"payload"
+        send(peer.endpoint, owner="m1", shard=0, step=6, generation=1, data=good,
+             digest=digest(good))  # fmt: skip
+        held = peer.held("m1", 0, 6)
+        assert held is not None and held.verified and held.data == good
+    finally:
+        peer.close()
+    monkeypatch.setenv("ELASTIC_PEER_VERIFY", "0")
+    assert not PeerStore().verify
+
+
+def test_a_copy_sent_in_parts_arrives_whole():
+    parts = [b"head", memoryview(bytearray(b"x" * 70_000)), b"", b"tail"]
+    whole = b"".join(bytes(p) for p in parts)
+    peer = PeerStore(verify=True)  # the holder hashes what arrives: the digest of the whole
+    peer.start()
+    try:
+        send(peer.endpoint, owner="m1", shard=0, step=1, generation=1, data=parts,
+             digest=digest(whole))  # fmt: skip
+        assert fetch(peer.endpoint, owner="m1", shard=0, step=1, expected=digest(whole)) == whole
+    finally:
+        peer.close()
+
+
+def test_receive_buffers_are_reused_and_memory_stays_at_keep_plus_one(store):
+    """Per (owner, shard) the evicted copy's buffer receives the next put of its size."""
+    buffers = []
+    for step in range(1, 7):
+        data = bytes([step]) * 50_000
+        send(store.endpoint, owner="m1", shard=0, step=step, generation=1, data=data,
+             digest=digest(data))  # fmt: skip
+        held = store.held("m1", 0, step)
+        assert held is not None and held.data == data
+        buffers.append(id(held.data))
+        # Two copies kept, one spare buffer at most: never more than keep + 1 buffers.
+        assert store.nbytes() <= 3 * 50_000
+        assert store.held("m1", 0, step - 1) is not None if step > 1 else True
+        assert store.held("m1", 0, step - 2) is None
+    # From the fourth put on, each lands in the buffer the put before last evicted.
+    assert buffers[3] == buffers[0] and buffers[4] == buffers[1] and buffers[5] == buffers[2]
+    # A put of another size gets a fresh buffer; the older copies are intact throughout.
+    other = b"z" * 1000
+    send(store.endpoint, owner="m1", shard=0, step=7, generation=1, data=other,
+         digest=digest(other))  # fmt: skip
+    assert store.held("m1", 0, 6).data == bytes([6]) * 50_000
+    assert fetch(store.endpoint, owner="m1", shard=0, step=7, expected=digest(other)) == other
+
+
+def test_a_buffer_being_served_is_not_reused_by_a_put(store):
+    """A get still streaming an evicted copy keeps its buffer from being received into."""
+    first = b"a" * 1000
+    send(store.endpoint, owner="m1", shard=0, step=1, generation=1, data=first,
+         digest=digest(first))  # fmt: skip
+    held = store.held("m1", 0, 1)
+    assert held is not None
+    with store._lock:
+        store._serving[id(held.data)] = 1  # as _get marks it while it writes
+    for step in (2, 3):  # step 1 is evicted while "served"
+        data = bytes([step]) * 1000
+        send(store.endpoint, owner="m1", shard=0, step=step, generation=1, data=data,
+             digest=digest(data))  # fmt: skip
+    assert held.data == first  # not overwritten
+    assert all(store.held("m1", 0, s).data is not held.data for s in (2, 3))
 
 
 def test_only_the_newest_steps_are_kept(store):
@@ -69,7 +154,7 @@ def test_only_the_newest_steps_are_kept(store):
              digest=digest(data, "crc32"))  # fmt: skip
     assert store.held("m2", 2, 10) is None
     assert store.held("m2", 2, 20) is not None and store.held("m2", 2, 30) is not None
-    assert store.nbytes() == 2000
+    assert store.nbytes() == 3000  # two copies and step 10's buffer, kept for the next put
 
 
 def test_an_unreachable_peer_is_a_replication_error():
@@ -140,8 +225,8 @@ def _recorded_request(endpoint: str) -> tuple[dict[str, object], bytes]:
     captured: dict[str, object] = {}
     real = replication._Session.request
 
-    def spy(self, body, data=b""):  # type: ignore[no-untyped-def]
-        real(self, body, data)
+    def spy(self, body, parts=()):  # type: ignore[no-untyped-def]
+        real(self, body, parts)
         captured.update(
             {**body, "nonce": self.client_nonce.hex(),
              "mac": replication._mac(self.key, replication._REQUEST, self.server_nonce,
@@ -176,13 +261,48 @@ def test_a_recorded_get_replayed_later_is_refused(secure):
     assert b"secret state" not in rest and secure.refused == 1
 
 
-def test_tampered_bytes_in_a_put_are_refused(secure):
-    """A man in the middle cannot change the bytes: the MAC binds their digest."""
+def test_tampered_bytes_in_a_put_are_refused_at_fetch(secure):
+    """A man in the middle can change a put's bytes, not the digest the MAC binds them to: the
+    holder keeps a copy that no fetch accepts (with verification on, it refuses it at once)."""
     data = b"A" * 4096
+    send(secure.endpoint, owner="w0", shard=0, step=10, generation=1,
+         data=b"B" + data[1:], digest=digest(data), secret=SECRET)  # fmt: skip
+    held = secure.held("w0", 0, 10)
+    assert held is not None and held.checksum == digest(data) and not held.verified
+    with pytest.raises(DigestMismatch, match="its holder announced"):
+        fetch(secure.endpoint, owner="w0", shard=0, step=10, expected=digest(data),
+              secret=SECRET)  # fmt: skip
+    secure.verify = True
     with pytest.raises(ReplicationError, match="digest"):
-        send(secure.endpoint, owner="w0", shard=0, step=10, generation=1,
+        send(secure.endpoint, owner="w0", shard=0, step=20, generation=1,
              data=b"B" + data[1:], digest=digest(data), secret=SECRET)  # fmt: skip
-    assert secure.held("w0", 0, 10) is None
+    assert secure.held("w0", 0, 20) is None
+
+
+def test_a_put_s_claimed_digest_cannot_be_changed_without_the_secret(secure):
+    """The digest a holder keeps a copy under is the owner's: a man in the middle who rewrites
+    the header (to match forged bytes) breaks its MAC, and the put is refused."""
+    from rank_runtime import replication
+
+    forged = b"forged!" * 100
+    real = replication._Session.request
+
+    def rewrite(self, body, parts=()):  # type: ignore[no-untyped-def]
+        body = {**body, "nonce": self.client_nonce.hex()}
+        body["mac"] = replication._mac(self.key, replication._REQUEST, self.server_nonce,
+                                       replication._canonical(body))  # fmt: skip
+        body["digest"] = digest(forged)  # changed after the owner's MAC
+        self.sock.sendall(json.dumps(body).encode() + b"\n")
+        self.sock.sendall(forged)
+
+    replication._Session.request = rewrite  # type: ignore[method-assign]
+    try:
+        with pytest.raises(ReplicationError, match="unauthenticated"):
+            send(secure.endpoint, owner="w0", shard=0, step=10, generation=1,
+                 data=forged, digest=digest(b"genuine"), secret=SECRET)  # fmt: skip
+    finally:
+        replication._Session.request = real  # type: ignore[method-assign]
+    assert secure.held("w0", 0, 10) is None and secure.refused == 1
 
 
 def test_a_holder_serving_tampered_bytes_is_refused_even_with_a_valid_mac(secure):
@@ -321,3 +441,27 @@ def test_a_forging_holder_s_copy_decodes_with_a_valid_crc32_but_not_the_digest()
     assert torch.equal(restored.state["w"], torch.full((4,), faults.FORGE_FACTOR))
     assert torch.equal(restored.state["step"], torch.tensor([20]))
     assert digest(forged) != digest(genuine)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own priority")
+def test_background_priority_lowers_only_the_calling_thread(monkeypatch):
+    import threading
+
+    from rank_runtime.replication import background_priority
+
+    seen: dict[str, object] = {}
+
+    def lowered() -> None:
+        tid = threading.get_native_id()
+        before = os.getpriority(os.PRIO_PROCESS, tid)
+        seen["done"] = background_priority(3)
+        seen["change"] = os.getpriority(os.PRIO_PROCESS, tid) - before
+
+    main_before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    thread = threading.Thread(target=lowered)
+    thread.start()
+    thread.join()
+    assert seen == {"done": True, "change": min(3, 19 - main_before)}
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main_before
+    monkeypatch.setenv("ELASTIC_REPLICATION_NICE", "0")
+    assert background_priority() is False

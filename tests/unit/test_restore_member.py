@@ -102,3 +102,34 @@ def test_own_memory_that_matches_is_used_without_a_transfer(monkeypatch):
     mine = survivor.hot.to_bytes(20)
     shards, _, sources = survivor._restore(command(["w0", "w1"], ["sha256:00", digest(mine)], {}))
     assert torch.equal(shards[1]["w"], torch.full((8,), 3.0)) and sources == {"1": "w1"}
+
+
+def test_a_copy_corrupted_on_its_way_to_a_holder_is_refused_and_another_copy_restored(
+    monkeypatch, holder
+):
+    """A holder does not hash what it receives (``ELASTIC_PEER_VERIFY`` off): a put whose
+    bytes changed in transit is kept under the owner's digest. The restore refuses it, naming
+    that holder (the control plane re-plans around it); the re-plan's other holder's genuine
+    copy is restored."""
+    assert not holder.verify
+    genuine = shard_bytes(1.0)
+    broken = bytearray(genuine)
+    broken[-100] ^= 0xFF  # a flipped bit in the tensor bytes, after the owner's digest
+    send(holder.endpoint, owner="w1", shard=1, step=20, generation=2, data=broken,
+         digest=digest(genuine), secret=SECRET)  # fmt: skip
+    assert holder.held("w1", 1, 20) is not None  # kept, unverified
+    other = PeerStore(secret=SECRET)
+    other.start()
+    try:
+        put(other, genuine)
+        spare = member(monkeypatch, "s0", 1, own=None)
+        endpoints = {"h": holder.endpoint, "g": other.endpoint}
+        with pytest.raises(elastic_module._RefusedCopy, match="hashes to") as info:
+            spare._restore(command(["w0", "h"], ["sha256:00", digest(genuine)], endpoints))
+        assert (info.value.shard, info.value.source) == (1, "h")
+        shards, _, sources = spare._restore(
+            command(["w0", "g"], ["sha256:00", digest(genuine)], endpoints)
+        )
+        assert torch.equal(shards[1]["w"], torch.ones(8)) and sources == {"1": "g"}
+    finally:
+        other.close()

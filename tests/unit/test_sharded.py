@@ -189,7 +189,7 @@ def _worker(rank: int, port: int, tmp_dir: str) -> None:
         before = _local_state(model, opt)
         fresh, fresh_opt, fresh_dp = _build(4, seed=1)
         t0 = time.perf_counter()
-        sharded.load(fresh, fresh_opt, {rank: restored})
+        rec["replace_path"] = sharded.load(fresh, fresh_opt, {rank: restored})
         rec["replace_load_s"] = time.perf_counter() - t0
         after = _local_state(fresh, fresh_opt)
         rec["replace_keys"] = sorted(after) == sorted(before)
@@ -262,7 +262,7 @@ def _worker(rank: int, port: int, tmp_dir: str) -> None:
         # g3: shrink 4 -> 2, train on, capture.
         if _generation(store, rank, 2, 3):
             model, opt, dp = _build(2, seed=3)
-            sharded.load(model, opt, _read_captures(tmp, "g1", 4))
+            rec["shrink_path"] = sharded.load(model, opt, _read_captures(tmp, "g1", 4))
             rec["shrink2_diff"] = _same(full4, _full_state(model, opt))
             for s in (3, 4):
                 _train_step(model, opt, dp, s)
@@ -298,7 +298,7 @@ def _worker(rank: int, port: int, tmp_dir: str) -> None:
             torch.save(full2d, tmp / "g5-full.pt")
         before = _local_state(model, opt)
         fresh, fresh_opt, _ = _build(4, tp=2, seed=6)
-        sharded.load(fresh, fresh_opt, {rank: restored})
+        rec["tp_replace_path"] = sharded.load(fresh, fresh_opt, {rank: restored})
         after = _local_state(fresh, fresh_opt)
         rec["tp_replace_diff"] = [
             k
@@ -366,6 +366,8 @@ def test_replace_gives_the_captured_local_state_and_the_same_next_step(
     records: list[dict[str, Any]],
 ) -> None:
     for r in records:
+        # One capture of this rank's own layout: copied chunk by chunk, no resharding plan.
+        assert r["replace_path"] == r["tp_replace_path"] == "same-layout"
         assert r["replace_keys"]
         assert r["replace_kinds"] == []  # same placements, DTensor exp_avg/exp_avg_sq, plain step
         assert r["replace_diff"] == []
@@ -374,6 +376,7 @@ def test_replace_gives_the_captured_local_state_and_the_same_next_step(
 
 
 def test_shrink_4_to_3_and_to_2_reproduces_the_full_state(records: list[dict[str, Any]]) -> None:
+    assert [r["shrink_path"] for r in records[:2]] == ["resharded"] * 2
     for r in records[:3]:
         assert r["shrink_diff"] == []
         assert r["solo_diff"] == []  # rank 0 loaded alone: no collective inside load

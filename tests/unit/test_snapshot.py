@@ -605,3 +605,48 @@ def test_bad_arguments_are_refused():
     hot.take(1, {})
     with pytest.raises(ValueError, match="malformed checksum"):
         hot.verify(1, "CRC:xyz")
+
+
+@pytest.mark.parametrize("first", ["serialized", "iter_bytes"])
+def test_serialized_views_are_the_stream_without_a_copy_and_digested_in_one_pass(first):
+    """``serialized`` gives the slot's bytes as they are (prefix, tensor data, trailer), with
+    the sha256 of the whole stream, equal to hashing ``to_bytes``; whichever of it and
+    ``iter_bytes`` computes the trailer's crc32 first, both agree."""
+    import hashlib
+
+    import numpy
+
+    hot = HotSnapshot()
+    hot.take(5, training_state())
+    if first == "iter_bytes":
+        expected_bytes = hot.to_bytes(5)
+    with hot.serialized(5) as form:
+        joined = b"".join(bytes(part) for part in form.parts)
+        assert form.step == 5 and form.nbytes == len(joined) == hot.nbytes(5)
+        # The tensor bytes are a view of the slot itself, not a copy.
+        slot = next(s for s in hot._slots if s.step == 5)
+        assert slot.buffer is not None
+        assert form.parts[1].obj is not None and form.parts[1].readonly
+        assert form.parts[1].nbytes == slot.size
+        slot_address = slot.buffer.data_ptr()
+        view_address = numpy.frombuffer(form.parts[1], dtype=numpy.uint8).ctypes.data
+        assert view_address == slot_address
+        # Pinned while the block runs: a take skips rather than overwrite it.
+        hot.take(6, training_state())
+        assert hot.take(7, training_state()) is None
+    if first == "serialized":
+        expected_bytes = hot.to_bytes(5)
+    assert joined == expected_bytes
+    assert form.digest == "sha256:" + hashlib.sha256(expected_bytes).hexdigest()
+    assert hot.stream_digest(5) == form.digest == hot.stream_digest(5, cached=False)
+    assert from_bytes(joined).step == 5
+    assert hot.take(7, training_state()) is not None  # unpinned after the block
+
+
+def test_a_stream_digest_follows_the_content_and_a_missing_step_is_not_found():
+    hot = HotSnapshot()
+    hot.take(1, small_state(1.0, 1))
+    hot.take(2, small_state(2.0, 2))
+    assert hot.stream_digest(1) != hot.stream_digest(2)
+    with pytest.raises(SnapshotNotFound), hot.serialized(3):
+        pass
