@@ -21,7 +21,7 @@ from controlplane.core.fold import fold, fold_jobs
 from controlplane.core.liveness import LivenessTable
 from controlplane.core.records import DeadLetter
 from controlplane.core.statemachine import TERMINAL
-from controlplane.core.view import JobView
+from controlplane.core.view import JobView, MemberStatus
 from controlplane.decider import CommandPublisher, Decider, DeciderStats, utcnow
 from controlplane.errors import BusUnavailable, StoreUnavailable
 from controlplane.ingest import Backoff, Ingest, QuietTurn
@@ -96,7 +96,7 @@ class ControlPlane:
         def take(beat: HeartbeatMessage, node: str, member_id: str, at: datetime) -> str | None:
             view = self.views.get(beat.job_id)
             member = view.members.get(member_id) if view is not None else None
-            if member is None:
+            if view is None or member is None:
                 return f"never joined: {beat.source} of job {beat.job_id}"
             if member.incarnation != beat.incarnation:
                 return (
@@ -105,6 +105,12 @@ class ControlPlane:
                 )
             if member.node != node:
                 return f"forged node: {member_id} joined on {member.node}, not {node}"
+            if beat.generation < view.generation and member.status is not MemberStatus.ACTIVE:
+                # A fenced member resumed (SIGCONT), beating in the world it was left out of.
+                return (
+                    f"stale_generation: {beat.source} beats in generation {beat.generation},"
+                    f" left out of generation {view.generation}"
+                )
             payload = beat.payload
             table.observe(
                 beat.job_id,

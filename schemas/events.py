@@ -144,6 +144,8 @@ class JobPolicy(Strict):
 
     min_world: Annotated[int, Field(ge=1, le=MAX_WORLD)] = 1
     max_world: Annotated[int, Field(ge=1, le=MAX_WORLD)] = 1024
+    #: Heartbeats are soft state (NATS core, never stored): sub-second intervals cost no
+    #: write (e.g. 0.25 with a train timeout of 1: docs/design.md, "Liveness").
     heartbeat_interval_s: PositiveSeconds = 1.0
     #: The control plane records each member's liveness (``liveness.summary``: last
     #: heartbeat, beats, largest gap) at least this often; heartbeats themselves are soft

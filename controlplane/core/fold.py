@@ -378,16 +378,21 @@ class _Fold:
 
     def _liveness(self, stored: StoredEvent, p: Any) -> None:
         """A ``liveness.summary``: each member it lists (its current process) was last heard
-        at ``last_at`` in ``phase``, unless the view heard it later. Applied whatever the
-        member's status, so that a view the decider moved to the table's values before a
-        decision (``LivenessTable.overlay``) and the view folded from the log agree."""
+        at ``last_at`` in ``phase``, unless the view heard it later, or it is a member left
+        out of the world beating in an older generation. Applied whatever else the member's
+        status, so that a view the decider moved to the table's values before a
+        decision (``LivenessTable.overlay``, which moves active members only) and the view
+        folded from the log agree."""
         if stored.event.source != CONTROLPLANE_SOURCE:
             return  # the decoder refuses it from members; a log may still hold anything
         members = self.view.members
+        generation = self.view.generation
         for entry in p.members:
             current = members.get(entry.member)
             if current is None or current.incarnation != entry.incarnation:
                 continue
+            if entry.generation < generation and current.status is not _ACTIVE:
+                continue  # a fenced member resumed: no sign of life in the current world
             last = current.last_heartbeat_at
             if last is not None and entry.last_at < last:
                 continue
