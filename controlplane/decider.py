@@ -10,6 +10,11 @@ wanted after every commit that stored something that may make a decision due (no
 heartbeats, nor steps of a job without an open incident: ``core.decide.wakes``), and at the
 earliest deadline any job has (a heartbeat timeout, a recovery deadline), so a timeout is
 acted on when it expires, not at the next poll.
+
+Heartbeats are soft state (``core/liveness.py``): with a ``LivenessTable``, each turn moves the
+table onto the job's view before deciding, records a ``liveness.summary`` before any
+decision (and decides again on the view that folded it, so the log holds what the decision
+read), and one every ``liveness_summary_interval_s`` otherwise.
 """
 
 from __future__ import annotations
