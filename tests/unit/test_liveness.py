@@ -6,11 +6,14 @@ timeout replayed from the summaries (exact at or above their resolution, and sai
 from __future__ import annotations
 
 import functools
+import json
 from datetime import timedelta
 
+from controlplane.bus import HeartbeatListener
 from controlplane.core.fold import fold
 from controlplane.core.liveness import LivenessTable
 from controlplane.core.replay import DEADLINE_TICK, counterfactual, redecide
+from controlplane.decode import decode_heartbeat
 from schemas.common import Phase
 from schemas.events import SUMMARY_MEMBERS
 from tests.factories import T0, Events, recorded
@@ -191,3 +194,56 @@ def test_a_counterfactual_timeout_below_the_resolution_says_it_is_not_exact():
     # decider records an interval summary at its first turn once it is due).
     assert SUMMARY_S <= max(windows) < SUMMARY_S + 1.0
     assert "NOT exact" in note and f"resolution {max(windows):g}s" in note
+
+
+# --------------------------------------------------------------------------- the listener
+
+
+def _beat(**over):
+    body = {
+        "job_id": "job1", "type": "member.heartbeat", "v": 1, "source": "n0/m0",
+        "incarnation": "i1", "generation": 1, "emitted_at": "2026-01-01T00:00:00+00:00",
+        "payload": {"step": 3, "phase": "train"},
+    }  # fmt: skip
+    body.update(over)
+    return json.dumps(body).encode()
+
+
+def test_a_heartbeat_is_validated_and_bound_to_its_subject():
+    subject = "elastic.hb.job1.n0.m0"
+    beat = decode_heartbeat(subject, _beat())
+    assert not isinstance(beat, str) and beat.payload.step == 3
+    refused = {
+        (subject, b"\xff"): "not JSON",
+        (subject, _beat(source="n1/m0")): "forged source",
+        (subject, _beat(job_id="job2")): "job mismatch",
+        (subject, _beat(payload={"step": -1, "phase": "train"})): "schema violation",
+        (subject, _beat(type="member.joined")): "schema violation",
+        (subject, _beat(extra=1)): "schema violation",
+        ("elastic.hb.job1.n0", _beat()): "not a heartbeat subject",
+        ("elastic.evt.job1.n0.m0.member.heartbeat", _beat()): "not a heartbeat subject",
+        ("elastic.hb.job1.n0.launcher", _beat(source="n0/launcher")): "forged",
+        (subject, b" " * 70_000): "oversized",
+    }
+    for (subj, data), reason in refused.items():
+        got = decode_heartbeat(subj, data)
+        assert isinstance(got, str) and got.startswith(reason), (subj, data[:40], got)
+
+
+def test_one_bad_heartbeat_or_a_failing_taker_never_stops_the_listener():
+    taken = []
+
+    def take(beat, node, member, at):
+        if beat.payload.step == 13:
+            raise RuntimeError("a bug in the taker")
+        taken.append((node, member, at))
+        return None if beat.incarnation == "i1" else "stale_incarnation: i2"
+
+    listener = HeartbeatListener(None, take, clock=lambda: T0)  # type: ignore[arg-type]
+    subject = "elastic.hb.job1.n0.m0"
+    for data in (b"\x00garbage", _beat(payload={"step": 13, "phase": "train"}),
+                 _beat(incarnation="i2"), _beat()):  # fmt: skip
+        listener.receive(subject, data)
+    assert listener.stats.received == 4 and listener.stats.accepted == 1
+    assert listener.stats.refused == {"not JSON": 1, "undecodable": 1, "stale_incarnation": 1}
+    assert taken[-1] == ("n0", "m0", T0)
