@@ -76,7 +76,8 @@ def serve() -> None:
     """Run the control plane: ingest events from NATS into PostgreSQL and fold job views.
 
     Reads ELASTIC_NATS_URL, ELASTIC_DATABASE_URL and the other ELASTIC_* settings
-    (see README). Waits for NATS and PostgreSQL while they are down; stops on SIGINT/SIGTERM.
+    (`elasticctl settings`; docs/settings.md). Waits for NATS and PostgreSQL while they are
+    down; stops on SIGINT/SIGTERM.
     """
     from controlplane.app import serve as run
 
@@ -188,6 +189,45 @@ def creds(
             f"issued {len(issued.nodes)} node(s) of {job} into {out}; {issued.users} NATS "
             f"users in {issued.users_file} (reload nats-server to apply)"
         )
+
+
+@app.command("settings")
+def settings_command(
+    markdown: Annotated[
+        bool,
+        typer.Option(
+            "--markdown",
+            help="Print the reference of every variable instead (docs/settings.md is its output).",
+        ),
+    ] = False,
+) -> None:
+    """Show the control plane's settings (ELASTIC_* environment variables).
+
+    Without --markdown: the values this environment gives, one ELASTIC_NAME=VALUE line each
+    (an unset one and a secret that is set as comments; secrets are never printed). With
+    --markdown: the reference of every setting (type, default, meaning) and of every variable
+    a training process reads, generated from the code:
+    `elasticctl settings --markdown > docs/settings.md`.
+    """
+    from pydantic import SecretStr, ValidationError
+
+    from controlplane.settings import ENV_PREFIX, Settings, settings_markdown
+
+    if markdown:
+        typer.echo(settings_markdown(), nl=False)
+        return
+    try:
+        settings = Settings()
+    except ValidationError as exc:
+        raise _fail(f"bad settings: {exc}") from exc
+    for name, field in Settings.model_fields.items():
+        variable, value = f"{ENV_PREFIX}{name.upper()}", getattr(settings, name)
+        if value is None:
+            typer.echo(f"# {variable} unset")
+        elif isinstance(value, SecretStr) or field.repr is False:
+            typer.echo(f"# {variable} set (hidden)")
+        else:
+            typer.echo(f"{variable}={str(value).lower() if isinstance(value, bool) else value}")
 
 
 @schemas_app.command("export")
@@ -716,7 +756,7 @@ def replay(
     Prints the state, generation, world, members, state machine and incidents with their
     timelines, at the end of the log or at --until. With --policy, re-runs the decider over
     the recorded member events under that policy and shows the recorded and the
-    counterfactual incidents side by side (see README).
+    counterfactual incidents side by side (docs/operations.md, "Post-mortems").
     """
     from controlplane.postmortem import commands
 

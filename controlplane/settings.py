@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import ast
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, get_args
+
 from pydantic import Field, NonNegativeFloat, PositiveFloat, PositiveInt, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -133,3 +139,167 @@ def libpq_url(database_url: str) -> str:
     if database_url.startswith("postgresql+psycopg://"):
         return "postgresql://" + database_url[len("postgresql+psycopg://") :]
     return database_url
+
+
+# --- The settings reference (docs/settings.md) -------------------------------------------------
+
+#: The command that writes docs/settings.md (tests/unit/test_settings_doc.py names it).
+REGENERATE = "elasticctl settings --markdown > docs/settings.md"
+#: Packages whose module-level ``*_ENV`` constants are the variables a training process, its
+#: launcher and ``elasticctl creds`` read (the control plane's are the fields of ``Settings``).
+MEMBER_PACKAGES = ("rank_runtime", "schemas")
+
+
+@dataclass(frozen=True, slots=True)
+class EnvVariable:
+    """One ``ELASTIC_*`` variable named by a ``*_ENV`` constant, with its ``#:`` comment."""
+
+    name: str
+    module: str
+    constant: str
+    description: str
+
+
+def _type_name(annotation: Any) -> str:
+    names = {str: "string", int: "integer", float: "number", bool: "boolean"}
+    args = [a for a in get_args(annotation) if a is not type(None)]
+    if args and len(args) < len(get_args(annotation)):
+        return _type_name(args[0])
+    if annotation is SecretStr:
+        return "secret string"
+    return names.get(annotation, getattr(annotation, "__name__", str(annotation)))
+
+
+def _bounds(metadata: list[Any]) -> str:
+    marks = []
+    for item in metadata:
+        for attr, sign in (("gt", ">"), ("ge", "≥"), ("lt", "<"), ("le", "≤")):
+            value = getattr(item, attr, None)
+            if value is not None:
+                marks.append(f"{sign} {value}")
+    return ", ".join(marks)
+
+
+def _default(value: Any) -> str:
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return f"`{str(value).lower()}`"
+    if isinstance(value, float) and float(f"{value:g}") == value:
+        return f"`{value:g}`"
+    return f"`{value}`"
+
+
+def _cell(text: str) -> str:
+    return " ".join(text.split()).replace("``", "`").replace("|", "\\|")
+
+
+def env_variables(packages: tuple[str, ...] = MEMBER_PACKAGES) -> list[EnvVariable]:
+    """Every module-level ``NAME_ENV = "ELASTIC_..."`` of ``packages``, read from the source.
+
+    The description is the ``#:`` comment right above the constant; a constant without one
+    that directly follows another (no blank line) shares that one's (``TLS_CERT_ENV`` and
+    ``TLS_KEY_ENV``). The modules are parsed, not imported (no torch at start-up).
+    """
+    found: list[EnvVariable] = []
+    for package in packages:
+        spec = importlib.util.find_spec(package)
+        locations = spec.submodule_search_locations if spec is not None else None
+        if not locations:
+            raise LookupError(f"package {package!r} not found")
+        for path in sorted(Path(next(iter(locations))).glob("*.py")):
+            lines = path.read_text(encoding="utf-8").splitlines()
+            previous: tuple[int, str] | None = None
+            for node in ast.parse("\n".join(lines)).body:
+                if not (
+                    isinstance(node, ast.Assign)
+                    and len(node.targets) == 1
+                    and isinstance(node.targets[0], ast.Name)
+                    and node.targets[0].id.endswith("_ENV")
+                    and isinstance(node.value, ast.Constant)
+                    and isinstance(node.value.value, str)
+                    and node.value.value.startswith(ENV_PREFIX)
+                ):
+                    continue
+                comment: list[str] = []
+                row = node.lineno - 2
+                while row >= 0 and lines[row].lstrip().startswith("#:"):
+                    comment.insert(0, lines[row].lstrip()[2:].strip())
+                    row -= 1
+                description = " ".join(comment)
+                if not description and previous is not None and previous[0] == node.lineno - 1:
+                    description = previous[1]
+                previous = (node.end_lineno or node.lineno, description)
+                found.append(
+                    EnvVariable(
+                        name=node.value.value,
+                        module=f"{package}.{path.stem}",
+                        constant=node.targets[0].id,
+                        description=description,
+                    )
+                )
+    return found
+
+
+def settings_markdown() -> str:
+    """docs/settings.md: every control-plane setting and every variable of the rank runtime.
+
+    Generated from ``Settings``' fields (type, bounds, default, description) and the ``*_ENV``
+    constants of ``MEMBER_PACKAGES`` with their ``#:`` comments (``env_variables``).
+    """
+    out = [
+        "# Settings",
+        "",
+        "<!-- Generated from the code; do not edit by hand. Regenerate it with",
+        f"     {REGENERATE}",
+        "     (tests/unit/test_settings_doc.py fails when this file differs from the output). -->",
+        "",
+        "Every setting is an environment variable. `elasticctl settings` prints the values the",
+        "current environment gives the control plane (secrets hidden).",
+        "",
+        "## The control plane",
+        "",
+        "Read by `elasticctl serve`, `api`, `migrate`, `creds`, `demo` and the benchmarks, from",
+        f"the fields of `controlplane.settings.Settings`: each field `name` is `{ENV_PREFIX}NAME`.",
+        "A value that does not parse, or is out of bounds, stops the command with the reason.",
+        "",
+        "| variable | type | default | meaning |",
+        "| --- | --- | --- | --- |",
+    ]
+    for name, field in Settings.model_fields.items():
+        kind = _type_name(field.annotation)
+        bounds = _bounds(field.metadata)
+        if bounds:
+            kind = f"{kind} ({bounds})"
+        if field.repr is False or field.annotation in (SecretStr, SecretStr | None):
+            kind = f"{kind}, hidden in `repr`"
+        out.append(
+            f"| `{ENV_PREFIX}{name.upper()}` | {kind} | {_default(field.default)}"
+            f" | {_cell(field.description or '')} |"
+        )
+    variables = env_variables()
+    by_name: dict[str, list[EnvVariable]] = {}
+    for variable in variables:
+        by_name.setdefault(variable.name, []).append(variable)
+    out += [
+        "",
+        "## Training processes, the launcher and `elasticctl creds`",
+        "",
+        "Read by the rank runtime (`rank_runtime/`) and the code both sides share (`schemas/`):",
+        "the module-level `*_ENV` constants there, with their `#:` comments. `elasticctl run`",
+        "sets a member's identity and credentials; set them yourself to start members another",
+        "way. Command-line options (`elasticctl run --help`) are not repeated here.",
+        "",
+        "| variable | read in | meaning |",
+        "| --- | --- | --- |",
+    ]
+    for name in sorted(by_name):
+        entries = by_name[name]
+        modules = ", ".join(f"`{v.module}`" for v in entries)
+        descriptions = list(dict.fromkeys(v.description for v in entries))
+        if len(descriptions) == 1:
+            meaning = descriptions[0]
+        else:
+            meaning = " ".join(f"{v.module}: {v.description}" for v in entries)
+        out.append(f"| `{name}` | {modules} | {_cell(meaning)} |")
+    return "\n".join(out) + "\n"

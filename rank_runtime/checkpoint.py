@@ -83,6 +83,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: Where cold checkpoints go, a directory every member reaches (``elasticctl run
+#: --checkpoint-dir``; with the policy's ``checkpoint_every``); unset: none are written.
 CHECKPOINT_DIR_ENV = "ELASTIC_CHECKPOINT_DIR"
 #: Checkpoint steps each shard keeps on disk.
 KEEP = 2

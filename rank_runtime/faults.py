@@ -26,7 +26,10 @@ import signal
 import time
 from dataclasses import dataclass
 
+#: Faults to inject, comma-separated, in the forms of ``elasticctl run --fault``
+#: (``crash@STEP:rank=R``, ``hang@STEP:rank=R``, ...).
 FAULTS_ENV = "ELASTIC_FAULTS"
+#: The launcher's directory where a member marks a fault as fired (each fires once per job).
 FAULTS_STATE_ENV = "ELASTIC_FAULTS_STATE"
 #: The ``step`` of a fault that fires on a reallocation rather than after a step.
 RECOVER = -1

@@ -10,15 +10,28 @@ from dataclasses import dataclass
 
 from schemas.common import IDENT_PATTERN, Role
 
+#: The job this member trains in (a name: letters, digits, ``_``, ``-``, at most 64); required.
 JOB_ID_ENV = "ELASTIC_JOB_ID"
+#: The node this member runs on (a name); required.
 NODE_ENV = "ELASTIC_NODE"
+#: The rack of its node (a name): placement spreads backup copies over racks; required.
 RACK_ENV = "ELASTIC_RACK"
+#: The member's name (not ``launcher``: that names the node's launcher); required.
 MEMBER_ENV = "ELASTIC_MEMBER"
+#: ``worker`` (default) or ``spare`` (a warm spare waits until a decision gives it a rank).
 ROLE_ENV = "ELASTIC_ROLE"
+#: NATS server URL(s), comma-separated (default ``nats://127.0.0.1:4222``).
 NATS_URL_ENV = "ELASTIC_NATS_URL"
+#: NATS user (with ``ELASTIC_NATS_PASSWORD``).
 NATS_USER_ENV = "ELASTIC_NATS_USER"
+#: NATS password.
 NATS_PASSWORD_ENV = "ELASTIC_NATS_PASSWORD"
+#: The member's NATS credential: an NKey seed file from ``elasticctl creds``, or a JWT
+#: ``.creds`` file.
 NATS_CREDS_ENV = "ELASTIC_NATS_CREDS"
+#: The policy the job asks for, as JSON (``JobPolicy``: world sizes, heartbeat interval and
+#: timeouts per phase, backup interval, redundancy, ``checkpoint_every``, recovery deadline,
+#: mesh, ...); the first member to join registers it.
 POLICY_ENV = "ELASTIC_POLICY"
 #: The incarnation the launcher gave this process (one per process it starts): every event
 #: of the process carries it, and the launcher names it in the process's ``member.exited``,
