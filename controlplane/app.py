@@ -9,6 +9,7 @@ import logging
 import signal
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from nats.aio.client import Client
@@ -17,10 +18,11 @@ from nats.js import JetStreamContext
 from controlplane import bus
 from controlplane.core.decide import Context
 from controlplane.core.fold import fold, fold_jobs
+from controlplane.core.liveness import LivenessTable
 from controlplane.core.records import DeadLetter
 from controlplane.core.statemachine import TERMINAL
-from controlplane.core.view import JobView
-from controlplane.decider import CommandPublisher, Decider, DeciderStats
+from controlplane.core.view import JobView, MemberStatus
+from controlplane.decider import CommandPublisher, Decider, DeciderStats, utcnow
 from controlplane.errors import BusUnavailable, StoreUnavailable
 from controlplane.ingest import Backoff, Ingest, QuietTurn
 from controlplane.lock import AdvisoryLock
@@ -30,7 +32,7 @@ from controlplane.store.migrate import check_schema
 from controlplane.store.port import AppendResult, EventStore, JobHead
 from controlplane.store.postgres import AsyncAppender, PostgresEventStore
 from schemas.auth import CommandSigner
-from schemas.events import EnvelopeBase
+from schemas.events import EnvelopeBase, HeartbeatMessage
 
 if TYPE_CHECKING:
     from controlplane.api.metrics import LogMetrics, MetricsExporter
@@ -54,6 +56,9 @@ class ControlPlane:
         self.views: dict[str, JobView] = {}
         self.ingest: Ingest | None = None
         self.decider: Decider | None = None
+        #: The heartbeats heard this session (soft state) and the listener that hears them.
+        self.liveness: LivenessTable | None = None
+        self.heartbeats: bus.HeartbeatListener | None = None
         #: How many times this process took the ingest lock and started ingesting.
         self.sessions = 0
         #: Prometheus metrics of what this process commits (``ELASTIC_METRICS_PORT``).
@@ -81,6 +86,45 @@ class ControlPlane:
         no other; called from the store's thread, reading the current views)."""
         view = self.views.get(job_id)
         return view is not None and 0 < generation <= view.generation
+
+    def _heartbeat_taker(
+        self, table: LivenessTable
+    ) -> Callable[[HeartbeatMessage, str, str, datetime], str | None]:
+        """Takes a validated heartbeat into ``table``: only from the member's current
+        process (its joined incarnation, on its node), else why not."""
+
+        def take(beat: HeartbeatMessage, node: str, member_id: str, at: datetime) -> str | None:
+            view = self.views.get(beat.job_id)
+            member = view.members.get(member_id) if view is not None else None
+            if view is None or member is None:
+                return f"never joined: {beat.source} of job {beat.job_id}"
+            if member.incarnation != beat.incarnation:
+                return (
+                    f"stale_incarnation: {beat.incarnation} of {beat.source}, which joined"
+                    f" as {member.incarnation}"
+                )
+            if member.node != node:
+                return f"forged node: {member_id} joined on {member.node}, not {node}"
+            if beat.generation < view.generation and member.status is not MemberStatus.ACTIVE:
+                # A fenced member resumed (SIGCONT), beating in the world it was left out of.
+                return (
+                    f"stale_generation: {beat.source} beats in generation {beat.generation},"
+                    f" left out of generation {view.generation}"
+                )
+            payload = beat.payload
+            table.observe(
+                beat.job_id,
+                member_id,
+                node=node,
+                incarnation=beat.incarnation,
+                generation=beat.generation,
+                at=at,
+                step=payload.step,
+                phase=payload.phase,
+            )
+            return None
+
+        return take
 
     def _apply(self, result: AppendResult) -> None:
         if result.stored:
@@ -179,6 +223,11 @@ class ControlPlane:
                 signer=CommandSigner(self.master) if self.master is not None else None,
             )
             base = await asyncio.to_thread(self.rendezvous.start) if self.rendezvous else ""
+            # Liveness is soft state: a new session (a restart, a takeover) starts a table of
+            # its own, whole within one timeout (core/liveness.py).
+            table = self.liveness = LivenessTable(started_at=utcnow())
+            heartbeats = self.heartbeats = bus.HeartbeatListener(nc, self._heartbeat_taker(table))
+            await heartbeats.start()
             decider = self.decider = Decider(
                 views=lambda: self.views,
                 apply=self._apply,
@@ -186,6 +235,7 @@ class ControlPlane:
                 appender=appender,
                 publisher=publisher,
                 context=Context(rendezvous=base),
+                liveness=table,
             )
             await _ensure_commands(js, settings, either)
             self.ingest = Ingest(
@@ -209,6 +259,8 @@ class ControlPlane:
                 tasks.append(ticker)
             for pending in tasks:
                 pending.cancel()
+            if self.heartbeats is not None:
+                await self.heartbeats.stop()
             if publisher is not None:
                 await publisher.close()
             await appender.close()

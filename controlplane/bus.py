@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any, NamedTuple
 
 import nats
@@ -26,10 +29,12 @@ from nats.js.api import (
 )
 from nats.protocol.parser import AWAITING_CONTROL_LINE, MAX_CONTROL_LINE_SIZE, Parser
 
+from controlplane.decode import decode_heartbeat
 from controlplane.errors import BusUnavailable
 from controlplane.settings import Settings
+from schemas.events import HeartbeatMessage
 from schemas.nats import auth_options
-from schemas.subjects import COMMAND_PREFIX, EVENTS_WILDCARD
+from schemas.subjects import COMMAND_PREFIX, EVENTS_WILDCARD, HEARTBEATS_WILDCARD
 
 log = logging.getLogger(__name__)
 
@@ -507,3 +512,99 @@ class EventConsumer:
         """Messages the server holds for this consumer that are not yet acknowledged."""
         info = await self._consumer_info()
         return unacknowledged(info) if info is not None else 0
+
+
+@dataclass(slots=True)
+class HeartbeatStats:
+    """What the heartbeat listener received since start."""
+
+    received: int = 0
+    accepted: int = 0
+    #: Refused by reason (its first words: ``forged source``, ``schema violation``, ...).
+    refused: dict[str, int] = field(default_factory=dict)
+
+
+#: A refused heartbeat is logged at most this often (the rest are counted).
+_REFUSAL_LOG_S = 10.0
+
+
+class HeartbeatListener:
+    """Receives heartbeats on the NATS core subjects ``elastic.hb.>`` (not stored).
+
+    Each message is validated and bound to its subject (``decode_heartbeat``), then handed to
+    ``on_beat`` with the time it arrived. One bad message (or a failing ``on_beat``) is
+    counted and dropped: it never stops the subscription or the loop.
+    """
+
+    def __init__(
+        self,
+        nc: Client,
+        on_beat: Callable[[HeartbeatMessage, str, str, datetime], str | None],
+        clock: Callable[[], datetime] | None = None,
+    ) -> None:
+        self._nc = nc
+        #: (message, node, member, received at) -> None, or why it was not taken.
+        self._on_beat = on_beat
+        self._clock = clock or (lambda: datetime.now(UTC))
+        self._sub: Subscription | None = None
+        self._logged = 0.0
+        self.stats = HeartbeatStats()
+
+    async def start(self) -> None:
+        self._sub = await self._nc.subscribe(
+            HEARTBEATS_WILDCARD,
+            cb=self._on_message,
+            pending_msgs_limit=-1,
+            pending_bytes_limit=-1,
+        )
+        if isinstance(self._nc, FastClient):
+            self._nc.deliver_raw(self._sub, self._on_raw)
+
+    async def stop(self) -> None:
+        sub, self._sub = self._sub, None
+        if sub is not None:
+            if isinstance(self._nc, FastClient):
+                self._nc.deliver_raw(sub, None)
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    def _on_raw(
+        self,
+        subject: bytes | bytearray,
+        reply: bytes | bytearray,
+        data: bytes,
+        headers: bytes | None,
+    ) -> None:
+        self.receive(bytes(subject).decode("utf-8", "replace"), data)
+
+    async def _on_message(self, msg: Msg) -> None:
+        self.receive(msg.subject, msg.data)
+
+    def receive(self, subject: str, data: bytes) -> None:
+        """Take one message (never raises)."""
+        self.stats.received += 1
+        at = self._clock()
+        try:
+            beat = decode_heartbeat(subject, data)
+            if isinstance(beat, str):
+                self._refuse(subject, beat)
+                return
+            node, _, member = beat.source.partition("/")
+            why = self._on_beat(beat, node, member, at)
+        except Exception as exc:
+            log.exception("a heartbeat on %r could not be taken", subject[:256])
+            why = f"undecodable: {type(exc).__name__}"
+        if why is not None:
+            self._refuse(subject, why)
+            return
+        self.stats.accepted += 1
+
+    def _refuse(self, subject: str, reason: str) -> None:
+        key = reason.split(":", 1)[0][:64]
+        refused = self.stats.refused
+        refused[key] = refused.get(key, 0) + 1
+        now = time.monotonic()
+        if now - self._logged >= _REFUSAL_LOG_S:
+            self._logged = now
+            log.warning("refused a heartbeat on %r: %s (%d refused so far)",
+                        subject[:256], reason[:256], sum(refused.values()))  # fmt: skip

@@ -266,6 +266,22 @@ def bench_ingest(
     typer.echo(json.dumps(result))
 
 
+@bench_app.command("rows")
+def bench_rows(
+    seconds: Annotated[float, typer.Option(min=5, help="How long the job trains.")] = 60.0,
+    nproc: Annotated[int, typer.Option(min=1, help="Ranks.")] = 4,
+    policy: Annotated[
+        str, typer.Option(help="The job's policy (as `elasticctl run --policy`).")
+    ] = "heartbeat_interval_s=0.25,backup_interval=50",
+) -> None:
+    """Rows the log gets per rank per minute, by type, while the example trains (embedded
+    NATS and PostgreSQL unless ELASTIC_NATS_URL / ELASTIC_DATABASE_URL are set)."""
+    from controlplane.bench.rows import run_rows_bench
+
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    typer.echo(json.dumps(run_rows_bench(seconds=seconds, nproc=nproc, policy=policy)))
+
+
 @bench_app.command("mttr")
 def bench_mttr(
     *,

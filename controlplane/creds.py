@@ -8,7 +8,8 @@ deterministically, an Ed25519 NKey seed for
 - each node of a job, twice: its launcher (``<job>/<node>/launcher.nk``), which may publish
   ``elastic.evt.<job>.<node>.>`` (its members' exits as ``<node>/launcher``), and its members
   (``<job>/<node>/member.nk``), which may publish ``elastic.evt.<job>.<node>.*.>`` except
-  ``elastic.evt.<job>.<node>.launcher.>``.
+  ``elastic.evt.<job>.<node>.launcher.>``, and their heartbeats on the NATS core subjects
+  ``elastic.hb.<job>.<node>.*`` except ``elastic.hb.<job>.<node>.launcher``.
 
 Both node identities read only their own job's commands, through an ordered consumer of the
 commands stream created on the filtered subject ``$JS.API.CONSUMER.CREATE.<stream>.<name>.
@@ -55,7 +56,7 @@ from schemas.creds import (
     node_dir,
     public_key,
 )
-from schemas.subjects import COMMAND_PREFIX, EVENT_PREFIX
+from schemas.subjects import COMMAND_PREFIX, EVENT_PREFIX, HEARTBEAT_PREFIX
 
 CONTROLPLANE = "controlplane"
 #: The member name a launcher publishes under (``<node>/launcher``): no member may use it.
@@ -94,7 +95,8 @@ def controlplane_permissions(public: str, *, events_stream: str) -> dict[str, An
         "publish": {
             "allow": [f"{COMMAND_PREFIX}.>", "$JS.API.>", f"$JS.ACK.{events_stream}.>"],
         },
-        "subscribe": {"allow": [f"{inbox_prefix(public)}.>"]},
+        # Heartbeats: NATS core subjects, soft state (core/liveness.py).
+        "subscribe": {"allow": [f"{inbox_prefix(public)}.>", f"{HEARTBEAT_PREFIX}.>"]},
     }
 
 
@@ -115,7 +117,10 @@ def node_permissions(
         ]
     }
     if kind == MEMBER:
-        publish["deny"] = [f"{events}.{LAUNCHER_MEMBER}.>"]
+        # Its members' heartbeats (NATS core, not stored), as its members only.
+        beats = f"{HEARTBEAT_PREFIX}.{job_id}.{node}"
+        publish["allow"].append(f"{beats}.*")
+        publish["deny"] = [f"{events}.{LAUNCHER_MEMBER}.>", f"{beats}.{LAUNCHER_MEMBER}"]
     return {"publish": publish, "subscribe": {"allow": [f"{inbox_prefix(public)}.>"]}}
 
 

@@ -10,6 +10,11 @@ wanted after every commit that stored something that may make a decision due (no
 heartbeats, nor steps of a job without an open incident: ``core.decide.wakes``), and at the
 earliest deadline any job has (a heartbeat timeout, a recovery deadline), so a timeout is
 acted on when it expires, not at the next poll.
+
+Heartbeats are soft state (``core/liveness.py``): with a ``LivenessTable``, each turn moves the
+table onto the job's view before deciding, records a ``liveness.summary`` before any
+decision (and decides again on the view that folded it, so the log holds what the decision
+read), and one every ``liveness_summary_interval_s`` otherwise.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from nats.js import JetStreamContext
 
 from controlplane.core.commands import Owed, owing
 from controlplane.core.decide import Context, Decided, decide, envelope, next_deadline, wakes
+from controlplane.core.liveness import LivenessTable
 from controlplane.core.records import StoredEvent
 from controlplane.core.statemachine import TERMINAL
 from controlplane.core.view import JobView
@@ -34,6 +40,9 @@ from controlplane.errors import ConcurrencyError, StoreUnavailable
 from controlplane.ingest import Appender
 from controlplane.store.port import AppendResult, JobHead
 from schemas.auth import SIGNATURE_HEADER, CommandSigner, command_message
+from schemas.common import CONTROLPLANE_SOURCE
+from schemas.events import LivenessSummaryEvent
+from schemas.ids import new_event_id
 from schemas.subjects import MSG_ID_HEADER, command_subject
 
 log = logging.getLogger(__name__)
@@ -59,6 +68,8 @@ class DeciderStats:
     decisions: int = 0
     conflicts: int = 0
     commands_published: int = 0
+    #: ``liveness.summary`` events appended.
+    summaries: int = 0
 
 
 class CommandPublisher:
@@ -144,6 +155,7 @@ class Decider:
         publisher: CommandPublisher | None,
         context: Context,
         clock: Callable[[], datetime] = utcnow,
+        liveness: LivenessTable | None = None,
     ) -> None:
         self._views = views
         self._apply = apply
@@ -152,6 +164,9 @@ class Decider:
         self._publisher = publisher
         self.context = context
         self._clock = clock
+        #: The heartbeats heard (soft state, core/liveness.py); None: heartbeats are events
+        #: in the log (``member.heartbeat``), and only the log is read.
+        self.liveness = liveness
         #: One run of this decider: the ``incarnation`` of its events.
         self.incarnation = uuid.uuid4().hex[:16]
         self._seq: dict[str, int] = {}
@@ -180,11 +195,27 @@ class Decider:
         again, another job's) follows once every job is decided."""
         self.stats.turns += 1
         now = self._clock()
-        for job_id, view in list(self._views().items()):
-            if view.state in TERMINAL:
+        liveness = self.liveness
+        for job_id, seen in list(self._views().items()):
+            if seen.state in TERMINAL:
                 continue
             began, cpu = time.perf_counter(), time.thread_time()
+            view = seen
+            if liveness is not None:
+                liveness.overlay(view)
             decided = decide(view, now, self.context)
+            if liveness is not None:
+                if decided:
+                    # What the decision read of the heartbeats goes into the log first, so
+                    # that the view folded from the log decides the same.
+                    if not await self._summarize(job_id, view, now, "decision"):
+                        continue
+                    view = self._views()[job_id]
+                    decided = decide(view, now, self.context)
+                elif now >= liveness.summary_due(
+                    job_id, view.effective_policy.liveness_summary_interval_s
+                ):
+                    await self._summarize(job_id, view, now, "interval")
             if not decided:
                 continue
             thought, cpu = time.perf_counter(), time.thread_time() - cpu
@@ -243,6 +274,50 @@ class Decider:
             _log_decision(stored)
         return appended
 
+    async def _summarize(self, job_id: str, view: JobView, now: datetime, reason: str) -> bool:
+        """Append the job's ``liveness.summary`` at ``now`` behind ``view`` and fold it;
+        True when it was recorded (or there was nothing to record)."""
+        assert self.liveness is not None
+        parts = self.liveness.summarize(view, now, reason)
+        if not parts:
+            self.liveness.summarized(job_id, now)
+            return True
+        seq = self._seq.get(job_id, 0)
+        events = [
+            LivenessSummaryEvent(
+                event_id=new_event_id(),
+                job_id=job_id,
+                type="liveness.summary",
+                v=1,
+                source=CONTROLPLANE_SOURCE,
+                incarnation=self.incarnation,
+                seq=seq + i,
+                generation=view.generation,
+                emitted_at=now,
+                payload=part,
+            )
+            for i, part in enumerate(parts, start=1)
+        ]
+        try:
+            result = await self._appender.append(
+                events, expected=JobHead(job_id, view.last_position)
+            )
+        except ConcurrencyError as exc:
+            self.stats.conflicts += 1
+            log.warning("liveness of %s not recorded: %s; refreshing the view", job_id, exc)
+            if self._refresh is not None:
+                await self._refresh(job_id)
+            self.wanted.set()
+            return False
+        except StoreUnavailable as exc:
+            log.warning("liveness of %s not recorded (%s); later", job_id, exc)
+            return False
+        self._seq[job_id] = seq + len(events)
+        self.stats.summaries += len(result.stored)
+        self._apply(result)
+        self.liveness.summarized(job_id, now)
+        return True
+
     def _offer(self, job_id: str) -> None:
         """Hand the commands ``job_id``'s view owes to the publisher (built only if due)."""
         view = self._views().get(job_id)
@@ -264,7 +339,15 @@ class Decider:
         publisher.forget(keep)
 
     def _reschedule(self) -> None:
-        deadlines = [d for v in self._views().values() if (d := next_deadline(v)) is not None]
+        views = self._views()
+        deadlines = [d for v in views.values() if (d := next_deadline(v)) is not None]
+        liveness = self.liveness
+        if liveness is not None:
+            deadlines.extend(
+                liveness.summary_due(job_id, v.effective_policy.liveness_summary_interval_s)
+                for job_id, v in views.items()
+                if v.state not in TERMINAL and v.members
+            )
         self.next_wake = min(deadlines, default=None)
         self.rescheduled.set()
 
@@ -290,7 +373,7 @@ class Decider:
 
 def _log_decision(stored: StoredEvent) -> None:
     event = stored.event
-    if event.type in ("member.heartbeat",):
+    if event.type in ("member.heartbeat", "liveness.summary"):
         return
     payload = event.payload
     detail = getattr(payload, "reason", None) or getattr(payload, "detail", None) or ""

@@ -9,8 +9,14 @@ from pydantic import ValidationError
 
 from controlplane.core.records import DeadLetter
 from schemas.common import INT64_MAX, INT64_MIN, MAX_EVENT_BYTES
-from schemas.events import CONTROLPLANE_EVENT_TYPES, EVENT_ADAPTER, SCHEMA_VERSIONS, EnvelopeBase
-from schemas.subjects import EventSubject, parse_event_subject
+from schemas.events import (
+    CONTROLPLANE_EVENT_TYPES,
+    EVENT_ADAPTER,
+    SCHEMA_VERSIONS,
+    EnvelopeBase,
+    HeartbeatMessage,
+)
+from schemas.subjects import EventSubject, parse_event_subject, parse_heartbeat_subject
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +90,46 @@ def _decode(subject: str, data: bytes, stream_seq: int | None) -> EnvelopeBase |
     if event.type == "member.joined" and event.payload.node != parsed.node:
         return dead(f"forged node: joined as {event.payload.node!r} on node {parsed.node!r}")
     return event
+
+
+#: The member name a launcher publishes under: it sends no heartbeats.
+_LAUNCHER = "launcher"
+
+
+def decode_heartbeat(subject: str, data: bytes) -> HeartbeatMessage | str:
+    """Validate one heartbeat published on ``subject`` (``elastic.hb.<job>.<node>.<member>``):
+    the message, or why it is refused. Bound to its subject like an event (the job, the
+    source ``<node>/<member>``); never raises, whatever the bytes."""
+    try:
+        if len(data) > MAX_EVENT_BYTES:
+            return f"oversized: {len(data)} bytes, the limit is {MAX_EVENT_BYTES}"
+        parsed = parse_heartbeat_subject(subject)
+        if parsed is None:
+            return "not a heartbeat subject: expected elastic.hb.<job>.<node>.<member>"
+        if parsed.member == _LAUNCHER:
+            return "forged: a launcher sends no heartbeats"
+        try:
+            beat = HeartbeatMessage.model_validate_json(data)
+        except ValidationError as exc:
+            return _explain_heartbeat(exc)
+        if beat.source != parsed.source:
+            return f"forged source: message says {beat.source!r}, subject binds {parsed.source!r}"
+        if beat.job_id != parsed.job_id:
+            return f"job mismatch: message says {beat.job_id!r}, subject says {parsed.job_id!r}"
+        return beat
+    except Exception as exc:  # a bug here must not stop the listener
+        log.exception("decoding a heartbeat on %r failed", subject[:_SUBJECT_KEPT])
+        return printable(f"undecodable: {type(exc).__name__}: {exc}")
+
+
+def _explain_heartbeat(exc: ValidationError) -> str:
+    errors = exc.errors(include_url=False, include_input=False)
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        return f"not JSON: {first['msg']}"
+    where = ".".join(str(p) for p in first["loc"]) or "message"
+    more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
+    return printable(f"schema violation at {where}: {first['msg']}{more}")
 
 
 def explain(exc: ValidationError) -> str:

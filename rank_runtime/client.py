@@ -6,6 +6,8 @@ to NATS (retrying until it can), publishes the buffer to JetStream with ``Nats-M
 keeps what the server did not acknowledge for the next try, so a lost connection delays events
 and never blocks or crashes the training loop. A second thread sends heartbeats on a timer,
 so a slow step does not silence them, while a stopped process (SIGSTOP) stops them with it.
+Heartbeats go to NATS core subjects (``elastic.hb.<job>.<node>.<member>``), not JetStream:
+the control plane keeps them in memory (soft state), and one sent while disconnected is lost.
 Commands (``elastic.cmd.<job>.all`` and ``.<member>``) arrive on a JetStream ordered consumer
 that starts with the last command of each subject, so a member that connects late still sees
 the command in force.
@@ -47,7 +49,13 @@ from schemas.common import Phase
 from schemas.events import EVENT_ADAPTER
 from schemas.ids import new_event_id
 from schemas.nats import auth_options, filtered_jetstream
-from schemas.subjects import BROADCAST, MSG_ID_HEADER, command_subject, event_subject
+from schemas.subjects import (
+    BROADCAST,
+    MSG_ID_HEADER,
+    command_subject,
+    event_subject,
+    heartbeat_subject,
+)
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +86,9 @@ class ClientStats:
     commands: int = 0
     #: Commands refused: unsigned, a signature that did not verify, another job's.
     refused: int = 0
+    #: Heartbeats sent (NATS core), and those dropped (no connection).
+    heartbeats: int = 0
+    heartbeats_dropped: int = 0
 
 
 class EventClient:
@@ -130,6 +141,7 @@ class EventClient:
         self._thread: threading.Thread | None = None
         self._heart: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._nc: Client | None = None
         self._wake: asyncio.Event | None = None
         self._closing = threading.Event()
         self._connected = threading.Event()
@@ -149,13 +161,13 @@ class EventClient:
         return self
 
     def start_heartbeats(self, interval_s: float) -> None:
-        """Send ``member.heartbeat`` every ``interval_s`` seconds from a thread of its own."""
+        """Send a heartbeat every ``interval_s`` seconds from a thread of its own."""
         if self._heart is not None:
             return
 
         def beat() -> None:
             while not self._closing.wait(interval_s):
-                self.publish("member.heartbeat", {"step": self.step, "phase": self.phase.value})
+                self.heartbeat()
 
         self._heart = threading.Thread(
             target=beat, name=f"elastic-heartbeat-{self.identity.member}", daemon=True
@@ -214,6 +226,45 @@ class EventClient:
             self.stats.published += 1
         self._poke()
         return event_id
+
+    def heartbeat(self) -> None:
+        """Send one heartbeat (step, phase) on ``elastic.hb.<job>.<node>.<member>``: NATS
+        core, not JetStream, so it is never stored; one that finds no connection is dropped
+        (the next one is due an interval later). Never blocks on I/O."""
+        identity = self.identity
+        message = {
+            "job_id": identity.job_id,
+            "type": "member.heartbeat",
+            "v": 1,
+            "source": identity.source,
+            "incarnation": self.incarnation,
+            "generation": self.generation,
+            "emitted_at": datetime.now(UTC).isoformat(),
+            "payload": {"step": self.step, "phase": self.phase.value},
+        }
+        data = json.dumps(message).encode()
+        loop = self._loop
+        if loop is None or loop.is_closed() or not self._connected.is_set():
+            self.stats.heartbeats_dropped += 1
+            return
+        with contextlib.suppress(RuntimeError):  # the loop is shutting down
+            loop.call_soon_threadsafe(self._send_heartbeat, data)
+
+    def _send_heartbeat(self, data: bytes) -> None:
+        nc = self._nc
+        if nc is None or not nc.is_connected:
+            self.stats.heartbeats_dropped += 1
+            return
+        identity = self.identity
+        subject = heartbeat_subject(identity.job_id, identity.node, identity.member)
+        task = asyncio.ensure_future(nc.publish(subject, data))
+        task.add_done_callback(self._heartbeat_sent)
+
+    def _heartbeat_sent(self, task: asyncio.Future[None]) -> None:
+        if task.cancelled() or task.exception() is not None:
+            self.stats.heartbeats_dropped += 1
+        else:
+            self.stats.heartbeats += 1
 
     def pending(self) -> int:
         """Events not yet acknowledged by the server (buffered or in flight)."""
@@ -329,6 +380,7 @@ class EventClient:
                 backoff = min(backoff * 2, 2.0)
         if nc is None:
             return
+        self._nc = nc
         try:
             subscribed = not self._follow_commands
             while not self._closing.is_set():
@@ -343,6 +395,7 @@ class EventClient:
             await self._send(nc)  # a last flush
         finally:
             self._connected.clear()
+            self._nc = None
             with contextlib.suppress(Exception):
                 await nc.close()
 

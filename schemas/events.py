@@ -144,7 +144,13 @@ class JobPolicy(Strict):
 
     min_world: Annotated[int, Field(ge=1, le=MAX_WORLD)] = 1
     max_world: Annotated[int, Field(ge=1, le=MAX_WORLD)] = 1024
+    #: Heartbeats are soft state (NATS core, never stored): sub-second intervals cost no
+    #: write (e.g. 0.25 with a train timeout of 1: docs/design.md, "Liveness").
     heartbeat_interval_s: PositiveSeconds = 1.0
+    #: The control plane records each member's liveness (``liveness.summary``: last
+    #: heartbeat, beats, largest gap) at least this often; heartbeats themselves are soft
+    #: state (docs/design.md, "Liveness"). Also the resolution of a counterfactual timeout.
+    liveness_summary_interval_s: PositiveSeconds = 10.0
     #: Heartbeat timeout per phase; a phase not listed falls back to ``train``.
     heartbeat_timeout_s: dict[Phase, PositiveSeconds] = Field(
         default_factory=lambda: {
@@ -230,6 +236,64 @@ class MemberJoined(Strict):
 class MemberHeartbeat(Strict):
     step: Step
     phase: Phase
+
+
+class HeartbeatMessage(Strict):
+    """A heartbeat on ``elastic.hb.<job>.<node>.<member>`` (NATS core, not stored): the
+    envelope of an event without ``event_id`` and ``seq`` (it is not part of the member's
+    numbered sequence), validated and bound to its subject like one."""
+
+    job_id: Ident
+    type: Literal["member.heartbeat"]
+    v: Literal[1]
+    source: Source
+    incarnation: Ident
+    generation: NonNegInt
+    emitted_at: Timestamp
+    payload: MemberHeartbeat
+
+
+#: Members one ``liveness.summary`` lists at most (a job's summary is split into parts).
+SUMMARY_MEMBERS = 200
+
+
+class LivenessEntry(Strict):
+    """One member's heartbeats over one summary window, as the control plane heard them."""
+
+    member: Ident
+    node: Ident
+    incarnation: Ident
+    #: The generation its last heartbeat named.
+    generation: NonNegInt
+    #: Its last heartbeat (received), or the control plane's start when ``assumed``.
+    last_at: Timestamp
+    #: No heartbeat heard since the control plane (re)started: counted as heard at its start.
+    assumed: bool = False
+    #: The first heartbeat heard in the window (None: none).
+    first_at: Timestamp | None = None
+    beats: NonNegInt = 0
+    #: The largest silence in the window (between two heartbeats, or from the window's
+    #: start or the previous heartbeat to the first one), and when it began.
+    max_gap_s: Seconds = 0.0
+    max_gap_at: Timestamp | None = None
+    phase: Phase
+    step: Step
+
+
+class LivenessSummary(Strict):
+    """``liveness.summary``: every member's liveness from ``since`` to ``at`` (a window),
+    recorded every ``liveness_summary_interval_s`` and just before every decision, so the
+    decision's inputs are in the log (``reason`` decision)."""
+
+    reason: Literal["interval", "decision"]
+    since: Timestamp | None = None
+    at: Timestamp
+    #: Part ``part`` of ``parts`` (a large job's summary is split).
+    part: Annotated[int, Field(ge=1, le=MAX_WORLD)] = 1
+    parts: Annotated[int, Field(ge=1, le=MAX_WORLD)] = 1
+    members: Annotated[list[LivenessEntry], Field(max_length=SUMMARY_MEMBERS)] = Field(
+        default_factory=list
+    )
 
 
 class TrainStep(Strict):
@@ -599,6 +663,14 @@ class IncidentResolvedEvent(EnvelopeBase):
     payload: IncidentResolved
 
 
+class LivenessSummaryEvent(EnvelopeBase):
+    """``liveness.summary``, version 1 (an observation, not a decision)."""
+
+    type: Literal["liveness.summary"]
+    v: Literal[1]
+    payload: LivenessSummary
+
+
 class JobStoppedEvent(EnvelopeBase):
     """``job.stopped``, version 1."""
 
@@ -642,7 +714,10 @@ CONTROLPLANE_EVENT_TYPES: dict[str, type[Strict]] = {
     "incident.resolved": IncidentResolved,
     "job.stopped": JobStopped,
     "job.completed": JobCompleted,
+    "liveness.summary": LivenessSummary,
 }
+#: What the control plane records that it observed, not decided: replay folds them as inputs.
+OBSERVATION_TYPES = frozenset({"liveness.summary"})
 #: Every event type -> the schema versions this build understands.
 SCHEMA_VERSIONS: dict[str, frozenset[int]] = {
     t: frozenset({1}) for t in (*MEMBER_EVENT_TYPES, *CONTROLPLANE_EVENT_TYPES)
@@ -672,6 +747,7 @@ Event = Annotated[
         IncidentResolvedEvent,
         JobStoppedEvent,
         JobCompletedEvent,
+        LivenessSummaryEvent,
     ],
     Field(discriminator="type"),
 ]

@@ -9,6 +9,10 @@ from typing import NamedTuple
 
 EVENT_PREFIX = "elastic.evt"
 COMMAND_PREFIX = "elastic.cmd"
+#: Heartbeats: NATS core subjects ``elastic.hb.<job>.<node>.<member>``, outside the events
+#: stream (soft state: the control plane keeps them in memory, docs/design.md "Liveness").
+HEARTBEAT_PREFIX = "elastic.hb"
+HEARTBEATS_WILDCARD = f"{HEARTBEAT_PREFIX}.>"
 #: What the events stream captures.
 EVENTS_WILDCARD = f"{EVENT_PREFIX}.>"
 BROADCAST = "all"
@@ -51,3 +55,16 @@ def command_subject(job_id: str, member: str = BROADCAST) -> str:
 def command_wildcard(job_id: str) -> str:
     """Every command subject of one job."""
     return f"{COMMAND_PREFIX}.{job_id}.*"
+
+
+def heartbeat_subject(job_id: str, node: str, member: str) -> str:
+    """The subject a member publishes its heartbeats on."""
+    return f"{HEARTBEAT_PREFIX}.{job_id}.{node}.{member}"
+
+
+def parse_heartbeat_subject(subject: str) -> EventSubject | None:
+    """Split a heartbeat subject (``type`` is ``member.heartbeat``), or None."""
+    parts = subject.split(".")
+    if len(parts) != 5 or f"{parts[0]}.{parts[1]}" != HEARTBEAT_PREFIX or not all(parts):
+        return None
+    return EventSubject(parts[2], parts[3], parts[4], "member.heartbeat")

@@ -10,6 +10,8 @@ on every call.
 
 from __future__ import annotations
 
+from typing import Any
+
 from controlplane.core.records import StoredEvent
 from controlplane.core.view import JobView, MemberStatus
 from schemas.common import Phase
@@ -72,15 +74,17 @@ def _recover(s: Scenario, t: float) -> float:
     return t + 1.0
 
 
-def two_incidents_scenario() -> Scenario:
-    """The scenario behind :func:`two_incidents` (its log, view and clock)."""
-    s = Scenario(
+def two_incidents_scenario(kind: type[Scenario] = Scenario, **policy: Any) -> Scenario:
+    """The scenario behind :func:`two_incidents` (its log, view and clock); ``kind``
+    ``SoftScenario``: with heartbeats as soft state (summaries in the log instead)."""
+    s = kind(
         JOB,
         world_size=4,
         min_world=2,
         backup_interval=BACKUP_INTERVAL,
         redundancy=1,
         heartbeat_timeout_s={Phase.INIT: 30.0, Phase.TRAIN: HANG_TIMEOUT_S},
+        **policy,
     )
     s.cluster(racks=2, nodes_per_rack=2, spares=1)
     s.decide()

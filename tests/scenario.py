@@ -8,15 +8,17 @@ time exactly as the service does (one batch, the clock's time as ``recorded_at``
 from __future__ import annotations
 
 import itertools
+import uuid
 from datetime import datetime, timedelta
 from typing import Any
 
 from controlplane.core.decide import Context, Decided, decide, envelope
 from controlplane.core.fold import fold
+from controlplane.core.liveness import LivenessTable
 from controlplane.core.records import StoredEvent
 from controlplane.core.view import JobView
-from schemas.common import JobState
-from schemas.events import EnvelopeBase, JobPolicy
+from schemas.common import CONTROLPLANE_SOURCE, JobState, Phase
+from schemas.events import EVENT_CLASSES, EnvelopeBase, JobPolicy
 from tests.factories import T0, Events
 
 RENDEZVOUS = "tcp://controlplane:29400"
@@ -258,3 +260,62 @@ class Scenario:
             self.add(*(self.ev.make(kind, payload, source=self._src(m), generation=g) for m in who))
         if first_step:
             self.step(decision.restore_step + 1)
+
+
+class SoftScenario(Scenario):
+    """A scenario whose heartbeats are soft state, as the service keeps them: ``heartbeat``
+    goes into the decider's in-memory table (no event), and ``decide`` runs as
+    ``controlplane.decider.Decider.turn`` does: the table moved onto the view, and before a
+    decision (or every ``liveness_summary_interval_s``) a ``liveness.summary`` recorded."""
+
+    def __init__(self, job_id: str = "job1", **policy: Any) -> None:
+        super().__init__(job_id, **policy)
+        self.table = LivenessTable(started_at=self.now)
+
+    def heartbeat(self, *members: str, step: int = 0, phase: str = "train") -> None:
+        for name in members:
+            member = self.v.members[name]
+            self.table.observe(
+                self.job_id,
+                name,
+                node=member.node,
+                incarnation=member.incarnation,
+                generation=self._gen(),
+                at=self.now,
+                step=step,
+                phase=Phase(phase),
+            )
+
+    def summarize(self, reason: str) -> None:
+        parts = self.table.summarize(self.v, self.now, reason)
+        self.add(
+            *(
+                EVENT_CLASSES["liveness.summary"](
+                    event_id=str(
+                        uuid.uuid5(uuid.NAMESPACE_URL, f"{self.job_id}/{len(self.log)}/{i}")
+                    ),
+                    job_id=self.job_id,
+                    type="liveness.summary",
+                    v=1,
+                    source=CONTROLPLANE_SOURCE,
+                    incarnation="cp",
+                    seq=next(self._cp_seq),
+                    generation=self.v.generation,
+                    emitted_at=self.now,
+                    payload=part,
+                )
+                for i, part in enumerate(parts)
+            )
+        )
+        self.table.summarized(self.job_id, self.now)
+
+    def decide(self) -> list[Decided]:
+        view = self.v
+        self.table.overlay(view)
+        if decide(view, self.now, self.context):
+            self.summarize("decision")
+            return super().decide()
+        interval = view.effective_policy.liveness_summary_interval_s
+        if self.now >= self.table.summary_due(self.job_id, interval):
+            self.summarize("interval")
+        return []

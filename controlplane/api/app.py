@@ -98,6 +98,7 @@ EventType = Literal[
     "incident.resolved",
     "job.stopped",
     "job.completed",
+    "liveness.summary",
 ]
 
 JobId = Annotated[str, Path(description="The job's id.", examples=["job-recorded"])]

@@ -14,12 +14,13 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from nats.aio.client import Client
 from nats.js import JetStreamContext
 
 from controlplane.publish import Outgoing, publish_all
 from schemas.commands import Reallocate, Start
 from schemas.ids import new_event_id
-from schemas.subjects import MSG_ID_HEADER, event_subject
+from schemas.subjects import MSG_ID_HEADER, event_subject, heartbeat_subject
 
 
 @dataclass(slots=True)
@@ -118,6 +119,31 @@ class SimulatedJob:
         await self.send(
             [self.envelope(m, "member.heartbeat", {"step": step, "phase": phase}) for m in members]
         )
+
+    def beat_message(self, member: str, step: int, phase: str = "train") -> Outgoing:
+        """A heartbeat of ``member`` on its NATS core subject (soft state, not stored)."""
+        m = self.members[member]
+        data = {
+            "job_id": self.job_id,
+            "type": "member.heartbeat",
+            "v": 1,
+            "source": f"{m.node}/{m.member}",
+            "incarnation": m.incarnation,
+            "generation": m.generation,
+            "emitted_at": datetime.now(UTC).isoformat(),
+            "payload": {"step": step, "phase": phase},
+        }
+        subject = heartbeat_subject(self.job_id, m.node, m.member)
+        return Outgoing(subject, json.dumps(data, separators=(",", ":")).encode(), None)
+
+    async def beat(
+        self, nc: Client, members: Iterable[str], step: int, phase: str = "train"
+    ) -> None:
+        """Each of ``members`` heartbeats once on NATS core (``nc``: a core connection)."""
+        for name in members:
+            message = self.beat_message(name, step, phase)
+            await nc.publish(message.subject, message.data)
+        await nc.flush()
 
     async def exited(self, member: str, signal: int = 9) -> None:
         """The launcher of ``member``'s node reports its exit."""

@@ -168,7 +168,7 @@ def _corroborated(
     if silent >= limit:
         heard = (
             suspect.member_id,
-            "member.heartbeat" if suspect.last_heartbeat_at else "member.joined",
+            suspect.heartbeat_evidence if suspect.last_heartbeat_at else "member.joined",
             suspect.last_heartbeat_position or suspect.joined_position,
             last,
         )
@@ -282,7 +282,7 @@ def detect(view: JobView, now: datetime) -> list[Finding]:
             (
                 (
                     member.member_id,
-                    "member.heartbeat" if member.last_heartbeat_at else "member.joined",
+                    member.heartbeat_evidence if member.last_heartbeat_at else "member.joined",
                     member.last_heartbeat_position or member.joined_position,
                     last,
                 ),

@@ -41,7 +41,7 @@ from controlplane.core.view import (
     StateChange,
     StepBackup,
 )
-from schemas.common import FaultKind, JobState, ReallocationMode
+from schemas.common import CONTROLPLANE_SOURCE, FaultKind, JobState, ReallocationMode
 
 _VIEW_FIELDS = tuple(f.name for f in fields(JobView))
 _ACTIVE = MemberStatus.ACTIVE
@@ -375,6 +375,33 @@ class _Fold:
         member.phase = p.phase
         if step > member.step:  # noqa: PLR1730 (see _known_member)
             member.step = step
+
+    def _liveness(self, stored: StoredEvent, p: Any) -> None:
+        """A ``liveness.summary``: each member it lists (its current process) was last heard
+        at ``last_at`` in ``phase``, unless the view heard it later, or it is a member left
+        out of the world beating in an older generation. Applied whatever else the member's
+        status, so that a view the decider moved to the table's values before a
+        decision (``LivenessTable.overlay``, which moves active members only) and the view
+        folded from the log agree."""
+        if stored.event.source != CONTROLPLANE_SOURCE:
+            return  # the decoder refuses it from members; a log may still hold anything
+        members = self.view.members
+        generation = self.view.generation
+        for entry in p.members:
+            current = members.get(entry.member)
+            if current is None or current.incarnation != entry.incarnation:
+                continue
+            if entry.generation < generation and current.status is not _ACTIVE:
+                continue  # a fenced member resumed: no sign of life in the current world
+            last = current.last_heartbeat_at
+            if last is not None and entry.last_at < last:
+                continue
+            member = self._member(entry.member)
+            assert member is not None
+            member.last_heartbeat_at = entry.last_at
+            member.last_heartbeat_position = stored.position
+            member.heartbeat_evidence = "liveness.summary"
+            member.phase = entry.phase
 
     def _stale(self, stored: StoredEvent, member: Member, generation: int) -> None:
         self._discount(
@@ -998,6 +1025,7 @@ class _Fold:
 _HANDLERS: dict[str, Callable[[_Fold, StoredEvent, Any], None]] = {
     "member.joined": _Fold._joined,
     "member.heartbeat": _Fold._heartbeat,
+    "liveness.summary": _Fold._liveness,
     "train.step": _Fold._train_step,
     "backup.snapshot": _Fold._snapshot,
     "backup.replicated": _Fold._replicated,

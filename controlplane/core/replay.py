@@ -15,23 +15,28 @@ from __future__ import annotations
 import heapq
 import itertools
 import json
+import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any
 
 from controlplane.core.decide import Context, Decided, decide, envelope, next_deadline
+from controlplane.core.detect import SILENCE_BEATS
 from controlplane.core.fold import fold
 from controlplane.core.records import StoredEvent
 from controlplane.core.timeline import timeline
 from controlplane.core.view import Incident, JobView
 from schemas.common import CONTROLPLANE_SOURCE, Phase
 from schemas.events import (
+    OBSERVATION_TYPES,
     EnvelopeBase,
     FaultDetected,
     GenerationStarted,
     JobPolicy,
     JobRegistered,
+    MemberHeartbeat,
+    MemberHeartbeatEvent,
     MemberJoined,
     ReallocationIssued,
 )
@@ -51,12 +56,14 @@ class Redecided:
 
 def decision_batches(log: Sequence[StoredEvent]) -> list[tuple[int, int]]:
     """``[start, end)`` index ranges of the control plane's batches in one job's log:
-    consecutive decisions of one decider run with one ``emitted_at``."""
+    consecutive decisions of one decider run with one ``emitted_at``. What it recorded as
+    observed (``liveness.summary``) is no decision: it is folded as an input, like the
+    members' events."""
     out = []
     i = 0
     while i < len(log):
         first = log[i].event
-        if first.source != CONTROLPLANE_SOURCE:
+        if first.source != CONTROLPLANE_SOURCE or first.type in OBSERVATION_TYPES:
             i += 1
             continue
         j = i + 1
@@ -64,6 +71,7 @@ def decision_batches(log: Sequence[StoredEvent]) -> list[tuple[int, int]]:
             e = log[j].event
             if (
                 e.source != CONTROLPLANE_SOURCE
+                or e.type in OBSERVATION_TYPES
                 or e.emitted_at != first.emitted_at
                 or e.incarnation != first.incarnation
             ):
@@ -494,6 +502,10 @@ def counterfactual(
     policy = override_policy(base, overrides)
     if context is None:
         context = _first_context(log) or Context()
+    beats, resolution = summary_heartbeats(log, policy)
+    if beats:
+        members = sorted([*members, *beats], key=lambda s: (s.recorded_at, s.position))
+        notes.append(_resolution_note(policy, resolution, len(beats)))
 
     scripts: dict[int, list[StoredEvent]] = {}
     replay = _Replay(
@@ -535,6 +547,96 @@ def counterfactual(
         member_events=replay.played,
         unplayed=unplayed,
         notes=tuple(notes),
+    )
+
+
+# Heartbeats are soft state (core/liveness.py): a log records them only as summaries, each
+# member's first and last heartbeat in a window and its largest gap. The counterfactual
+# replays them as heartbeats at those times, and inside a window (between the first and the
+# last, but for the largest gap) every half of the shortest limit it applies, so that no
+# silence appears that the summary rules out. A silence longer than every window spans a
+# window's end: its start (the last heartbeat of one window) and its end (the first of the
+# next) are exact, so a timeout at or above the resolution (the longest window) is decided
+# exactly. A shorter limit is not: inside a window only the largest gap is known.
+
+
+def summary_heartbeats(
+    log: Sequence[StoredEvent], policy: JobPolicy
+) -> tuple[list[StoredEvent], float]:
+    """``member.heartbeat`` events at the times the log's ``liveness.summary`` events show
+    (see above), and the summaries' resolution (the longest window, in seconds)."""
+    out: list[StoredEvent] = []
+    resolution = 0.0
+    limit = min([*policy.heartbeat_timeout_s.values(), SILENCE_BEATS * policy.heartbeat_interval_s])
+    fill = timedelta(seconds=limit / 2)
+    for stored in log:
+        event = stored.event
+        if event.type != "liveness.summary" or event.source != CONTROLPLANE_SOURCE:
+            continue
+        summary = event.payload
+        if summary.since is not None:
+            resolution = max(resolution, (summary.at - summary.since).total_seconds())
+        for entry in summary.members:
+            times: set[datetime] = {entry.last_at}
+            if entry.first_at is not None:
+                gap_end = None
+                if entry.max_gap_at is not None:
+                    gap_end = entry.max_gap_at + timedelta(seconds=entry.max_gap_s)
+                times.add(entry.first_at)
+                cuts = [entry.first_at, entry.last_at]
+                if gap_end is not None and entry.max_gap_at is not None:
+                    times.update((entry.max_gap_at, gap_end))
+                    if entry.first_at <= entry.max_gap_at and gap_end <= entry.last_at:
+                        cuts = [entry.first_at, entry.max_gap_at, gap_end, entry.last_at]
+                for start, end in zip(cuts[::2], cuts[1::2], strict=True):
+                    at = start + fill
+                    while at < end:
+                        times.add(at)
+                        at += fill
+            for n, at in enumerate(sorted(times), start=1):
+                out.append(
+                    StoredEvent(
+                        stored.position,
+                        at,
+                        MemberHeartbeatEvent(
+                            event_id=str(
+                                uuid.uuid5(_SUMMARY_BEATS, f"{event.event_id}/{entry.member}/{n}")
+                            ),
+                            job_id=event.job_id,
+                            type="member.heartbeat",
+                            v=1,
+                            source=f"{entry.node}/{entry.member}",
+                            incarnation=entry.incarnation,
+                            seq=n,
+                            generation=entry.generation,
+                            emitted_at=at,
+                            payload=MemberHeartbeat(step=0, phase=entry.phase),
+                        ),
+                    )
+                )
+    return out, resolution
+
+
+_SUMMARY_BEATS = uuid.UUID("5f0c2d7e-8a41-4c55-9a43-0b7f3b1d2c10")
+
+
+def _resolution_note(policy: JobPolicy, resolution: float, beats: int) -> str:
+    shortest = min(policy.heartbeat_timeout_s.values())
+    said = (
+        f"heartbeats replayed from liveness summaries ({beats} heartbeats at the times they"
+        f" show; resolution {resolution:g}s, the longest window)"
+    )
+    if shortest >= resolution:
+        return (
+            f"{said}: exact for the heartbeat timeouts (the shortest, {shortest:g}s, is at or"
+            f" above it); a peer's report corroborated by silence"
+            f" ({SILENCE_BEATS} intervals of {policy.heartbeat_interval_s:g}s) and the phase"
+            " between summaries are modelled"
+        )
+    return (
+        f"{said}: NOT exact for a heartbeat timeout of {shortest:g}s, below the resolution:"
+        " inside a window only each member's largest gap is known, so a shorter silence"
+        " there is not replayed"
     )
 
 

@@ -153,6 +153,9 @@ class Member:
     last_seen_at: datetime | None = None
     last_heartbeat_at: datetime | None = None
     last_heartbeat_position: int | None = None
+    #: The event type at ``last_heartbeat_position``: ``member.heartbeat`` (a log of stored
+    #: heartbeats) or ``liveness.summary`` (heartbeats are soft state, core/liveness.py).
+    heartbeat_evidence: str = "member.heartbeat"
     phase: Phase = Phase.INIT
     step: int = 0
     last_fault: FaultReport | None = None

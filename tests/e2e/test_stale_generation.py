@@ -84,7 +84,11 @@ async def test_a_hung_rank_resumed_after_its_replacement_changes_nothing(
     kinds = sorted({s.event.type for s in late})
     print(f"late events of {HUNG}: {len(late)} ({', '.join(kinds)})")
     assert late, f"no late event of {HUNG} reached the log"
-    assert "member.heartbeat" in kinds  # at least its heartbeat thread, resumed
+    # Its heartbeat thread resumed too: heartbeats are soft state (never stored), and the
+    # control plane refused them, a member left out of the world beating in its old one.
+    assert "member.heartbeat" not in kinds
+    assert cp.heartbeats is not None
+    assert cp.heartbeats.stats.refused.get("stale_generation", 0) >= 1, cp.heartbeats.stats
     # Marked stale: its late heartbeats and steps, and its reports and backups when it sends
     # any (it depends on where the resumed process finds out), are discounts: what it says of
     # an abandoned world is no evidence. Whatever else it sent is printed.

@@ -35,7 +35,7 @@ from schemas.auth import COMMAND_KEY_ENV, JOB_SECRET_ENV, command_public_key, jo
 from schemas.commands import Stop
 from schemas.common import Role
 from schemas.creds import CREDS_DIR_ENV, nkey_connect_options
-from schemas.subjects import MSG_ID_HEADER, command_subject, event_subject
+from schemas.subjects import MSG_ID_HEADER, command_subject, event_subject, heartbeat_subject
 
 pytestmark = [pytest.mark.services, pytest.mark.timeout(90)]
 
@@ -205,6 +205,42 @@ async def test_a_member_cannot_publish_as_its_launcher(
     own = event_subject(JOB_A, "n0", "w0", "member.heartbeat")
     ack = await member.client.jetstream().publish(own, b"{}", timeout=5)
     assert ack.stream == EVENTS
+
+
+async def test_heartbeats_go_only_as_the_nodes_own_members_and_only_to_the_control_plane(
+    secured: Secured, controlplane: Conn, connect: Any
+) -> None:
+    """Heartbeats are NATS core messages (not stored): a node's member credential publishes
+    them as its own node's members only (not as its launcher, another node's member or
+    another job's), the control plane receives them, and a node credential cannot listen."""
+    got: list[str] = []
+
+    async def heard(msg: Any) -> None:
+        got.append(msg.subject)
+
+    await controlplane.client.subscribe("elastic.hb.>", cb=heard)
+    await controlplane.client.flush()
+    member: Conn = await connect(secured.seed(JOB_A, "n0", creds.MEMBER))
+    launcher: Conn = await connect(secured.seed(JOB_A, "n0", creds.LAUNCHER))
+    for conn, subject in (
+        (member, heartbeat_subject(JOB_A, "n0", "launcher")),
+        (member, heartbeat_subject(JOB_A, "n1", "w1")),
+        (member, heartbeat_subject(JOB_B, "n0", "w0")),
+        (launcher, heartbeat_subject(JOB_A, "n0", "w0")),
+    ):
+        await conn.client.publish(subject, b"{}")
+        await conn.client.flush()
+        await conn.violation("publish", subject)
+    own = heartbeat_subject(JOB_A, "n0", "w0")
+    await member.client.publish(own, b"{}")
+    await member.client.flush()
+    deadline = time.monotonic() + 5
+    while own not in got:
+        assert time.monotonic() < deadline, "the control plane did not receive the heartbeat"
+        await asyncio.sleep(0.02)
+    assert got == [own]  # none of the refused ones
+    await member.client.subscribe("elastic.hb.>")
+    await member.violation("subscription", "elastic.hb.>")
 
 
 # --------------------------------------------------------------------------- reading

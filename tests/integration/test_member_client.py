@@ -48,12 +48,28 @@ def joined() -> dict[str, object]:
             "role": "worker", "device": "cpu"}  # fmt: skip
 
 
-def heartbeat_times(store, job_id: str) -> list[datetime]:  # type: ignore[no-untyped-def]
-    return [s.event.emitted_at for s in store.read(job_id=job_id, types=["member.heartbeat"])]
+class Beats:
+    """The heartbeats of one job as they arrive on their NATS core subjects (received at)."""
+
+    def __init__(self) -> None:
+        self.times: list[datetime] = []
+        self.messages: list[dict[str, object]] = []
+
+    async def listen(self, url: str, job_id: str) -> nats.NATS:
+        nc = await nats.connect(url)
+
+        async def handler(msg: nats.aio.msg.Msg) -> None:
+            self.times.append(datetime.now(UTC))
+            self.messages.append(json.loads(msg.data))
+
+        await nc.subscribe(f"elastic.hb.{job_id}.>", cb=handler)
+        return nc
 
 
 async def test_events_reach_the_log_and_heartbeats_go_on_through_a_slow_step(settings, pg_store):
-    async with running_controlplane(settings):
+    beats = Beats()
+    async with running_controlplane(settings) as cp:
+        listener = await beats.listen(settings.nats_url, "job-client")
         client = EventClient(identity("job-client", settings.nats_url)).start()
         try:
             client.publish("member.joined", joined())
@@ -69,13 +85,24 @@ async def test_events_reach_the_log_and_heartbeats_go_on_through_a_slow_step(set
                 10,
                 "the step to be stored",
             )
+            # The control plane heard them (in memory) from the member's current process.
+            assert cp.liveness is not None
+            heard = cp.liveness.heard("job-client", "m0")
+            assert heard is not None and heard.incarnation == client.incarnation
+            assert heard.last_at > started
         finally:
             client.close()
-    during = [t for t in heartbeat_times(pg_store, "job-client") if started <= t <= ended]
+            await listener.close()
+    during = [t for t in beats.times if started <= t <= ended]
     assert len(during) >= 10, during
     gaps = [(b - a).total_seconds() for a, b in itertools.pairwise(during)]
     assert max(gaps) < 0.5
     assert client.stats.dropped == 0 and client.pending() == 0
+    assert beats.messages[0]["source"] == "node-a/m0" and beats.messages[0]["type"] == (
+        "member.heartbeat"
+    )
+    # Heartbeats are soft state: none was stored.
+    assert pg_store.read(job_id="job-client", types=["member.heartbeat"]) == []
 
 
 _MEMBER_SCRIPT = textwrap.dedent(
@@ -103,6 +130,8 @@ async def test_heartbeats_stop_while_the_process_is_stopped(settings, pg_store):
         "ELASTIC_MEMBER": "m0",
         "ELASTIC_NATS_URL": settings.nats_url,
     }
+    beats = Beats()
+    listener = await beats.listen(settings.nats_url, "job-sigstop")
     async with running_controlplane(settings):
         proc = subprocess.Popen(
             [sys.executable, "-c", _MEMBER_SCRIPT], env=env, stdout=subprocess.PIPE
@@ -110,25 +139,22 @@ async def test_heartbeats_stop_while_the_process_is_stopped(settings, pg_store):
         try:
             assert proc.stdout is not None
             assert proc.stdout.readline().strip() == b"ready"
-            await wait_until(
-                lambda: len(heartbeat_times(pg_store, "job-sigstop")) >= 5, 20, "heartbeats"
-            )
+            await wait_until(lambda: len(beats.times) >= 5, 20, "heartbeats")
             proc.send_signal(signal.SIGSTOP)
             stopped = datetime.now(UTC)
             await asyncio.sleep(1.5)
             resumed = datetime.now(UTC)  # before it runs again
             proc.send_signal(signal.SIGCONT)
             await wait_until(
-                lambda: any(t > resumed for t in heartbeat_times(pg_store, "job-sigstop")),
-                10,
-                "heartbeats after SIGCONT",
+                lambda: any(t > resumed for t in beats.times), 10, "heartbeats after SIGCONT"
             )
         finally:
             proc.kill()
             proc.wait(10)
             if proc.stdout is not None:
                 proc.stdout.close()
-    times = heartbeat_times(pg_store, "job-sigstop")
+            await listener.close()
+    times = beats.times
     # Nothing was sent while stopped (allowing for one already on its way).
     inside = [t for t in times if (stopped - t).total_seconds() < -0.2 and t < resumed]
     assert inside == [], inside

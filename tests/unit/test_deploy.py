@@ -591,7 +591,9 @@ def test_nats_identities_cover_the_subjects(tmp_path: Path) -> None:
     inboxes = set()
     for entry in users.values():
         sub = entry["permissions"]["subscribe"]
-        (pattern,) = sub["allow"]
+        pattern, *others = sub["allow"]
+        # ... and only the control plane hears heartbeats (NATS core, never stored).
+        assert others == (["elastic.hb.>"] if entry["permissions"] is cp else []), others
         assert pattern.startswith("_INBOX_") and pattern.endswith(".>")
         inboxes.add(pattern)
         for subject in (

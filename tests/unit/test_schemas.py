@@ -90,6 +90,7 @@ MINIMAL_PAYLOADS: dict[str, dict[str, Any]] = {
     "incident.resolved": {"incident_id": UUID_A, "downtime_s": 1.5, "steps_lost": 0},
     "job.stopped": {"reason": "operator"},
     "job.completed": {},
+    "liveness.summary": {"reason": "interval", "at": "2026-01-01T00:00:00+00:00"},
 }
 
 #: Payloads with every optional field set, to round-trip nested models too.
@@ -161,6 +162,29 @@ FULL_PAYLOADS: dict[str, dict[str, Any]] = {
         "steps_lost": 3,
     },
     "job.completed": {"step": 100},
+    "liveness.summary": {
+        "reason": "decision",
+        "since": "2026-01-01T00:00:00+00:00",
+        "at": "2026-01-01T00:00:10+00:00",
+        "part": 1,
+        "parts": 1,
+        "members": [
+            {
+                "member": "m0",
+                "node": "n0",
+                "incarnation": "i1",
+                "generation": 1,
+                "last_at": "2026-01-01T00:00:09.750000+00:00",
+                "assumed": False,
+                "first_at": "2026-01-01T00:00:00.250000+00:00",
+                "beats": 39,
+                "max_gap_s": 0.5,
+                "max_gap_at": "2026-01-01T00:00:03+00:00",
+                "phase": "train",
+                "step": 12,
+            }
+        ],
+    },
 }
 
 

@@ -1,0 +1,216 @@
+"""Liveness as soft state: the heartbeats the control plane heard, kept in memory.
+
+Members heartbeat on NATS core subjects (``elastic.hb.<job>.<node>.<member>``), several times
+a second, and no heartbeat is written to the log. The leader keeps, per job and member, the
+last heartbeat it heard (the time it received it, by its own clock), what it reported
+(phase, step, generation) and, over the current *window* (since the job's last
+``liveness.summary``), the first heartbeat, the number of beats and the largest gap between
+two of them.
+
+The table is whole again within one timeout after a restart or a takeover: it starts empty,
+and every member active in the log counts as heard at the table's start (``assumed``), so a
+member is found silent one timeout after that at the earliest, and a live one is heard long
+before.
+
+The decider reads the table through the view: ``overlay`` moves each active member's
+``last_heartbeat_at`` (and phase) to what the table heard, in place, before ``decide`` runs.
+Before any decision is recorded, ``summarize`` turns the table into ``liveness.summary``
+events (every member of the job the table holds), appended first: their fold gives the
+view exactly the values the decision was taken on, so re-deciding from the log reproduces
+it. Between decisions a summary is recorded every ``liveness_summary_interval_s``: the log
+then knows each member's liveness at that resolution (the API's last heartbeat, a
+counterfactual timeout).
+
+Pure: times are arguments; nothing here reads a clock or does I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from controlplane.core.view import JobView, MemberStatus
+from schemas.common import Phase
+from schemas.events import SUMMARY_MEMBERS, LivenessEntry, LivenessSummary
+
+
+@dataclass(slots=True)
+class Heard:
+    """What the table heard of one member (its process ``incarnation``)."""
+
+    node: str
+    incarnation: str
+    generation: int
+    phase: Phase
+    step: int
+    last_at: datetime
+    #: Not heard since the table started: counted as heard at its start.
+    assumed: bool = False
+    #: The current window: its first heartbeat, beats, largest gap and when that began.
+    first_at: datetime | None = None
+    beats: int = 0
+    max_gap_s: float = 0.0
+    max_gap_at: datetime | None = None
+
+
+@dataclass(slots=True)
+class LivenessStats:
+    heard: int = 0
+    #: Heartbeats older than the one already heard (reordered in transit).
+    reordered: int = 0
+
+
+class LivenessTable:
+    """Every job's members as last heard (see the module docstring)."""
+
+    def __init__(self, started_at: datetime) -> None:
+        #: When this table started (the leader's start): active members count as heard then.
+        self.started_at = started_at
+        self._jobs: dict[str, dict[str, Heard]] = {}
+        #: Job -> when its current window began (its last summary, else the table's start).
+        self._windows: dict[str, datetime] = {}
+        self.stats = LivenessStats()
+
+    def heard(self, job_id: str, member_id: str) -> Heard | None:
+        return self._jobs.get(job_id, {}).get(member_id)
+
+    def members(self, job_id: str) -> dict[str, Heard]:
+        return self._jobs.get(job_id, {})
+
+    def observe(
+        self,
+        job_id: str,
+        member_id: str,
+        *,
+        node: str,
+        incarnation: str,
+        generation: int,
+        at: datetime,
+        step: int,
+        phase: Phase,
+    ) -> None:
+        """One heartbeat of ``member_id`` (process ``incarnation``) received at ``at``."""
+        members = self._jobs.get(job_id)
+        if members is None:
+            members = self._jobs[job_id] = {}
+        heard = members.get(member_id)
+        self.stats.heard += 1
+        if heard is None or heard.incarnation != incarnation:
+            # A process heard for the first time (a new incarnation replaces the old one).
+            members[member_id] = Heard(
+                node, incarnation, generation, phase, step, at, first_at=at, beats=1
+            )
+            return
+        if at < heard.last_at:
+            self.stats.reordered += 1
+            return
+        if heard.assumed:
+            heard.assumed = False  # the assumed time was no heartbeat: no gap from it
+        else:
+            gap = (at - heard.last_at).total_seconds()
+            if gap > heard.max_gap_s:
+                heard.max_gap_s = gap
+                heard.max_gap_at = heard.last_at
+        heard.last_at = at
+        if heard.first_at is None:
+            heard.first_at = at
+        heard.beats += 1
+        heard.generation = generation
+        heard.phase = phase
+        heard.step = max(heard.step, step)
+
+    def overlay(self, view: JobView) -> None:
+        """Move the active members of ``view`` to what the table heard of them (in place:
+        ``last_heartbeat_at`` when the table heard later, and the phase then reported).
+
+        An active member the table never heard from, last heard in the log before the
+        table's start, counts as heard at the start (and is held in the table from then
+        on, so that the summary before a decision records it)."""
+        members = self._jobs.get(view.job_id)
+        if members is None:
+            members = self._jobs[view.job_id] = {}
+        started = self.started_at
+        active = MemberStatus.ACTIVE
+        for member_id, member in view.members.items():
+            if member.status is not active:
+                continue
+            heard = members.get(member_id)
+            if heard is None or heard.incarnation != member.incarnation:
+                last = member.last_heartbeat_at or member.joined_at
+                if last >= started:
+                    continue
+                heard = members[member_id] = Heard(
+                    member.node,
+                    member.incarnation,
+                    member.generation,
+                    member.phase,
+                    member.step,
+                    started,
+                    assumed=True,
+                )
+            current = member.last_heartbeat_at
+            if current is None or heard.last_at > current:
+                member.last_heartbeat_at = heard.last_at
+                member.phase = heard.phase
+
+    def summary_due(self, job_id: str, interval_s: float) -> datetime:
+        """When the job's next interval summary is due."""
+        return self._windows.get(job_id, self.started_at) + timedelta(seconds=interval_s)
+
+    def summarize(self, view: JobView, now: datetime, reason: str) -> list[LivenessSummary]:
+        """The job's summary at ``now`` (split in parts of ``SUMMARY_MEMBERS``): every member
+        the table holds whose process is the view's. Empty when there is none."""
+        members = self._jobs.get(view.job_id, {})
+        entries: list[LivenessEntry] = []
+        for member_id in sorted(members):
+            heard = members[member_id]
+            member = view.members.get(member_id)
+            if member is None or member.incarnation != heard.incarnation:
+                continue
+            entries.append(
+                LivenessEntry(
+                    member=member_id,
+                    node=heard.node,
+                    incarnation=heard.incarnation,
+                    generation=heard.generation,
+                    last_at=heard.last_at,
+                    assumed=heard.assumed,
+                    first_at=heard.first_at,
+                    beats=heard.beats,
+                    max_gap_s=heard.max_gap_s,
+                    max_gap_at=heard.max_gap_at,
+                    phase=heard.phase,
+                    step=heard.step,
+                )
+            )
+        if not entries:
+            return []
+        since = self._windows.get(view.job_id, self.started_at)
+        chunks = [entries[i : i + SUMMARY_MEMBERS] for i in range(0, len(entries), SUMMARY_MEMBERS)]
+        return [
+            LivenessSummary(
+                reason=reason,  # type: ignore[arg-type]  # "interval" | "decision"
+                since=since,
+                at=now,
+                part=i,
+                parts=len(chunks),
+                members=chunk,
+            )
+            for i, chunk in enumerate(chunks, start=1)
+        ]
+
+    def summarized(self, job_id: str, now: datetime) -> None:
+        """A summary of the job at ``now`` was recorded: a new window begins."""
+        self._windows[job_id] = now
+        for heard in self._jobs.get(job_id, {}).values():
+            heard.first_at = None
+            heard.beats = 0
+            heard.max_gap_s = 0.0
+            heard.max_gap_at = None
+
+    def forget(self, job_id: str, keep: set[str]) -> None:
+        """Drop the job's members not in ``keep`` (they left the view)."""
+        members = self._jobs.get(job_id)
+        if members:
+            for member_id in [m for m in members if m not in keep]:
+                del members[member_id]

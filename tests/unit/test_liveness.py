@@ -1,0 +1,249 @@
+"""Liveness as soft state: the in-memory table (observe, overlay, summaries), the fold of a
+summary, re-deciding a log whose heartbeats were never stored, and the counterfactual
+timeout replayed from the summaries (exact at or above their resolution, and said when not).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from datetime import timedelta
+
+from controlplane.bus import HeartbeatListener
+from controlplane.core.fold import fold
+from controlplane.core.liveness import LivenessTable
+from controlplane.core.replay import DEADLINE_TICK, counterfactual, redecide
+from controlplane.decode import decode_heartbeat
+from schemas.common import Phase
+from schemas.events import SUMMARY_MEMBERS
+from tests.factories import T0, Events, recorded
+from tests.recorded import (
+    HANG_LAST_HEARTBEAT_S,
+    HANG_TIMEOUT_S,
+    two_incidents,
+    two_incidents_scenario,
+)
+from tests.scenario import SoftScenario
+
+#: The soft recording's summary interval (its resolution): below the 4 s timeout.
+SUMMARY_S = 2.0
+
+
+def at(seconds: float):
+    return T0 + timedelta(seconds=seconds)
+
+
+@functools.cache
+def soft():
+    return two_incidents_scenario(SoftScenario, liveness_summary_interval_s=SUMMARY_S)
+
+
+def observe(table: LivenessTable, member: str, t: float, incarnation: str = "i1", **kw):
+    table.observe(
+        "job1",
+        member,
+        node="n0",
+        incarnation=incarnation,
+        generation=kw.pop("generation", 1),
+        at=at(t),
+        step=kw.pop("step", 1),
+        phase=kw.pop("phase", Phase.TRAIN),
+    )
+
+
+# --------------------------------------------------------------------------- the table
+
+
+def test_the_table_keeps_the_last_heartbeat_beats_and_the_largest_gap():
+    table = LivenessTable(started_at=T0)
+    for t in (1.0, 1.25, 1.5, 3.0, 3.25):
+        observe(table, "m0", t)
+    observe(table, "m0", 2.0)  # reordered in transit: older than the last one heard
+    heard = table.heard("job1", "m0")
+    assert heard is not None
+    assert heard.last_at == at(3.25) and heard.first_at == at(1.0) and heard.beats == 5
+    assert heard.max_gap_s == 1.5 and heard.max_gap_at == at(1.5)
+    assert table.stats.reordered == 1
+    # A new process of the member starts afresh.
+    observe(table, "m0", 4.0, incarnation="i2")
+    heard = table.heard("job1", "m0")
+    assert heard is not None and heard.incarnation == "i2" and heard.beats == 1
+    assert heard.max_gap_s == 0.0
+
+
+def test_a_window_ends_with_its_summary_and_the_gap_across_it_counts_in_the_next():
+    table = LivenessTable(started_at=T0)
+    events = Events()
+    view = fold(None, recorded([events.joined("m0", incarnation="i1")]))
+    observe(table, "m0", 1.0)
+    observe(table, "m0", 2.0)
+    [summary] = table.summarize(view, at(2.5), "interval")
+    [entry] = summary.members
+    assert (entry.first_at, entry.last_at, entry.beats) == (at(1.0), at(2.0), 2)
+    assert summary.since == T0 and summary.at == at(2.5)
+    table.summarized("job1", at(2.5))
+    assert table.summary_due("job1", 10.0) == at(12.5)
+    observe(table, "m0", 5.0)
+    [summary] = table.summarize(view, at(6.0), "interval")
+    [entry] = summary.members
+    assert entry.first_at == at(5.0) and entry.beats == 1
+    assert entry.max_gap_s == 3.0 and entry.max_gap_at == at(2.0)  # from the last window
+
+
+def test_an_active_member_not_heard_since_the_start_counts_as_heard_at_the_start():
+    events = Events()
+    log = recorded(
+        [events.joined("m0", incarnation="i1"), events.joined("m1", incarnation="i1", node="n1")]
+    )
+    view = fold(None, log)  # joined at T0+1 s and T0+2 s
+    table = LivenessTable(started_at=at(30.0))  # a takeover, later
+    observe(table, "m1", 31.0)
+    table.overlay(view)
+    assert view.members["m0"].last_heartbeat_at == at(30.0)  # assumed
+    assert view.members["m1"].last_heartbeat_at == at(31.0)  # heard
+    parts = table.summarize(view, at(32.0), "decision")
+    entries = {e.member: e for p in parts for e in p.members}
+    assert entries["m0"].assumed and entries["m0"].beats == 0
+    assert not entries["m1"].assumed
+    # Folding the summary gives the log exactly what the overlay gave the live view.
+    summary = events.cp("liveness.summary", parts[0].model_dump(mode="json"))
+    folded = fold(fold(None, log), recorded([summary], start=3))
+    for member in ("m0", "m1"):
+        assert folded.members[member].last_heartbeat_at == view.members[member].last_heartbeat_at
+        assert folded.members[member].heartbeat_evidence == "liveness.summary"
+
+
+def test_a_summary_of_many_members_is_split_into_parts():
+    events = Events()
+    n = SUMMARY_MEMBERS + 5
+    view = fold(None, recorded([events.joined(f"m{i}", incarnation="i1") for i in range(n)]))
+    table = LivenessTable(started_at=T0)
+    for i in range(n):
+        observe(table, f"m{i}", 1.0)
+    parts = table.summarize(view, at(2.0), "interval")
+    assert [(p.part, p.parts, len(p.members)) for p in parts] == [
+        (1, 2, SUMMARY_MEMBERS), (2, 2, 5)]  # fmt: skip
+
+
+def test_a_summary_of_another_process_or_from_a_member_changes_nothing():
+    events = Events()
+    log = recorded([events.joined("m0", incarnation="i2")])
+    table = LivenessTable(started_at=T0)
+    observe(table, "m0", 5.0, incarnation="i1")  # an earlier process
+    assert table.summarize(fold(None, log), at(6.0), "interval") == []
+    table2 = LivenessTable(started_at=T0)
+    observe(table2, "m0", 5.0, incarnation="i2")
+    [part] = table2.summarize(fold(None, log), at(6.0), "interval")
+    forged = events.make("liveness.summary", part.model_dump(mode="json"), source="n0/m0")
+    view = fold(None, [*log, *recorded([forged], start=2)])
+    assert view.members["m0"].last_heartbeat_at is None
+
+
+# --------------------------------------------------------------------------- a recorded run
+
+
+def test_a_soft_recording_decides_as_the_stored_heartbeats_did_and_replays_exactly():
+    s = soft()
+    log = s.log
+    assert not [e for e in log if e.event.type == "member.heartbeat"]
+    summaries = [e.event.payload for e in log if e.event.type == "liveness.summary"]
+    assert {p.reason for p in summaries} == {"interval", "decision"}
+    assert all(r.matches for r in redecide(log))
+    # The same decisions at the same times as the recording with stored heartbeats.
+    stored = two_incidents()
+
+    def decisions(events):
+        return [(e.recorded_at, e.event.type, e.event.event_id) for e in events
+                if e.event.source == "controlplane" and e.event.type != "liveness.summary"]  # fmt: skip
+
+    assert decisions(log) == decisions(stored)
+    [_, hang] = [e.event.payload for e in log if e.event.type == "fault.detected"]
+    assert hang.reason == "heartbeat_timeout" and hang.members == ["w10"]
+    [evidence] = hang.evidence
+    assert evidence.what == "liveness.summary" and evidence.at == at(HANG_LAST_HEARTBEAT_S)
+
+
+def test_a_counterfactual_timeout_at_or_above_the_resolution_is_exact():
+    longer = {"heartbeat_timeout": HANG_TIMEOUT_S + 3}
+    from_summaries = counterfactual(soft().log, longer)
+    from_heartbeats = counterfactual(two_incidents(), longer)
+    [_, hang] = from_summaries.incidents
+    [_, expected] = from_heartbeats.incidents
+    assert hang.members == ("w10",) and hang.reasons == ("heartbeat_timeout",)
+    assert (
+        hang.detected_at
+        == expected.detected_at
+        == (at(HANG_LAST_HEARTBEAT_S + HANG_TIMEOUT_S + 3) + DEADLINE_TICK)
+    )
+    assert [(i.kind, i.members, i.decision) for i in from_summaries.incidents] == [
+        (i.kind, i.members, i.decision) for i in from_heartbeats.incidents
+    ]
+    [note] = [n for n in from_summaries.notes if "liveness summaries" in n]
+    assert "exact for the heartbeat timeouts" in note and "NOT" not in note
+
+
+def test_a_counterfactual_timeout_below_the_resolution_says_it_is_not_exact():
+    result = counterfactual(soft().log, {"heartbeat_timeout": SUMMARY_S / 2})
+    [note] = [n for n in result.notes if "liveness summaries" in n]
+    windows = [
+        (e.event.payload.at - e.event.payload.since).total_seconds()
+        for e in soft().log
+        if e.event.type == "liveness.summary"
+    ]
+    # The resolution is the longest window: the interval, and up to a turn more (the
+    # decider records an interval summary at its first turn once it is due).
+    assert SUMMARY_S <= max(windows) < SUMMARY_S + 1.0
+    assert "NOT exact" in note and f"resolution {max(windows):g}s" in note
+
+
+# --------------------------------------------------------------------------- the listener
+
+
+def _beat(**over):
+    body = {
+        "job_id": "job1", "type": "member.heartbeat", "v": 1, "source": "n0/m0",
+        "incarnation": "i1", "generation": 1, "emitted_at": "2026-01-01T00:00:00+00:00",
+        "payload": {"step": 3, "phase": "train"},
+    }  # fmt: skip
+    body.update(over)
+    return json.dumps(body).encode()
+
+
+def test_a_heartbeat_is_validated_and_bound_to_its_subject():
+    subject = "elastic.hb.job1.n0.m0"
+    beat = decode_heartbeat(subject, _beat())
+    assert not isinstance(beat, str) and beat.payload.step == 3
+    refused = {
+        (subject, b"\xff"): "not JSON",
+        (subject, _beat(source="n1/m0")): "forged source",
+        (subject, _beat(job_id="job2")): "job mismatch",
+        (subject, _beat(payload={"step": -1, "phase": "train"})): "schema violation",
+        (subject, _beat(type="member.joined")): "schema violation",
+        (subject, _beat(extra=1)): "schema violation",
+        ("elastic.hb.job1.n0", _beat()): "not a heartbeat subject",
+        ("elastic.evt.job1.n0.m0.member.heartbeat", _beat()): "not a heartbeat subject",
+        ("elastic.hb.job1.n0.launcher", _beat(source="n0/launcher")): "forged",
+        (subject, b" " * 70_000): "oversized",
+    }
+    for (subj, data), reason in refused.items():
+        got = decode_heartbeat(subj, data)
+        assert isinstance(got, str) and got.startswith(reason), (subj, data[:40], got)
+
+
+def test_one_bad_heartbeat_or_a_failing_taker_never_stops_the_listener():
+    taken = []
+
+    def take(beat, node, member, at):
+        if beat.payload.step == 13:
+            raise RuntimeError("a bug in the taker")
+        taken.append((node, member, at))
+        return None if beat.incarnation == "i1" else "stale_incarnation: i2"
+
+    listener = HeartbeatListener(None, take, clock=lambda: T0)  # type: ignore[arg-type]
+    subject = "elastic.hb.job1.n0.m0"
+    for data in (b"\x00garbage", _beat(payload={"step": 13, "phase": "train"}),
+                 _beat(incarnation="i2"), _beat()):  # fmt: skip
+        listener.receive(subject, data)
+    assert listener.stats.received == 4 and listener.stats.accepted == 1
+    assert listener.stats.refused == {"not JSON": 1, "undecodable": 1, "stale_incarnation": 1}
+    assert taken[-1] == ("n0", "m0", T0)
