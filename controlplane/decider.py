@@ -24,7 +24,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -41,7 +41,7 @@ from controlplane.ingest import Appender
 from controlplane.store.port import AppendResult, JobHead
 from schemas.auth import SIGNATURE_HEADER, CommandSigner, command_message
 from schemas.common import CONTROLPLANE_SOURCE
-from schemas.events import LivenessSummaryEvent
+from schemas.events import EnvelopeBase, LivenessSummaryEvent
 from schemas.ids import new_event_id
 from schemas.subjects import MSG_ID_HEADER, command_subject
 
@@ -251,28 +251,40 @@ class Decider:
             envelope(job_id, d, now, seq + i, self.incarnation)
             for i, d in enumerate(decided, start=1)
         ]
-        try:
-            result = await self._appender.append(
-                events, expected=JobHead(job_id, view.last_position)
-            )
-        except ConcurrencyError as exc:
-            self.stats.conflicts += 1
-            log.warning("decision for %s not recorded: %s; refreshing the view", job_id, exc)
-            if self._refresh is not None:
-                await self._refresh(job_id)
-            self.wanted.set()
-            return None
-        except StoreUnavailable as exc:
-            log.warning("decision for %s not recorded (%s); deciding again later", job_id, exc)
+        result = await self._append(job_id, view, events, "decision")
+        if result is None:
             return None
         appended = time.perf_counter()
-        self._seq[job_id] = seq + len(events)
         self.stats.batches += 1
         self.stats.decisions += len(result.stored)
         self._apply(result)
         for stored in result.stored:
             _log_decision(stored)
         return appended
+
+    async def _append(
+        self, job_id: str, view: JobView, events: Sequence[EnvelopeBase], what: str
+    ) -> AppendResult | None:
+        """Append the control plane's ``events`` for ``job_id`` with the view's last position
+        as the expected head, and advance the job's sequence; None when they were not recorded
+        (another writer came first: the view is refreshed and a turn wanted; or the store is
+        down: the next turn tries again)."""
+        try:
+            result = await self._appender.append(
+                events, expected=JobHead(job_id, view.last_position)
+            )
+        except ConcurrencyError as exc:
+            self.stats.conflicts += 1
+            log.warning("%s for %s not recorded: %s; refreshing the view", what, job_id, exc)
+            if self._refresh is not None:
+                await self._refresh(job_id)
+            self.wanted.set()
+            return None
+        except StoreUnavailable as exc:
+            log.warning("%s for %s not recorded (%s); later", what, job_id, exc)
+            return None
+        self._seq[job_id] = self._seq.get(job_id, 0) + len(events)
+        return result
 
     async def _summarize(self, job_id: str, view: JobView, now: datetime, reason: str) -> bool:
         """Append the job's ``liveness.summary`` at ``now`` behind ``view`` and fold it;
@@ -298,21 +310,9 @@ class Decider:
             )
             for i, part in enumerate(parts, start=1)
         ]
-        try:
-            result = await self._appender.append(
-                events, expected=JobHead(job_id, view.last_position)
-            )
-        except ConcurrencyError as exc:
-            self.stats.conflicts += 1
-            log.warning("liveness of %s not recorded: %s; refreshing the view", job_id, exc)
-            if self._refresh is not None:
-                await self._refresh(job_id)
-            self.wanted.set()
+        result = await self._append(job_id, view, events, "liveness")
+        if result is None:
             return False
-        except StoreUnavailable as exc:
-            log.warning("liveness of %s not recorded (%s); later", job_id, exc)
-            return False
-        self._seq[job_id] = seq + len(events)
         self.stats.summaries += len(result.stored)
         self._apply(result)
         self.liveness.summarized(job_id, now)
