@@ -27,7 +27,11 @@ async def test_a_value_error_of_the_loop_propagates_and_starts_no_recovery(
     job_id = f"job-usererr-{uuid.uuid4().hex[:6]}"
     command = [
         sys.executable, "-m", "controlplane", "run", "--nproc", "2", "--nodes", "2",
-        "--racks", "1", "--job-id", job_id, "--policy", "backup_interval=2", JOB,
+        "--racks", "1", "--job-id", job_id, "--policy", "backup_interval=2",
+        # The survivor's shrink leaves w1 out; fencing would kill w1 if its interpreter were
+        # still tearing down by then (a race on a loaded machine), hiding the status 1 that
+        # Python gives an unhandled error. Fencing has its own tests.
+        "--no-fence", JOB,
     ]  # fmt: skip
     env = {**os.environ, "ELASTIC_NATS_URL": settings.nats_url, "ELASTIC_LOG_LEVEL": "WARNING"}
     async with running_controlplane(settings):
