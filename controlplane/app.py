@@ -121,6 +121,7 @@ class ControlPlane:
                 at=at,
                 step=payload.step,
                 phase=payload.phase,
+                step_seconds=payload.step_seconds,
             )
             return None
 

@@ -147,6 +147,8 @@ class EventClient:
         self._connected = threading.Event()
         self._started = threading.Event()
         self._credential_warned = False
+        #: The longest step finished since the last heartbeat (``finished_step``).
+        self._step_seconds = 0.0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -227,6 +229,18 @@ class EventClient:
         self._poke()
         return event_id
 
+    def finished_step(self, step: int, seconds: float) -> None:
+        """The member finished ``step`` in ``seconds``: its heartbeats carry the step, and
+        the longest step since the previous heartbeat."""
+        with self._lock:
+            self.step = step
+            self._step_seconds = max(self._step_seconds, seconds)
+
+    def _take_step_seconds(self) -> float:
+        with self._lock:
+            seconds, self._step_seconds = self._step_seconds, 0.0
+        return seconds
+
     def heartbeat(self) -> None:
         """Send one heartbeat (step, phase) on ``elastic.hb.<job>.<node>.<member>``: NATS
         core, not JetStream, so it is never stored; one that finds no connection is dropped
@@ -240,8 +254,9 @@ class EventClient:
             "incarnation": self.incarnation,
             "generation": self.generation,
             "emitted_at": datetime.now(UTC).isoformat(),
-            "payload": {"step": self.step, "phase": self.phase.value},
-        }
+            "payload": {"step": self.step, "phase": self.phase.value,
+                        "step_seconds": self._take_step_seconds()},
+        }  # fmt: skip
         data = json.dumps(message).encode()
         loop = self._loop
         if loop is None or loop.is_closed() or not self._connected.is_set():

@@ -11,12 +11,13 @@ A few lines in an ordinary DDP loop::
     elastic.finish(step)
 
 ``start`` returns None for a spare the job never needed (the job ended first). ``step_done``
-publishes ``train.step``, keeps the heartbeat's step current, takes the hot backup every
-``backup_interval`` steps (a copy into preallocated, double-buffered memory: the only part on
-the training path) and hands it to a background thread that digests it, publishes
-``backup.snapshot`` and sends the slot's bytes as they are to the holders the control plane
-placed it on (each holder keeps it under that digest and publishes ``backup.replicated``; a
-restore verifies every copy against the digest); training does not wait for replication.
+puts the step and its time on the heartbeats, publishes ``train.step`` (rank 0 every step, the
+others their first step of each generation), takes the hot backup every ``backup_interval``
+steps (a copy into preallocated, double-buffered memory: the only part on the training path)
+and hands it to a background thread that digests it, publishes ``backup.snapshot`` and sends
+the slot's bytes as they are to the holders the control plane placed it on (each holder keeps
+it under that digest and publishes ``backup.replicated``; a restore verifies every copy against
+the digest); training does not wait for replication.
 """
 
 from __future__ import annotations
@@ -47,11 +48,17 @@ from rank_runtime.replication import (
     background_priority,
     bind_address,
     digest,
-    fetch,
+    fetch_into,
     send,
     server_tls,
 )
-from rank_runtime.snapshot import CorruptSnapshot, HotSnapshot, SnapshotNotFound, from_bytes
+from rank_runtime.snapshot import (
+    CorruptSnapshot,
+    HotSnapshot,
+    SnapshotDecoder,
+    SnapshotNotFound,
+    from_bytes,
+)
 from schemas.auth import JOB_SECRET_ENV, parse_secret
 from schemas.commands import Reallocate, Start, Stop
 from schemas.common import FaultKind, Phase, ReallocationMode, RestoreFrom, Role
@@ -231,12 +238,19 @@ class Elastic:
         self.world: World | None = None
         #: The step training goes on from (0 for a fresh start).
         self.resume_step = 0
+        #: The generation of this member's last stored ``train.step`` (None: none yet).
+        self._stepped_generation: int | None = None
         #: The state to load before going on from ``resume_step`` (None: the initial state):
         #: this rank's shard after a replacement.
         self.restored: Any = None
         #: Every shard restored, by its rank in the backup's generation: this rank's after a
         #: replacement, all of them after a shrink or a growth (for re-partitioning).
         self.restored_shards: dict[int, Any] = {}
+        #: Restore this member's own backup as views of its hot snapshot's slot rather than
+        #: clones (no copy of the shard): only for a caller that copies every restored tensor
+        #: into its own before the next backup is taken, and never writes into them (the
+        #: session sets it for FSDP2 state, whose load copies chunk by chunk).
+        self.own_views = False
         #: This member's rank when its newest backups were taken (its shard number there).
         self._backup_shard: int | None = None
         self._faults = faults.from_env()
@@ -588,22 +602,42 @@ class Elastic:
                     what = f"own copy of shard {shard} of step {command.restore_step}"
                     raise _RefusedCopy(shard, me, f"{what} does not match {expected}")
                 data = None  # take the plan's copy instead
-            if data is None:
-                endpoint = command.endpoints.get(source, "")
-                try:
-                    data = fetch(endpoint, owner=None, shard=shard, step=command.restore_step,
-                                 expected=expected, secret=self._secret)  # fmt: skip
-                except DigestMismatch as exc:
-                    raise _RefusedCopy(shard, source, str(exc)) from exc
-            else:
-                source = me
+            # With the recorded digest, the whole stream is hashed against it (the fetch, or
+            # _matches): the trailer's checksum is not computed a second time.
+            decoder = SnapshotDecoder(trusted=expected is not None)
             try:
-                shards[shard] = from_bytes(data).state
-            except CorruptSnapshot as exc:  # only without a digest: a copy that does not decode
+                if data is None:
+                    size = self._fetch_into(decoder, shard, source, command, expected)
+                else:
+                    source, size = me, len(data)
+                    decoder.feed(data)
+                shards[shard] = decoder.finish().state
+            except CorruptSnapshot as exc:  # a copy that does not decode
                 raise _RefusedCopy(shard, source, f"shard {shard} from {source}: {exc}") from exc
             sources[str(shard)] = source
-            nbytes += len(data)
+            nbytes += size
         return shards, nbytes, sources
+
+    def _fetch_into(
+        self,
+        decoder: SnapshotDecoder,
+        shard: int,
+        source: str,
+        command: Reallocate,
+        expected: str | None,
+    ) -> int:
+        """Fetch ``shard`` from ``source`` (the plan's holder) straight into ``decoder``'s
+        tensors; its size. A copy that does not hash to ``expected`` is refused."""
+        try:
+            return fetch_into(command.endpoints.get(source, ""), lambda _: decoder, owner=None,
+                              shard=shard, step=command.restore_step, expected=expected,
+                              secret=self._secret)  # fmt: skip
+        except DigestMismatch as exc:
+            raise _RefusedCopy(shard, source, str(exc)) from exc
+        except ReplicationError as exc:
+            if isinstance(exc.__cause__, CorruptSnapshot):
+                raise exc.__cause__ from exc
+            raise
 
     def _restore_cold(self, command: Reallocate) -> tuple[dict[int, Any], int, dict[str, str]]:
         """The shards of the cold checkpoint at the restore step: this rank's own memory when
@@ -653,16 +687,17 @@ class Elastic:
 
     def _own_state(self, shard: int, step: int, expected: str | None) -> tuple[Any, int] | None:
         """This member's own backup of ``shard`` at ``step`` as state (a copy of the slot's
-        tensors) and its serialized size, when the slot still holds what was digested as
-        ``expected``: the digest its snapshot cached when it was replicated, so no byte is
-        hashed, serialized or decoded again. None otherwise (not its shard, not that step any
-        more, another digest): the caller then reads and verifies the bytes."""
+        tensors, or views of them with ``own_views``) and its serialized size, when the slot
+        still holds what was digested as ``expected``: the digest its snapshot cached when it
+        was replicated, so no byte is hashed, serialized or decoded again. None otherwise (not
+        its shard, not that step any more, another digest): the caller then reads and verifies
+        the bytes."""
         if shard != self._backup_shard or expected is None:
             return None
         try:
             if self.hot.stream_digest(step, expected.partition(":")[0]) != expected:
                 return None
-            return self.hot.get(step).state, self.hot.nbytes(step)
+            return self.hot.get(step, copy=not self.own_views).state, self.hot.nbytes(step)
         except (SnapshotNotFound, ValueError):
             return None
 
@@ -778,12 +813,18 @@ class Elastic:
         copied to peers; ``replicated()``: what every rank has alike, kept here only); carry
         out injected faults."""
         world = self._world()
-        self.client.step = step
-        self.client.publish(
-            "train.step",
-            {"step": step, "loss": float(loss), "step_seconds": max(0.0, seconds),
-             "samples": samples},
-        )  # fmt: skip
+        # Every member's step and step time go on its heartbeats (not stored).
+        self.client.finished_step(step, max(0.0, seconds))
+        # The log keeps one record per step for the job, rank 0's (its loss is the job's
+        # loss, as the loop reports it), and each member's first step of each generation (so
+        # the timelines' resume of every member stays exact): not a row per rank per step.
+        if world.rank == 0 or self._stepped_generation != world.generation:
+            self._stepped_generation = world.generation
+            self.client.publish(
+                "train.step",
+                {"step": step, "loss": float(loss), "step_seconds": max(0.0, seconds),
+                 "samples": samples},
+            )  # fmt: skip
         if state is not None and step % self.policy.backup_interval == 0:
             self.backup(step, state(), replicated() if replicated is not None else None)
         faults.inject(self._faults, step, world.rank, self._faults_state)

@@ -193,24 +193,54 @@ def _nonce(body: dict[str, Any]) -> bytes:
     return bytes.fromhex(value)
 
 
+class Sink(Protocol):
+    """Where received bytes go, in order: ``writable`` names the memory the next bytes are
+    read into (at most ``limit`` of them, at least one), ``wrote`` says how many landed."""
+
+    def writable(self, limit: int) -> memoryview: ...
+
+    def wrote(self, count: int) -> None: ...
+
+
+class _Buffer:
+    """A ``Sink`` filling one buffer from its start."""
+
+    def __init__(self, data: bytearray) -> None:
+        self.data = data
+        self._view = memoryview(data)
+        self._position = 0
+
+    def writable(self, limit: int) -> memoryview:
+        return self._view[self._position : self._position + limit]
+
+    def wrote(self, count: int) -> None:
+        self._position += count
+
+
 def _receive(
     rfile: Any, size: int, algorithm: str | None, into: bytearray | None = None
 ) -> tuple[bytearray, str | None]:
     """Read exactly ``size`` bytes into ``into`` (when it has that size; else a new buffer),
     hashing them as they arrive with ``algorithm`` (None: not hashed)."""
     data = into if into is not None and len(into) == size else bytearray(size)
-    view = memoryview(data)
+    return data, _receive_into(rfile, size, algorithm, _Buffer(data))
+
+
+def _receive_into(rfile: Any, size: int, algorithm: str | None, sink: Sink) -> str | None:
+    """Read exactly ``size`` bytes into the memory ``sink`` names, hashing each part where it
+    landed (while it is in cache); the digest (None without ``algorithm``)."""
     h = hasher(algorithm) if algorithm is not None else None
     position = 0
     while position < size:
-        part = view[position : position + _CHUNK]
+        part = sink.writable(min(_CHUNK, size - position))
         got = rfile.readinto(part)
         if not got:
             raise ValueError(f"short transfer: {position} of {size} bytes")
         if h is not None:
             h.update(part[:got])
+        sink.wrote(got)
         position += got
-    return data, None if h is None else f"{algorithm}:{h.hexdigest()}"
+    return None if h is None else f"{algorithm}:{h.hexdigest()}"
 
 
 def _algorithm(text: object) -> str:
@@ -686,6 +716,33 @@ def fetch(
     The bytes must hash to the digest the holder's answer names and, when given, to
     ``expected`` (the digest the control plane recorded): ``DigestMismatch`` otherwise.
     """
+    buffers: list[_Buffer] = []
+
+    def into(size: int) -> Sink:
+        buffers.append(_Buffer(bytearray(size)))
+        return buffers[0]
+
+    fetch_into(endpoint, into, owner=owner, shard=shard, step=step, expected=expected,
+               secret=secret, timeout=timeout, tls=tls)  # fmt: skip
+    return buffers[0].data
+
+
+def fetch_into(
+    endpoint: str,
+    into: Callable[[int], Sink],
+    *,
+    owner: str | None,
+    shard: int,
+    step: int,
+    expected: str | None = None,
+    secret: bytes | None = None,
+    timeout: float = 30.0,
+    tls: ssl.SSLContext | None = None,
+) -> int:
+    """``fetch``, the bytes going where the sink that ``into(size)`` returns says (a decoder
+    writing them straight into the tensors they make: no buffer of the whole copy). Returns
+    the size. The sink has seen every byte before the digest is checked: on
+    ``DigestMismatch`` (or any error) the caller drops what it built."""
     header: dict[str, Any] = {"op": "get", "owner": owner, "shard": shard, "step": step}
     if expected is not None:
         header["digest"] = expected
@@ -701,7 +758,8 @@ def fetch(
                     )
                 claimed = answer["digest"]
                 algorithm = _algorithm(expected if expected is not None else claimed)
-                data, got = _receive(session.rfile, int(answer["nbytes"]), algorithm)
+                size = int(answer["nbytes"])
+                got = _receive_into(session.rfile, size, algorithm, into(size))
             finally:
                 session.close()
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -716,7 +774,7 @@ def fetch(
             f"shard {shard} of step {step} from {endpoint} hashes to {got}, not to the"
             f" {expected} the control plane recorded: refused"
         )
-    return data
+    return size
 
 
 def serve(count: int, secret: bytes | None, *, bind: str = "127.0.0.1") -> None:

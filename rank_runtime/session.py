@@ -116,6 +116,18 @@ def _module(model: nn.Module) -> nn.Module:
     return inner if isinstance(inner, nn.Module) else model
 
 
+def _cloned(state: Any) -> Any:
+    """``state`` with each tensor in it cloned (restored state that may be views of a backup,
+    handed to code that may keep or write into it)."""
+    if isinstance(state, torch.Tensor):
+        return state.clone()
+    if isinstance(state, dict):
+        return type(state)((key, _cloned(value)) for key, value in state.items())
+    if isinstance(state, list | tuple) and not hasattr(state, "_fields"):
+        return type(state)(_cloned(value) for value in state)
+    return state
+
+
 def _rng_state() -> dict[str, Any]:
     state: dict[str, Any] = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
@@ -361,9 +373,25 @@ class Session:
             model, optimizer = self._build(self.world)
         parts = _Parts(model, optimizer)
         built = time.perf_counter()
+        views = elastic.own_views
+        # FSDP2 state is loaded by copying every chunk into the new parts' own tensors, so the
+        # next recovery may restore this member's backup as views of its slots (no clone).
+        elastic.own_views = parts.kind == "sharded"
         if self.restoring:
             shards = elastic.restored_shards
-            replicated = self._share_replicated(elastic.restored_replicated)
+            if views:  # only the sharded state is copied on load: the rest is cloned here
+                shards = {
+                    r: {k: v if k == "sharded" and elastic.own_views else _cloned(v)
+                        for k, v in shard.items()}
+                    for r, shard in shards.items()
+                }  # fmt: skip
+            # FSDP2 and sub-group DDP state has no part every rank holds alike: nothing to
+            # share, and no collective, so survivors load while a newcomer still fetches.
+            replicated = (
+                None
+                if parts.kind in ("sharded", "local")
+                else self._share_replicated(elastic.restored_replicated)
+            )
             own = elastic.own_shard if elastic.own_shard in shards else min(shards, default=None)
             parts.load(shards, replicated, own)
             if own is not None:
@@ -373,6 +401,8 @@ class Session:
                         put(mine["state"][name])
                 if "rng" in mine:
                     _set_rng_state(mine["rng"])
+            # What was restored may be views of this member's backup: it is loaded, let it go.
+            elastic.restored_shards, elastic.restored = {}, None
         loaded = time.perf_counter()
         log.info("generation %d: built in %.3fs, state loaded in %.3fs", self.world.generation,
                  built - started, loaded - built)  # fmt: skip

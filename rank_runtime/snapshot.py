@@ -741,11 +741,17 @@ class HotSnapshot:
 class SnapshotDecoder:
     """Rebuild a snapshot from its serialized form fed in chunks of any size."""
 
-    def __init__(self, *, checksum: str | None = None, max_bytes: int | None = None) -> None:
-        """Expect the bytes to carry ``checksum`` when given, and at most ``max_bytes`` of data."""
+    def __init__(
+        self, *, checksum: str | None = None, max_bytes: int | None = None, trusted: bool = False
+    ) -> None:
+        """Expect the bytes to carry ``checksum`` when given, and at most ``max_bytes`` of data.
+        ``trusted``: the caller has verified these exact bytes, trailer included, against a
+        digest of the whole stream that it trusts (the one the control plane recorded), so
+        the trailer's checksum is not computed again; the structure is checked all the same."""
         if checksum is not None and not CHECKSUM_PATTERN.match(checksum):
             raise ValueError(f"malformed checksum {checksum!r}")
         self._expected = checksum
+        self._trusted = trusted
         self._max_bytes = max_bytes
         self._received = 0
         self._phase: Literal["prefix", "data", "trailer"] = "prefix"
@@ -765,6 +771,9 @@ class SnapshotDecoder:
         self._next_segment = 0
         self._data_size = 0
         self._written = 0
+        #: As a sink: whether the last ``writable`` named a tensor's memory, or the scratch.
+        self._direct = False
+        self._scratch = bytearray()
 
     def _prefix_needed(self) -> int:
         head = len(MAGIC) + _U64.size
@@ -786,10 +795,10 @@ class SnapshotDecoder:
                 if len(self._pending) == self._prefix_needed():
                     self._parse_prefix()
             elif self._phase == "data":
-                assert self._hasher is not None
                 take = min(len(view), self._data_size - self._written)
                 part = view[:take]
-                self._hasher.update(part)
+                if self._hasher is not None:
+                    self._hasher.update(part)
                 self._route(part)
                 self._written += take
                 view = view[take:]
@@ -803,6 +812,48 @@ class SnapshotDecoder:
                     extra = len(self._pending) - _U16.size - length
                     if extra > 0:
                         raise CorruptSnapshot(f"{extra} bytes after the checksum trailer")
+
+    # -- as a sink (rank_runtime.replication.fetch_into): bytes read straight into place ----
+
+    def writable(self, limit: int) -> memoryview:
+        """The memory the stream's next bytes go to (at most ``limit``, at least one): in the
+        data region the tensor they belong to, so a socket reads into it with no copy; else
+        a scratch buffer (the prefix exactly, the padding, the trailer), then ``feed``."""
+        self._direct = False
+        if self._phase == "data":
+            start = self._written
+            while (
+                self._next_segment < len(self._segments)
+                and self._segments[self._next_segment][1] <= start
+            ):
+                self._next_segment += 1
+            if self._next_segment < len(self._segments):
+                low, high, target = self._segments[self._next_segment]
+                if low <= start:
+                    self._direct = True
+                    return target[start - low : start - low + min(limit, high - start)]
+                limit = min(limit, low - start)  # padding up to the next tensor
+            else:
+                limit = min(limit, self._data_size - start)
+        elif self._phase == "prefix":
+            limit = min(limit, self._prefix_needed() - len(self._pending))
+        if len(self._scratch) < limit:
+            self._scratch = bytearray(limit)
+        return memoryview(self._scratch)[:limit]
+
+    def wrote(self, count: int) -> None:
+        """``count`` bytes landed where ``writable`` said."""
+        if not self._direct:
+            self.feed(memoryview(self._scratch)[:count])
+            return
+        low, _, target = self._segments[self._next_segment]
+        if self._hasher is not None:
+            offset = self._written - low
+            self._hasher.update(target[offset : offset + count])
+        self._received += count
+        self._written += count
+        if self._written == self._data_size:
+            self._phase = "trailer"
 
     def _parse_prefix(self) -> None:
         """Advance past the part of the prefix that ``_pending`` now completes."""
@@ -819,8 +870,9 @@ class SnapshotDecoder:
             self._read_header(bytes(pending[head:]))
         else:
             self._skeleton = bytes(pending[head + self._header_len :])
-            self._hasher = _hasher(self._algorithm)
-            self._hasher.update(pending)
+            if not self._trusted:
+                self._hasher = _hasher(self._algorithm)
+                self._hasher.update(pending)
             self._pending = bytearray()
             self._phase = "data" if self._data_size else "trailer"
             return
@@ -881,8 +933,11 @@ class SnapshotDecoder:
             carried = bytes(self._pending[_U16.size :]).decode("ascii")
         except UnicodeDecodeError as exc:
             raise CorruptSnapshot("malformed checksum trailer") from exc
-        assert self._hasher is not None
-        computed = f"{self._algorithm}:{self._hasher.hexdigest()}"
+        if self._trusted:  # these bytes, trailer included, hash to a digest the caller trusts
+            computed = carried
+        else:
+            assert self._hasher is not None
+            computed = f"{self._algorithm}:{self._hasher.hexdigest()}"
         if carried != computed:
             raise CorruptSnapshot(
                 f"checksum mismatch at step {self._step}: the bytes hash to {computed}, "
@@ -902,13 +957,16 @@ def from_bytes(
     *,
     checksum: str | None = None,
     max_bytes: int | None = None,
+    trusted: bool = False,
 ) -> Restored:
     """Rebuild a snapshot from its serialized form (one buffer or an iterable of chunks).
 
     Raises ``CorruptSnapshot`` when the bytes are truncated or malformed, or hash to anything
-    but their trailer's checksum (and ``checksum`` when given).
+    but their trailer's checksum (and ``checksum`` when given). ``trusted``: the caller
+    verified the whole stream against a digest it trusts (``SnapshotDecoder``), so the
+    trailer's checksum is read but not recomputed.
     """
-    decoder = SnapshotDecoder(checksum=checksum, max_bytes=max_bytes)
+    decoder = SnapshotDecoder(checksum=checksum, max_bytes=max_bytes, trusted=trusted)
     chunks = [data] if isinstance(data, bytes | bytearray | memoryview) else data
     for chunk in chunks:
         decoder.feed(chunk)

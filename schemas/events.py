@@ -236,6 +236,9 @@ class MemberJoined(Strict):
 class MemberHeartbeat(Strict):
     step: Step
     phase: Phase
+    #: The longest step the member finished since its previous heartbeat (0: none): what a
+    #: straggler analysis needs of every rank, with no stored row per rank per step.
+    step_seconds: Seconds = 0.0
 
 
 class HeartbeatMessage(Strict):
@@ -278,6 +281,8 @@ class LivenessEntry(Strict):
     max_gap_at: Timestamp | None = None
     phase: Phase
     step: Step
+    #: The longest step it reported finishing in the window (its heartbeats' step_seconds).
+    max_step_s: Seconds = 0.0
 
 
 class LivenessSummary(Strict):

@@ -4,8 +4,9 @@ Members heartbeat on NATS core subjects (``elastic.hb.<job>.<node>.<member>``), 
 a second, and no heartbeat is written to the log. The leader keeps, per job and member, the
 last heartbeat it heard (the time it received it, by its own clock), what it reported
 (phase, step, generation) and, over the current *window* (since the job's last
-``liveness.summary``), the first heartbeat, the number of beats and the largest gap between
-two of them.
+``liveness.summary``), the first heartbeat, the number of beats, the largest gap between
+two of them and the longest step it reported (the log's per-rank compute times: no row per
+rank per step is stored).
 
 The table is whole again within one timeout after a restart or a takeover: it starts empty,
 and every member active in the log counts as heard at the table's start (``assumed``), so a
@@ -51,6 +52,7 @@ class Heard:
     beats: int = 0
     max_gap_s: float = 0.0
     max_gap_at: datetime | None = None
+    max_step_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -88,8 +90,10 @@ class LivenessTable:
         at: datetime,
         step: int,
         phase: Phase,
+        step_seconds: float = 0.0,
     ) -> None:
-        """One heartbeat of ``member_id`` (process ``incarnation``) received at ``at``."""
+        """One heartbeat of ``member_id`` (process ``incarnation``) received at ``at``
+        (``step_seconds``: the longest step it finished since its previous one)."""
         members = self._jobs.get(job_id)
         if members is None:
             members = self._jobs[job_id] = {}
@@ -98,8 +102,9 @@ class LivenessTable:
         if heard is None or heard.incarnation != incarnation:
             # A process heard for the first time (a new incarnation replaces the old one).
             members[member_id] = Heard(
-                node, incarnation, generation, phase, step, at, first_at=at, beats=1
-            )
+                node, incarnation, generation, phase, step, at, first_at=at, beats=1,
+                max_step_s=step_seconds,
+            )  # fmt: skip
             return
         if at < heard.last_at:
             self.stats.reordered += 1
@@ -118,6 +123,7 @@ class LivenessTable:
         heard.generation = generation
         heard.phase = phase
         heard.step = max(heard.step, step)
+        heard.max_step_s = max(heard.max_step_s, step_seconds)
 
     def overlay(self, view: JobView) -> None:
         """Move the active members of ``view`` to what the table heard of them (in place:
@@ -181,6 +187,7 @@ class LivenessTable:
                     max_gap_at=heard.max_gap_at,
                     phase=heard.phase,
                     step=heard.step,
+                    max_step_s=heard.max_step_s,
                 )
             )
         if not entries:
@@ -207,6 +214,7 @@ class LivenessTable:
             heard.beats = 0
             heard.max_gap_s = 0.0
             heard.max_gap_at = None
+            heard.max_step_s = 0.0
 
     def forget(self, job_id: str, keep: set[str]) -> None:
         """Drop the job's members not in ``keep`` (they left the view)."""

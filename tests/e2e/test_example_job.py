@@ -96,18 +96,31 @@ async def test_four_ranks_and_a_spare_train_with_backups_where_they_were_placed(
     assert view.last_complete_backup == 40
     assert all(view.backups[s].is_complete(2) for s in (30, 40))
 
-    # Training worked, on the same samples everywhere.
-    losses = [s.event.payload.loss for s in of(pg_store, job_id, "train.step", "w0")]
+    # Training worked, on the same samples everywhere. The log holds one step record per step
+    # for the job (rank 0's) and each other rank's first step of the generation only.
+    first = started.world[0]
+    losses = [s.event.payload.loss for s in of(pg_store, job_id, "train.step", first)]
     assert len(losses) == 40 and losses[-1] < losses[0] * 0.5
+    for other in started.world[1:]:
+        assert [s.event.payload.step for s in of(pg_store, job_id, "train.step", other)] == [1]
 
     # Heartbeats went on through rank 1's slow step (2 s after step 12): heartbeats are soft
     # state, and the summaries (one a second here) of the windows inside that step show
-    # its heartbeats, none more than a few intervals apart.
+    # its heartbeats, none more than a few intervals apart. The job's step 13 (rank 0's,
+    # waiting for rank 1 in its collectives) took those 2 s, and the summaries say so.
     slow = started.world[1]
-    [after12] = [s for s in of(pg_store, job_id, "train.step", slow) if s.event.payload.step == 12]
-    [after13] = [s for s in of(pg_store, job_id, "train.step", slow) if s.event.payload.step == 13]
-    assert (after13.event.emitted_at - after12.event.emitted_at).total_seconds() >= 2.0
+    [after12] = [s for s in of(pg_store, job_id, "train.step", first) if s.event.payload.step == 12]
+    [after13] = [s for s in of(pg_store, job_id, "train.step", first) if s.event.payload.step == 13]
+    assert (after13.event.emitted_at - after12.event.emitted_at).total_seconds() >= 1.9
+    assert after13.event.payload.step_seconds >= 1.9
     assert of(pg_store, job_id, "member.heartbeat") == []
+    step_times = {
+        entry.member: entry.max_step_s
+        for s in of(pg_store, job_id, "liveness.summary")
+        for entry in s.event.payload.members
+        if entry.max_step_s >= 1.9
+    }
+    assert first in step_times, "no summary saw rank 0's 2 s step"
     inside = [
         entry
         for s in of(pg_store, job_id, "liveness.summary")
@@ -148,9 +161,11 @@ async def test_a_stopped_rank_falls_silent_and_is_detected(settings, pg_store):
     detected = of(pg_store, job_id, "fault.detected")[0]
     assert detected.event.payload.members == [hung]
     assert detected.event.payload.reason == "heartbeat_timeout"
-    # Its last sign of life came at its hang step (events after the SIGSTOP never left it) ...
-    steps = [s.event.payload.step for s in of(pg_store, job_id, "train.step", hung)]
-    assert max(steps) <= HANG_STEP
+    # The job's last step was the hang step (rank 0's step records; the hung rank stored
+    # only its first step) ...
+    job_steps = of(pg_store, job_id, "train.step", started.world[0])
+    assert max(s.event.payload.step for s in job_steps) == HANG_STEP
+    assert [s.event.payload.step for s in of(pg_store, job_id, "train.step", hung)] == [1]
     # Its last heartbeat the control plane heard (soft state: the evidence is the summary
     # recorded just before the decision), in the train phase: it hangs past a backup step,
     # after many heartbeats of its training.
@@ -164,7 +179,7 @@ async def test_a_stopped_rank_falls_silent_and_is_detected(settings, pg_store):
     assert silent > TIMEOUT_S
     # The hang was detected within a fraction of a second of the timeout: the SIGSTOP came
     # right after its hang step (its last event), at most one heartbeat after its last one.
-    stopped = max(s.event.emitted_at for s in of(pg_store, job_id, "train.step", hung))
+    stopped = max(s.event.emitted_at for s in job_steps)
     took = (detected.recorded_at - stopped).total_seconds()
     print(f"hang detected {took:.2f} s after the SIGSTOP ({silent:.2f} s after its last"
           f" heartbeat; timeout {TIMEOUT_S:g} s, heartbeats every {INTERVAL_S:g} s)")  # fmt: skip

@@ -48,6 +48,7 @@ def observe(table: LivenessTable, member: str, t: float, incarnation: str = "i1"
         at=at(t),
         step=kw.pop("step", 1),
         phase=kw.pop("phase", Phase.TRAIN),
+        step_seconds=kw.pop("step_seconds", 0.0),
     )
 
 
@@ -88,6 +89,22 @@ def test_a_window_ends_with_its_summary_and_the_gap_across_it_counts_in_the_next
     [entry] = summary.members
     assert entry.first_at == at(5.0) and entry.beats == 1
     assert entry.max_gap_s == 3.0 and entry.max_gap_at == at(2.0)  # from the last window
+
+
+def test_a_summary_keeps_each_member_s_longest_step_of_its_window():
+    """The per-rank compute times the log keeps (no row per rank per step): the longest step
+    each member's heartbeats reported in the window, reset when the window ends."""
+    table = LivenessTable(started_at=T0)
+    events = Events()
+    view = fold(None, recorded([events.joined("m0", incarnation="i1")]))
+    for t, seconds in ((1.0, 0.2), (1.25, 2.5), (1.5, 0.0), (1.75, 0.3)):
+        observe(table, "m0", t, step_seconds=seconds)
+    [summary] = table.summarize(view, at(2.0), "interval")
+    assert [e.max_step_s for e in summary.members] == [2.5]
+    table.summarized("job1", at(2.0))
+    observe(table, "m0", 2.25, step_seconds=0.4)
+    [summary] = table.summarize(view, at(3.0), "interval")
+    assert [e.max_step_s for e in summary.members] == [0.4]
 
 
 def test_an_active_member_not_heard_since_the_start_counts_as_heard_at_the_start():

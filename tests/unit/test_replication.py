@@ -20,6 +20,7 @@ from rank_runtime.replication import (
     bind_address,
     digest,
     fetch,
+    fetch_into,
     send,
 )
 
@@ -441,6 +442,42 @@ def test_a_forging_holder_s_copy_decodes_with_a_valid_crc32_but_not_the_digest()
     assert torch.equal(restored.state["w"], torch.full((4,), faults.FORGE_FACTOR))
     assert torch.equal(restored.state["step"], torch.tensor([20]))
     assert digest(forged) != digest(genuine)
+
+
+def test_a_copy_fetched_into_a_decoder_lands_in_its_tensors_and_a_forgery_is_refused(store):
+    """``fetch_into``: the socket reads the data region straight into the tensors a decoder
+    makes (no buffer of the whole copy); the state is the one ``fetch`` + ``from_bytes`` give,
+    and a forged copy is refused by its digest after the bytes have gone in."""
+    import torch
+
+    from rank_runtime import faults
+    from rank_runtime.snapshot import HotSnapshot, SnapshotDecoder, from_bytes
+
+    hot = HotSnapshot()
+    hot.take(20, {"w": torch.randn(3000, 700), "b": torch.arange(5), "step": 20})
+    genuine = hot.to_bytes(20)
+    send(store.endpoint, owner="m1", shard=0, step=20, generation=1, data=genuine,
+         digest=digest(genuine))  # fmt: skip
+    sizes: list[int] = []
+    decoder = SnapshotDecoder(trusted=True)
+
+    def into(size: int) -> SnapshotDecoder:
+        sizes.append(size)
+        return decoder
+
+    size = fetch_into(store.endpoint, into, owner=None, shard=0, step=20,
+                      expected=digest(genuine))  # fmt: skip
+    assert size == len(genuine) and sizes == [size]
+    restored = decoder.finish().state
+    expected = from_bytes(genuine).state
+    assert torch.equal(restored["w"], expected["w"]) and torch.equal(restored["b"], expected["b"])
+    assert restored["step"] == 20
+    forged = faults.forge(genuine)
+    send(store.endpoint, owner="m2", shard=1, step=20, generation=1, data=forged,
+         digest=digest(genuine))  # fmt: skip
+    with pytest.raises(DigestMismatch):
+        fetch_into(store.endpoint, lambda _: SnapshotDecoder(trusted=True), owner="m2",
+                   shard=1, step=20, expected=digest(genuine))  # fmt: skip
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own priority")

@@ -203,6 +203,17 @@ def _worker(rank: int, port: int, tmp_dir: str) -> None:
         rec["replace_next_step_diff"] = _same(
             _full_state(model, opt), _full_state(fresh, fresh_opt)
         )
+        # Loaded from views of a backup's slot (a survivor's restore, Elastic.own_views): every
+        # chunk is copied, so training on never writes into the backup.
+        from rank_runtime.snapshot import HotSnapshot
+
+        hot = HotSnapshot()
+        hot.take(4, sharded.capture(model, opt))
+        pinned = hot.to_bytes(4)
+        viewed, viewed_opt, viewed_dp = _build(4, seed=3)
+        rec["views_path"] = sharded.load(viewed, viewed_opt, {rank: hot.get(4, copy=False).state})
+        _train_step(viewed, viewed_opt, viewed_dp, 4)
+        rec["views_backup_intact"] = hot.to_bytes(4) == pinned
         done("g1")
         wait("g1", 4)
 
@@ -373,6 +384,7 @@ def test_replace_gives_the_captured_local_state_and_the_same_next_step(
         assert r["replace_diff"] == []
         assert r["replace_step_types"] == ["Tensor"]
         assert r["replace_next_step_diff"] == []
+        assert r["views_path"] == "same-layout" and r["views_backup_intact"]
 
 
 def test_shrink_4_to_3_and_to_2_reproduces_the_full_state(records: list[dict[str, Any]]) -> None:
