@@ -456,6 +456,14 @@ def bench_api(
         str,
         typer.Option(help="raw (a minimal keep-alive HTTP/1.1 client) or httpx (asyncio)."),
     ] = "raw",
+    compare_plain: Annotated[
+        bool,
+        typer.Option(
+            "--compare-plain",
+            help="Measure again without the hot routes (ELASTIC_API_HOT_ROUTES=false), on the"
+            " same log: `plain` and `hot_routes_speedup` in the JSON.",
+        ),
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print only the JSON result.")] = False,
 ) -> None:
     """Measure the REST API's latency on a big log (the timeline and events routes).
@@ -473,8 +481,9 @@ def bench_api(
         raise _fail(f"--client must be raw or httpx, not {client!r}")
     try:
         result = run_api_bench(
-            events=events, clients=clients, seconds=seconds, client=client, progress=not as_json
-        )
+            events=events, clients=clients, seconds=seconds, client=client,
+            progress=not as_json, compare_plain=compare_plain,
+        )  # fmt: skip
     except BenchError as exc:
         raise _fail(str(exc), 1) from exc
     typer.echo(json.dumps(result))

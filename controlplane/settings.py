@@ -106,6 +106,11 @@ class Settings(BaseSettings):
         description="Bearer tokens of the REST API and of /metrics, as TOKEN:SCOPE[+SCOPE...]"
         " entries separated by commas (scope `read` reads); unset: no authentication",
     )
+    api_hot_routes: bool = Field(
+        True,
+        description="Answer the timeline and plain event pages before FastAPI's routing (the"
+        " same answers, a fraction of the cost: docs/benchmarks.md); false: FastAPI answers all",
+    )
     api_refresh_s: NonNegativeFloat = Field(
         0.05, description="Longest the API answers from its job views before checking the log"
     )

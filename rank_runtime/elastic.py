@@ -22,6 +22,7 @@ the digest); training does not wait for replication.
 
 from __future__ import annotations
 
+import atexit
 import gc
 import importlib
 import json
@@ -30,6 +31,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -183,6 +185,17 @@ def _by_step(key: tuple[int, int]) -> int:
     return key[1]
 
 
+def _close_at_exit(ref: weakref.ref[Elastic]) -> None:
+    """``Elastic.close`` at interpreter exit, for a runtime not closed yet."""
+    elastic = ref()
+    if elastic is None or elastic._closed:
+        return
+    try:
+        elastic.close()
+    except Exception as exc:  # leaving anyway: the exit status is the loop's
+        log.debug("closing at exit: %s", exc)
+
+
 def _matches(data: bytes | bytearray, expected: str) -> bool:
     """Whether ``data`` hashes to ``expected`` (``<alg>:<hex>``); False for an unknown alg."""
     try:
@@ -282,6 +295,12 @@ class Elastic:
         #: The connections the current generation's groups opened (ended when it is left);
         #: the session adds those of the sub-groups its ``build`` creates.
         self.group_sockets = GroupSockets({})
+        self._closed = False
+        # An error of the loop (or a script that never calls finish) ends the interpreter with
+        # the background threads running: close while the interpreter is whole. Daemon threads
+        # cut off inside torch at finalization, and a process group destroyed that late, can
+        # abort the process and hide the exit status the loop's error gives.
+        atexit.register(_close_at_exit, weakref.ref(self))
 
     @property
     def device(self) -> Any:
@@ -942,19 +961,16 @@ class Elastic:
             replicator.join(30)
 
     def close(self) -> None:
-        """Stop replicating, flush events, tear down the process group."""
+        """Stop replicating, flush events, tear down the process group (once)."""
+        if self._closed:
+            return
+        self._closed = True
         self._drain_replication()
         if self._cold is not None:
             self._cold.close()
         self.client.close()
         self.peers.close()
-        try:
-            import torch.distributed as dist
-
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        except Exception as exc:  # a broken group cannot always be torn down cleanly
-            log.debug("process group teardown: %s", exc)
+        self._leave_group()  # its sockets ended first: a broken group is torn down all the same
 
     # ------------------------------------------------------------------ replication
 

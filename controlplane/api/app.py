@@ -12,12 +12,10 @@ import hashlib
 import importlib
 import logging
 import re
-import time
 from collections.abc import AsyncIterator, Callable, Hashable, Mapping
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
-from urllib.parse import parse_qsl
 
 from anyio import to_thread
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Path, Query, Request, Security
@@ -32,10 +30,8 @@ from pydantic import (
     ConfigDict,
     Field,
     RootModel,
-    ValidationError,
 )
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Receive, Scope, Send
 
 from controlplane.api import examples, render, sql
 from controlplane.api.auth import Denied, TokenAuth
@@ -177,6 +173,8 @@ class Api:
             freeze_heap=owned is not None,
         )
         self._rendered: dict[Hashable, Rendered] = {}
+        #: Requests the hot routes answered (``controlplane.api.hot``).
+        self.hot_served = 0
 
     async def close(self) -> None:
         """Close the connections the API opened."""
@@ -565,120 +563,6 @@ def _install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(Exception, internal)  # logged by the server, answered as JSON
 
 
-# --------------------------------------------------------------------------- the hot routes
-
-#: The query parameters the hot events route reads itself (others: FastAPI's route answers).
-_HOT_EVENT_PARAMS = frozenset({"after", "limit", "type", "member", "since", "until"})
-_JOBS_PREFIX = f"{API_PREFIX}/jobs/"
-#: How often the hot routes ask FastAPI whether its OpenTelemetry instrumentation is on.
-_TELEMETRY_CHECK_S = 1.0
-
-
-def _header(scope: Scope, name: bytes) -> str | None:
-    """The first header ``name`` (lower case) of the request, as Starlette reads it."""
-    for key, value in scope["headers"]:
-        if key == name:
-            return bytes(value).decode("latin-1")
-    return None
-
-
-class HotRoutes:
-    """The routes clients poll hardest, ``GET /jobs/{job}/incidents/{incident}`` and ``GET
-    /jobs/{job}/events``, answered without FastAPI's middleware, routing and dependency
-    solving (most of a cached answer's cost). They take the same ``Api`` methods, checks and
-    response as the FastAPI routes, which stay the documented ones (OpenAPI) and answer
-    everything else: any request that is not plainly well formed (a parameter that is not
-    simple, repeated or unknown), an error (404, 401/403, 422, 503), or any request at all
-    while OpenTelemetry is configured, so that tracing sees every request. ``served`` counts
-    the answers given here."""
-
-    def __init__(self, api: Api, app: FastAPI) -> None:
-        self.api = api
-        self.app = app
-        self.enabled = True
-        self.served = 0
-        self._telemetry = False
-        self._telemetry_checked = -float("inf")
-
-    def _traced(self) -> bool:
-        now = time.monotonic()
-        if now - self._telemetry_checked >= _TELEMETRY_CHECK_S:
-            native = getattr(self.app, "_native_telemetry", None)
-            self._telemetry = bool(native is not None and native.enabled())
-            self._telemetry_checked = now
-        return self._telemetry
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> bool:
-        """Answer the request if it is one of the hot routes' plain ones; False otherwise."""
-        if (
-            not self.enabled
-            or scope["type"] != "http"
-            or scope["method"] != "GET"
-            or scope.get("root_path")
-        ):
-            return False
-        path: str = scope["path"]
-        if not path.startswith(_JOBS_PREFIX):
-            return False
-        parts = path[len(_JOBS_PREFIX) :].split("/")
-        if not all(parts) or self._traced():
-            return False
-        api = self.api
-        try:
-            if api.auth is not None:
-                api.auth.check(_header(scope, b"authorization"))
-            if len(parts) == 3 and parts[1] == "incidents":
-                rendered = await api.timeline(parts[0], parts[2])
-            elif len(parts) == 2 and parts[1] == "events":
-                params = _event_params(scope["query_string"])
-                if params is None:
-                    return False
-                rendered = await api.events(parts[0], params)
-            else:
-                return False
-        except StoreError as exc:  # answered as FastAPI's handler does, not tried again
-            log.warning("database error: %s", exc)
-            response = _unavailable()
-        except Exception:  # FastAPI's route answers it (404, 401, 422...) as documented
-            return False
-        else:
-            response = api.answer(_header(scope, b"if-none-match"), rendered)
-        self.served += 1
-        await response(scope, receive, send)
-        return True
-
-
-def _event_params(query_string: bytes) -> EventParams | None:
-    """The parameters of the events route when each is plain (known, not repeated but for
-    ``type``, not empty) and valid; None for anything else (FastAPI's route decides)."""
-    values: dict[str, Any] = {}
-    for name, value in parse_qsl(query_string.decode("latin-1"), keep_blank_values=True):
-        if name not in _HOT_EVENT_PARAMS or not value:
-            return None
-        if name == "type":
-            values.setdefault(name, []).append(value)
-        elif name in values:
-            return None
-        else:
-            values[name] = value
-    try:
-        return EventParams.model_validate(values)
-    except ValidationError:
-        return None
-
-
-class ApiApp(FastAPI):
-    """The FastAPI app, with its hot routes answered first (``HotRoutes``)."""
-
-    hot: HotRoutes | None = None
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        hot = self.hot
-        if hot is not None and await hot(scope, receive, send):
-            return
-        await super().__call__(scope, receive, send)
-
-
 # --------------------------------------------------------------------------- the app
 
 
@@ -747,7 +631,7 @@ def create_app(settings: Settings, store: EventStore | None = None) -> FastAPI:
         finally:
             await api.close()
 
-    app = ApiApp(
+    app = FastAPI(
         title="elastic-controlplane API",
         version="1",
         description=_DESCRIPTION,
@@ -770,5 +654,8 @@ def create_app(settings: Settings, store: EventStore | None = None) -> FastAPI:
     web = _web_router()
     if web is not None:
         app.include_router(web)
-    app.hot = HotRoutes(api, app)
+    if settings.api_hot_routes:
+        from controlplane.api.hot import HotRoutes  # it imports this module
+
+        app.add_middleware(HotRoutes, api=api)
     return app

@@ -418,9 +418,10 @@ def _figures(latencies: list[float], seconds: float) -> dict[str, Any]:
 # --------------------------------------------------------------------------- the API process
 
 
-def _start_api(database_url: str, port: int) -> subprocess.Popen[bytes]:
+def _start_api(database_url: str, port: int, *, hot: bool = True) -> subprocess.Popen[bytes]:
     env = {**os.environ, DATABASE_URL_ENV: database_url, "ELASTIC_LOG_LEVEL": "WARNING"}
     env.pop("ELASTIC_API_TOKENS", None)
+    env["ELASTIC_API_HOT_ROUTES"] = "true" if hot else "false"
     command = [sys.executable, "-m", "controlplane", "api", "--host", "127.0.0.1"]
     return subprocess.Popen([*command, "--port", str(port)], env=env)
 
@@ -493,8 +494,10 @@ def run_api_bench(
     seconds: float = 10.0,
     client: str = "raw",
     progress: bool = True,
+    compare_plain: bool = False,
 ) -> dict[str, Any]:
-    """Run the benchmark and return its figures."""
+    """Run the benchmark and return its figures. ``compare_plain``: measure again against an
+    API without its hot routes (``ELASTIC_API_HOT_ROUTES=false``), on the same log."""
     options = _Options(clients, seconds, client, progress)
     load_before = os.getloadavg()[0]
     with stack() as services:
@@ -506,61 +509,85 @@ def run_api_bench(
         stored = fill(store, job, events, progress)
         fill_s = time.monotonic() - filled
         store.close()
-        port = free_port()
-        base = f"http://127.0.0.1:{port}"
-        api = _start_api(services.database_url, port)
-        try:
-            if progress:
-                _progress("starting the API; it folds the log")
-            catch_up_s = _wait_caught_up(base, job.job_id, stored, api)
-            with httpx.Client(base_url=base) as http:
-                incidents = [
-                    i["incident_id"]
-                    for i in http.get(f"/api/v1/jobs/{job.job_id}/incidents").json()
-                ]
-                last = http.get(f"/api/v1/jobs/{job.job_id}").json()["last_position"]
-            if not incidents:
-                raise BenchError(
-                    f"{events:,} events end before the job's first incident (a crash at step"
-                    f" {job.crash_every // 2}): the timeline route needs one; ask for more events"
-                )
-            members = list(job.v.members)
-            routes = [
-                _Route(
-                    "timeline",
-                    lambda rng: f"/api/v1/jobs/{job.job_id}/incidents/{rng.choice(incidents)}",
-                ),
-                _Route("events", lambda rng: _events_url(job.job_id, last, members, rng)),
-            ]
-            _check(base, routes)
-            cpu = _measure(base, api, routes, options)
-        finally:
-            api.terminate()
-            api.wait(30)
-    everything = [x for r in routes for x in r.latencies_ms]
-    overall = _figures(everything, seconds * len(routes))
-    return {
+        hot = _serve_and_measure(services.database_url, job, stored, options, hot=True)
+        plain = (
+            _serve_and_measure(services.database_url, job, stored, options, hot=False)
+            if compare_plain
+            else None
+        )
+    result: dict[str, Any] = {
         "events": stored,
         "clients": clients,
         "client": client,
         "seconds": seconds,
+        **hot,
+        "fill_s": round(fill_s, 1),
+        "fill_events_per_s": round(stored / fill_s, 1),
+        # The machine is shared: its load when the benchmark started, and at the end.
+        "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+        **services.where,
+    }
+    if plain is not None:
+        result["plain"] = plain
+        # Requests per second with the hot routes over without, per route (same run).
+        result["hot_routes_speedup"] = {
+            name: round(route["per_s"] / plain["routes"][name]["per_s"], 2)
+            for name, route in hot["routes"].items()
+            if plain["routes"][name].get("per_s")
+        }
+    return result
+
+
+def _serve_and_measure(
+    database_url: str, job: RecordedJob, stored: int, options: _Options, *, hot: bool
+) -> dict[str, Any]:
+    """Start ``elasticctl api`` over the log (with its hot routes or without), wait for it to
+    fold the log, and run the load on both routes; their figures."""
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    api = _start_api(database_url, port, hot=hot)
+    try:
+        if options.progress:
+            _progress(f"starting the API ({'with' if hot else 'without'} its hot routes)")
+        catch_up_s = _wait_caught_up(base, job.job_id, stored, api)
+        with httpx.Client(base_url=base) as http:
+            incidents = [
+                i["incident_id"] for i in http.get(f"/api/v1/jobs/{job.job_id}/incidents").json()
+            ]
+            last = http.get(f"/api/v1/jobs/{job.job_id}").json()["last_position"]
+        if not incidents:
+            raise BenchError(
+                f"{stored:,} events end before the job's first incident (a crash at step"
+                f" {job.crash_every // 2}): the timeline route needs one; ask for more events"
+            )
+        members = list(job.v.members)
+        routes = [
+            _Route(
+                "timeline",
+                lambda rng: f"/api/v1/jobs/{job.job_id}/incidents/{rng.choice(incidents)}",
+            ),
+            _Route("events", lambda rng: _events_url(job.job_id, last, members, rng)),
+        ]
+        _check(base, routes)
+        cpu = _measure(base, api, routes, options)
+    finally:
+        api.terminate()
+        api.wait(30)
+    everything = [x for r in routes for x in r.latencies_ms]
+    overall = _figures(everything, options.seconds * len(routes))
+    return {
         "p50_ms": overall.get("p50_ms"),
         "p99_ms": overall.get("p99_ms"),
         "routes": {
             r.name: {
-                **_figures(r.latencies_ms, seconds),
+                **_figures(r.latencies_ms, options.seconds),
                 "errors": r.errors,
                 "api_cpu_us_per_request": cpu[r.name],
             }
             for r in routes
         },
         "incidents": len(incidents),
-        "fill_s": round(fill_s, 1),
-        "fill_events_per_s": round(stored / fill_s, 1),
         "catch_up_s": round(catch_up_s, 1),
-        # The machine is shared: its load when the benchmark started, and at the end.
-        "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
-        **services.where,
     }
 
 

@@ -55,6 +55,6 @@ async def test_a_value_error_of_the_loop_propagates_and_starts_no_recovery(
     faults = [e.event for e in events if e.event.type == "member.fault"]
     # The failing member reported no fault and asked for no recovery: its error is its own.
     assert not [f for f in faults if f.member == "w1"], faults
-    exits = {e.event.payload.member: e.event.payload.exit_code
+    exits = {e.event.payload.member: (e.event.payload.exit_code, e.event.payload.signal)
              for e in events if e.event.type == "member.exited"}  # fmt: skip
-    assert exits.get("w1") == 1, exits
+    assert exits.get("w1") == (1, None), (exits, text)

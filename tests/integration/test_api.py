@@ -265,19 +265,23 @@ async def test_a_time_means_the_same_moment_whatever_its_offset(api, recorded):
 async def test_the_hot_routes_answer_byte_for_byte_as_the_fastapi_routes(
     settings, pg_store, recorded, tokens
 ):
-    """``HotRoutes`` answers the timeline and plain event pages itself, exactly as FastAPI's
-    routes do (status, headers, body; 304s too), and leaves FastAPI everything else: errors,
-    a missing or weak token, parameters that are not plain."""
+    """``api.hot.HotRoutes`` answers the timelines itself, exactly as FastAPI's route does
+    (status, headers, body; 304s too), and leaves FastAPI everything else: errors, a missing
+    or weak token, the events pages. The differential: the same store behind an app without
+    it (``api_hot_routes=False``)."""
     update = {"api_refresh_s": 0.0, "api_tokens": SecretStr(tokens) if tokens else None}
     app = create_app(settings.model_copy(update=update), pg_store)
+    plain_app = create_app(settings.model_copy(update={**update, "api_hot_routes": False}),
+                           pg_store)  # fmt: skip
     token = bearer(READ_TOKEN) if tokens else {}
-    hot = app.hot
+    hot = app.state.api
     view = final_view()
     last = len(recorded)
     events = f"{API}/jobs/{JOB}/events"
     at = recorded[len(recorded) // 2].recorded_at.isoformat()
-    plain = [
-        *(f"{API}/jobs/{JOB}/incidents/{i}" for i in view.incidents),
+    timelines = [f"{API}/jobs/{JOB}/incidents/{i}" for i in view.incidents]
+    plain = [*timelines, f"{timelines[0]}?unused=1"]
+    others = [
         events,
         f"{events}?after=0&limit=1",
         f"{events}?after={last - 3}",
@@ -289,8 +293,6 @@ async def test_the_hot_routes_answer_byte_for_byte_as_the_fastapi_routes(
         f"{events}?member=w10&after=5&limit=3",
         f"{events}?member=nobody",
         f"{events}?since={at.replace('+', '%2B')}&until=2100-01-01T00:00:00Z&member=w00",
-    ]
-    others = [
         f"{API}/jobs/nope/incidents/x",
         f"{API}/jobs/{JOB}/incidents/x",
         f"{API}/jobs/nope/events",
@@ -305,21 +307,25 @@ async def test_the_hot_routes_answer_byte_for_byte_as_the_fastapi_routes(
         f"{events}?types=train.step",
         f"{events}?limit=5&unknown=1",
     ]
-    transport = httpx.ASGITransport(app=app)
     async with (
         app.router.lifespan_context(app),
-        httpx.AsyncClient(transport=transport, base_url="http://api") as client,
+        plain_app.router.lifespan_context(plain_app),
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api") as client,
+        httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=plain_app), base_url="http://api"
+        ) as plain_client,
     ):
 
         async def both(path: str, headers: dict[str, str]) -> tuple[int, httpx.Response]:
-            hot.enabled, served = True, hot.served
+            served = hot.hot_served
             fast = await client.get(path, headers=headers)
-            hot.enabled = False
-            slow = await client.get(path, headers=headers)
+            took = hot.hot_served - served
+            slow = await plain_client.get(path, headers=headers)
+            assert plain_app.state.api.hot_served == 0
             assert fast.status_code == slow.status_code, path
             assert fast.headers.multi_items() == slow.headers.multi_items(), path
             assert fast.content == slow.content, path
-            return hot.served - served, fast
+            return took, fast
 
         for path in plain:
             took, answer = await both(path, token)
@@ -335,13 +341,14 @@ async def test_the_hot_routes_answer_byte_for_byte_as_the_fastapi_routes(
                 took, refused = await both(plain[0], headers)
                 assert took == 0 and refused.status_code in (401, 403)
 
-        async def down(query: object) -> object:
+        async def down() -> object:
             raise StoreUnavailable("the database is down")
 
-        app.state.api.pages.page = down
-        took, unavailable = await both(events, token)
+        app.state.api.views.fresh = plain_app.state.api.views.fresh = down
+        took, unavailable = await both(plain[0], token)
         assert took == 1 and unavailable.status_code == 503
     await app.state.api.close()
+    await plain_app.state.api.close()
 
 
 # --------------------------------------------------------------------------- errors
