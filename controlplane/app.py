@@ -16,6 +16,7 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 
 from controlplane import bus
+from controlplane.backoff import Backoff
 from controlplane.core.decide import Context
 from controlplane.core.fold import fold, fold_jobs
 from controlplane.core.liveness import LivenessTable
@@ -24,7 +25,7 @@ from controlplane.core.statemachine import TERMINAL
 from controlplane.core.view import JobView, MemberStatus
 from controlplane.decider import CommandPublisher, Decider, DeciderStats, utcnow
 from controlplane.errors import BusUnavailable, StoreUnavailable
-from controlplane.ingest import Backoff, Ingest, QuietTurn
+from controlplane.ingest import Ingest, QuietTurn
 from controlplane.lock import AdvisoryLock
 from controlplane.rendezvous import RendezvousHost, RendezvousLimits, server_tls
 from controlplane.settings import Settings, master_secret

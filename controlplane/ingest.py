@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from controlplane.backoff import Backoff
 from controlplane.bus import Delivery, EventConsumer, delivery
 from controlplane.core.records import DeadLetter
 from controlplane.decode import decode, printable, storable
@@ -86,23 +87,6 @@ class IngestStats:
     bus_retries: int = 0
     last_position: int = 0
     last_commit_monotonic: float = field(default_factory=time.monotonic)
-
-
-class Backoff:
-    """Exponential back-off that a stop request interrupts."""
-
-    def __init__(self, first_s: float = 0.05, max_s: float = 5.0) -> None:
-        self.first_s = first_s
-        self.max_s = max_s
-        self._next = first_s
-
-    def reset(self) -> None:
-        self._next = self.first_s
-
-    async def sleep(self, stop: asyncio.Event) -> None:
-        delay, self._next = self._next, min(self._next * 2, self.max_s)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), delay)
 
 
 def decode_into(
