@@ -777,6 +777,78 @@ def replay(
 
 
 @app.command()
+def storage(
+    *,
+    job: Annotated[str | None, typer.Option(help="Only this job.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """What the log takes on disk, per job (ELASTIC_DATABASE_URL).
+
+    The events table with its indexes and TOAST, the dead letters, and for each job its
+    events, the bytes of its rows, its share of the table with its indexes (in proportion to
+    its rows), the time it spans, and the same by event type, largest first. Reads every
+    event once (a full scan).
+    """
+    from controlplane.errors import StoreError
+    from controlplane.settings import Settings
+    from controlplane.store.postgres import PostgresEventStore
+
+    settings = Settings()
+    try:
+        store = PostgresEventStore.from_url(settings.database_url)
+        try:
+            found = store.storage()
+        finally:
+            store.close()
+    except StoreError as exc:
+        raise _fail(str(exc), 1) from exc
+    jobs = [j for j in found.jobs if job is None or j.job_id == job]
+    if job is not None and not jobs:
+        raise _fail(f"no job {job!r} in the log", 1)
+    report = {
+        "events_total_bytes": found.events_total_bytes,
+        "events_table_bytes": found.events_table_bytes,
+        "events_index_bytes": found.events_index_bytes,
+        "dead_letters_bytes": found.dead_letters_bytes,
+        "jobs": [
+            {
+                "job_id": j.job_id,
+                "events": j.events,
+                "row_bytes": j.row_bytes,
+                "share_bytes": found.share_bytes(j),
+                "first_at": j.first_at.isoformat(),
+                "last_at": j.last_at.isoformat(),
+                "by_type": {
+                    t: {"events": n, "row_bytes": b}
+                    for t, (n, b) in sorted(j.by_type.items(), key=lambda kv: -kv[1][1])
+                },
+            }
+            for j in jobs
+        ],
+    }
+    if as_json:
+        typer.echo(json.dumps(report))
+        return
+    typer.echo(
+        f"events table {_mb(found.events_total_bytes)} (rows {_mb(found.events_table_bytes)},"
+        f" indexes {_mb(found.events_index_bytes)}); dead letters"
+        f" {_mb(found.dead_letters_bytes)}"
+    )
+    for j in jobs:
+        typer.echo(
+            f"{j.job_id}: {j.events:,} events, rows {_mb(j.row_bytes)},"
+            f" share {_mb(found.share_bytes(j))}, {j.first_at.isoformat()} .."
+            f" {j.last_at.isoformat()}"
+        )
+        for type_, (n, size) in sorted(j.by_type.items(), key=lambda kv: -kv[1][1]):
+            typer.echo(f"  {type_:<22} {n:>12,} {_mb(size):>12}")
+
+
+def _mb(nbytes: int) -> str:
+    return f"{nbytes / 1e6:,.1f} MB" if nbytes >= 100_000 else f"{nbytes:,} B"
+
+
+@app.command()
 def timeline(
     job: Annotated[str, typer.Argument(help="The job.")],
     *,

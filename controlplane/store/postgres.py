@@ -279,12 +279,68 @@ class PostgresEventStore:
             rows = conn.execute(sa.select(t).order_by(t.c.id)).all()
         return [SeqGap(r.job_id, r.source, r.incarnation, r.after_seq, r.next_seq) for r in rows]
 
+    def storage(self) -> Storage:
+        """What the log takes on disk, and each job's part of it, by event type. A full scan
+        of the events (an operator's command, not a service's query)."""
+        by_type = sa.text(
+            "SELECT job_id, type, count(*), sum(pg_column_size(e.*))::bigint,"
+            " min(recorded_at), max(recorded_at) FROM events e GROUP BY job_id, type"
+        )
+        sizes = sa.text(
+            "SELECT pg_total_relation_size('events'), pg_table_size('events'),"
+            " pg_indexes_size('events'), pg_total_relation_size('dead_letters')"
+        )
+        with translated(), self.engine.connect() as conn:
+            rows = conn.execute(by_type).all()
+            total, table, indexes, letters = conn.execute(sizes).one()
+        jobs: dict[str, JobStorage] = {}
+        for job, type_, count, row_bytes, first, last in rows:
+            entry = jobs.get(job)
+            if entry is None:
+                entry = jobs[job] = JobStorage(job, 0, 0, first, last, {})
+            entry.events += int(count)
+            entry.row_bytes += int(row_bytes)
+            entry.first_at, entry.last_at = min(entry.first_at, first), max(entry.last_at, last)
+            entry.by_type[type_] = (int(count), int(row_bytes))
+        return Storage(int(total), int(table), int(indexes), int(letters), list(jobs.values()))
+
     def job_ids(self) -> list[str]:
         t = events_table
         first = sa.func.min(t.c.position)
         query = sa.select(t.c.job_id).group_by(t.c.job_id).order_by(first)
         with translated(), self.engine.connect() as conn:
             return [r[0] for r in conn.execute(query).all()]
+
+
+@dataclass(slots=True)
+class JobStorage:
+    """One job's part of the log (``PostgresEventStore.storage``)."""
+
+    job_id: str
+    events: int
+    #: The job's rows as PostgreSQL stores them (``pg_column_size`` of each row; no indexes).
+    row_bytes: int
+    first_at: datetime
+    last_at: datetime
+    #: Event type -> (events, row bytes).
+    by_type: dict[str, tuple[int, int]]
+
+
+@dataclass(frozen=True, slots=True)
+class Storage:
+    """The log's size on disk: the events table with its indexes and TOAST, and each job."""
+
+    events_total_bytes: int
+    events_table_bytes: int
+    events_index_bytes: int
+    dead_letters_bytes: int
+    jobs: list[JobStorage]
+
+    def share_bytes(self, job: JobStorage) -> int:
+        """The job's share of the events table with its indexes, in proportion to its rows
+        (every row has the same index entries, give or take its key's length)."""
+        rows = sum(j.row_bytes for j in self.jobs)
+        return round(self.events_total_bytes * job.row_bytes / rows) if rows else 0
 
 
 # ---------------------------------------------------------------------- the append transaction
