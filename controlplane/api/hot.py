@@ -11,7 +11,7 @@ middleware stack, it is traced with every other request when FastAPI's telemetry
 A fast path kept by measurement: ``elasticctl bench api --compare-plain`` runs the same load
 against the API with it and without it (``ELASTIC_API_HOT_ROUTES=false``) in one run
 (docs/benchmarks.md: the timeline answers about 3 times the requests per second, and meets
-its p99 target only with it; the events route gained 1.04 times and is FastAPI's), and
+its p99 target only with it; the events route gained under 1.1 times and is FastAPI's), and
 ``tests/integration/test_api.py`` checks that the two answer byte for byte alike.
 """
 

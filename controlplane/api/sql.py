@@ -7,19 +7,17 @@ position (the primary key) and validates each envelope from that JSON text.
 
 from __future__ import annotations
 
-import asyncio
-import itertools
-from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from json.encoder import encode_basestring as _str
-from typing import Any, cast
+from typing import Any
 
 import psycopg
-from psycopg import pq
-from psycopg.pq.abc import PGconn, PGresult
+from psycopg.abc import Buffer
+from psycopg.adapt import Loader
+from psycopg_pool import AsyncConnectionPool
 from sqlalchemy import Engine
 
 from controlplane.core.records import StoredEvent
@@ -46,7 +44,7 @@ def _iso_utc(column: str) -> str:
     return f"replace(({column} AT TIME ZONE 'UTC')::text, ' ', 'T')"
 
 
-#: An event of the job whose id is the first parameter (``$1``, JSON-encoded), as
+#: An event of the job whose id is the first parameter (a ``%s``, JSON-encoded), as
 #: ``schemas.api.EventOut`` JSON, written by PostgreSQL with ``concat`` (into one buffer: a
 #: chain of ``||`` copies the text so far at each step, and cost PostgreSQL a tenth more per
 #: page). The strings are not escaped: ``type`` is one of the catalog's names and ``source``
@@ -60,7 +58,7 @@ _EVENT_JSON = "concat(" + ", ".join(
         "'{\"position\":'", "position",
         "',\"recorded_at\":\"'", _iso_utc("recorded_at"),
         "'Z\",\"event_id\":\"'", "event_id",
-        "'\",\"job_id\":'", "$1::text",
+        "'\",\"job_id\":'", "%s::text",
         "',\"type\":\"'", "type",
         "'\",\"v\":'", "v",
         "',\"source\":\"'", "source",
@@ -113,32 +111,26 @@ def tail(engine: Engine, after: int, limit: int) -> list[StoredEvent]:
     return [StoredEvent(int(p), at, validate(envelope)) for p, at, envelope in rows]
 
 
-def _array(values: Sequence[str]) -> str:
-    """A PostgreSQL array literal of ``values`` (text)."""
-    quoted = ('"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"' for v in values)
-    return "{" + ",".join(quoted) + "}"
-
-
-def _page_sql(query: EventQuery) -> tuple[str, list[bytes]]:
-    """The page's statement (``$n`` parameters) and its parameters, as text."""
-    params: list[bytes] = []
+def _page_sql(query: EventQuery) -> tuple[str, list[object]]:
+    """The page's statement (psycopg's ``%s`` placeholders, in the order they appear) and
+    its parameters."""
+    params: list[object] = [_str(query.job_id)]  # the first placeholder, in _EVENT_JSON
 
     def param(value: object) -> str:
-        params.append(str(value).encode())
-        return f"${len(params)}"
+        params.append(value)
+        return "%s"
 
-    param(_str(query.job_id))  # $1, in _EVENT_JSON
     where = [f"job_id = {param(query.job_id)}", f"position > {param(query.after)}"]
     if len(query.types) == 1:  # equality keeps the (job_id, type, position) index ordered
         where.append(f"type = {param(query.types[0])}")
     elif query.types:
-        where.append(f"type = ANY({param(_array(query.types))})")
+        where.append(f"type = ANY({param(list(query.types))})")
     if query.member is not None:
         where.append(f"{MEMBER_EXPRESSION} = {param(query.member)}")
     if query.since is not None:
-        where.append(f"recorded_at >= {param(query.since.isoformat())}")
+        where.append(f"recorded_at >= {param(query.since)}")
     if query.until is not None:
-        where.append(f"recorded_at < {param(query.until.isoformat())}")
+        where.append(f"recorded_at < {param(query.until)}")
     # The limit is written in the statement, not passed: a prepared statement's generic plan
     # assumes a tenth of the rows for a LIMIT it does not know, so PostgreSQL would plan each
     # page again (a custom plan, twice the cost of the page) rather than use it.
@@ -149,192 +141,92 @@ def _page_sql(query: EventQuery) -> tuple[str, list[bytes]]:
     return sql, params
 
 
+class _Text(Loader):
+    """Text columns as the bytes PostgreSQL sent: a page's JSON goes into the answer as is."""
+
+    def load(self, data: Buffer) -> bytes:
+        return bytes(data)
+
+
+async def _configure(conn: psycopg.AsyncConnection[Any]) -> None:
+    conn.adapters.register_loader("text", _Text)
+    conn.prepare_threshold = 0  # every page's shape prepared on its first use
+    conn.prepared_max = PREPARED
+
+
 class PageReader:
-    """Pages of events over a few asyncio connections of its own (no thread, no transaction:
-    each page is one autocommit query).
+    """Pages of events over psycopg's asyncio connection pool (autocommit: each page one
+    query, prepared on its first use; no thread, no transaction).
 
-    A page is one prepared statement run through the connection's libpq handle
-    (``psycopg.AsyncConnection.pgconn``): the parameters go as text and the rows come back
-    as the bytes PostgreSQL sent, which go into the answer as they are. Psycopg's cursor
-    (adapting each parameter, loading each value, its prepared-statement bookkeeping, a
-    timer per wait) cost the API, which answers every page on one thread, a sixth of a page.
-
-    The head of the log has a connection of its own: every request waits for the check of the
-    head that the views make now and then (``LiveViews.fresh``), and behind page queries that
-    fill the other connections it would wait for one of them."""
+    The head of the log has a pool of its own: every request waits for the check of the head
+    that the views make now and then (``LiveViews.fresh``), and behind page queries that fill
+    the other connections it would wait for one of them. A connection that breaks is dropped
+    by the pool (its page is ``StoreUnavailable``) and replaced on the next page."""
 
     def __init__(
         self, database_url: str, *, size: int = 8, statement_timeout_s: float = 10.0
     ) -> None:
-        self._url = libpq_url(database_url)
+        url = libpq_url(database_url)
         # Times are written ISO style (see ``_iso_utc``), text is UTF-8, no query runs away.
-        self._options = (
+        options = (
             f"-c statement_timeout={int(statement_timeout_s * 1000)}"
             " -c DateStyle=ISO -c client_encoding=UTF8"
         )
-        self._pages = _Lane(size)
-        self._head = _Lane(1)
+
+        def pool(size: int, name: str) -> AsyncConnectionPool[psycopg.AsyncConnection[Any]]:
+            return AsyncConnectionPool(
+                url, min_size=0, max_size=size, open=False, name=name, configure=_configure,
+                kwargs={"autocommit": True, "options": options}, timeout=30.0,
+            )  # fmt: skip
+
+        self._pages = pool(size, "api-pages")
+        self._head = pool(1, "api-head")
+        self._opened = False
         self._closed = False
 
-    async def _acquire(self, lane: _Lane) -> _Connection:
-        await lane.slots.acquire()
-        try:
-            if self._closed:
-                raise StoreUnavailable("the API is shutting down")
-            if lane.idle:
-                return lane.idle.pop()
-            with translated():
-                conn = await psycopg.AsyncConnection.connect(
-                    self._url, autocommit=True, options=self._options
-                )
-            return _Connection(conn)
-        except BaseException:
-            lane.slots.release()
-            raise
-
-    async def _release(self, lane: _Lane, held: _Connection, *, broken: bool = False) -> None:
-        conn = held.conn
-        try:
-            if broken or self._closed:
-                await conn.close()  # a broken or interrupted connection is not reused
-            elif not conn.closed:
-                lane.idle.append(held)
-        finally:
-            lane.slots.release()
-
-    async def _fetch(self, sql: str, params: Sequence[bytes], lane: _Lane) -> PGresult:
-        held = await self._acquire(lane)
-        try:
-            with translated():
-                result = await held.run(sql, params)
-        except BaseException:
-            await self._release(lane, held, broken=True)
-            raise
-        await self._release(lane, held)
-        return result
+    async def _fetch(
+        self,
+        pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]],
+        sql: str,
+        params: Sequence[object],
+    ) -> list[tuple[Any, ...]]:
+        if self._closed:
+            raise StoreUnavailable("the API is shutting down")
+        with translated():
+            if not self._opened:
+                self._opened = True
+                await self._pages.open()
+                await self._head.open()
+            async with pool.connection() as conn:
+                cursor = await conn.execute(sql, params)
+                rows: list[tuple[Any, ...]] = await cursor.fetchall()
+                return rows
 
     async def page(self, query: EventQuery) -> tuple[list[bytes], int | None]:
         """The page's events as JSON (UTF-8), and the cursor of the next page (None: none
         yet)."""
         sql, params = _page_sql(query)
-        result = await self._fetch(sql, params, self._pages)
+        rows = await self._fetch(self._pages, sql, params)
         limit = query.limit
-        rows = result.ntuples
-        texts = list(map(result.get_value, range(min(rows, limit)), itertools.repeat(1)))
-        if rows <= limit:
-            return cast("list[bytes]", texts), None
-        return cast("list[bytes]", texts), int(cast("bytes", result.get_value(limit - 1, 0)))
+        texts = [text for _, text in rows[:limit]]
+        if len(rows) <= limit:
+            return texts, None
+        return texts, int(rows[limit - 1][0])
 
     async def head(self) -> int:
         """The log's last position (``log_head``: one row, never waits for a writer)."""
-        result = await self._fetch(_HEAD, (), self._head)
-        if not result.ntuples:
+        rows = await self._fetch(self._head, _HEAD, ())
+        if not rows:
             raise SchemaNotMigrated("log_head is empty: run `elasticctl migrate` first")
-        return int(cast("bytes", result.get_value(0, 0)))
+        return int(rows[0][0])
 
     async def close(self) -> None:
-        """Close the idle connections (those in use close when they come back)."""
+        """Close the pools (connections in use close when they come back)."""
         self._closed = True
-        for lane in (self._pages, self._head):
-            idle, lane.idle = lane.idle, []
-            for held in idle:
-                await held.conn.close()
+        if self._opened:
+            await self._pages.close()
+            await self._head.close()
 
 
-#: Statements a connection of a ``PageReader`` keeps prepared (the most recently used).
+#: Statements a connection of a ``PageReader`` keeps prepared (psycopg's ``prepared_max``).
 PREPARED = 64
-
-
-class _Connection:
-    """A connection of a ``PageReader``: psycopg's, used through its libpq handle, and the
-    statements prepared on it (by their SQL, most recently used last)."""
-
-    __slots__ = ("_names", "conn", "pgconn", "prepared")
-
-    def __init__(self, conn: psycopg.AsyncConnection[Any]) -> None:
-        self.conn = conn
-        self.pgconn = conn.pgconn
-        self.prepared: OrderedDict[str, bytes] = OrderedDict()
-        self._names = itertools.count(1)
-
-    async def run(self, sql: str, params: Sequence[bytes]) -> PGresult:
-        """The result of ``sql`` (prepared on first use) with text ``params``; the error it
-        ends in raised as psycopg's."""
-        name = self.prepared.get(sql)
-        if name is None:
-            if len(self.prepared) >= PREPARED:
-                _, oldest = self.prepared.popitem(last=False)
-                self.pgconn.send_query(b"DEALLOCATE " + oldest)
-                await _result(self.pgconn)
-            name = b"page_%d" % next(self._names)
-            self.pgconn.send_prepare(name, sql.encode())
-            await _result(self.pgconn)
-            self.prepared[sql] = name
-        else:
-            self.prepared.move_to_end(sql)
-        self.pgconn.send_query_prepared(name, params)
-        return await _result(self.pgconn)
-
-
-async def _result(pgconn: PGconn) -> PGresult:
-    """The result of the command sent on ``pgconn`` (nonblocking, as psycopg's asyncio
-    connections are): what is buffered flushed, then the input read as it comes until libpq
-    has no result left; an error result raised (psycopg's exception for its SQLSTATE), a
-    broken connection too (psycopg's ``OperationalError``, from libpq)."""
-    loop = asyncio.get_running_loop()
-    fd = pgconn.socket
-    while pgconn.flush():
-        await _ready(fd, loop.add_writer, loop.remove_writer)
-    last = None
-    while True:
-        pgconn.consume_input()
-        while not pgconn.is_busy():
-            result = pgconn.get_result()
-            if result is None:
-                if last is None:
-                    raise psycopg.InterfaceError("no result from PostgreSQL")
-                if last.status not in _OK:
-                    raise _error(last)
-                return last
-            last = result
-        await _ready(fd, loop.add_reader, loop.remove_reader)
-
-
-_OK = frozenset({pq.ExecStatus.TUPLES_OK, pq.ExecStatus.COMMAND_OK})
-
-
-def _error(result: PGresult) -> psycopg.Error:
-    message = result.get_error_message("utf-8")
-    state = (result.error_field(pq.DiagnosticField.SQLSTATE) or b"").decode("ascii", "replace")
-    try:
-        return psycopg.errors.lookup(state)(message)
-    except KeyError:
-        return psycopg.DatabaseError(message)
-
-
-async def _ready(
-    fd: int,
-    add: Callable[[int, Callable[[asyncio.Future[None]], None], asyncio.Future[None]], None],
-    remove: Callable[[int], object],
-) -> None:
-    """Until ``fd`` is ready (``add``: the loop's ``add_reader`` or ``add_writer``)."""
-    done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-    add(fd, _wake, done)
-    try:
-        await done
-    finally:
-        remove(fd)
-
-
-def _wake(done: asyncio.Future[None]) -> None:
-    if not done.done():  # cancelled (the request was), and not yet removed
-        done.set_result(None)
-
-
-class _Lane:
-    """Connections of a ``PageReader`` for one use: at most ``size`` in use at once."""
-
-    def __init__(self, size: int) -> None:
-        self.slots = asyncio.Semaphore(size)
-        #: Connections not in use.
-        self.idle: list[_Connection] = []
