@@ -7,6 +7,7 @@ position (the primary key) and validates each envelope from that JSON text.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -182,7 +183,17 @@ class PageReader:
         self._pages = pool(size, "api-pages")
         self._head = pool(1, "api-head")
         self._opened = False
+        #: Held while the pools open: the first pages may be asked for concurrently.
+        self._opening = asyncio.Lock()
         self._closed = False
+
+    async def _open(self) -> None:
+        """Open the pools on first use (they need the running loop)."""
+        async with self._opening:
+            if not self._opened:
+                await self._pages.open()
+                await self._head.open()
+                self._opened = True
 
     async def _fetch(
         self,
@@ -194,9 +205,7 @@ class PageReader:
             raise StoreUnavailable("the API is shutting down")
         with translated():
             if not self._opened:
-                self._opened = True
-                await self._pages.open()
-                await self._head.open()
+                await self._open()
             async with pool.connection() as conn:
                 cursor = await conn.execute(sql, params)
                 rows: list[tuple[Any, ...]] = await cursor.fetchall()
@@ -223,9 +232,10 @@ class PageReader:
     async def close(self) -> None:
         """Close the pools (connections in use close when they come back)."""
         self._closed = True
-        if self._opened:
-            await self._pages.close()
-            await self._head.close()
+        async with self._opening:
+            if self._opened:
+                await self._pages.close()
+                await self._head.close()
 
 
 #: Statements a connection of a ``PageReader`` keeps prepared (psycopg's ``prepared_max``).

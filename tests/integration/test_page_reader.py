@@ -73,6 +73,20 @@ async def test_every_shape_of_page_is_prepared_once_and_at_most_the_bound_stay(
     assert last == positions[-2:] and after is None
 
 
+async def test_the_first_pages_asked_for_at_once_all_come(
+    database_url: str, positions: list[int]
+) -> None:
+    """The pools open on first use: concurrent first requests wait for that, none fails."""
+    reader = sql.PageReader(database_url, size=2)
+    try:
+        pages = await asyncio.gather(*(page_positions(reader, limit=3) for _ in range(8)),
+                                     reader.head())  # fmt: skip
+    finally:
+        await reader.close()
+    assert all(page == (positions[:3], positions[2]) for page in pages[:-1])
+    assert pages[-1] == positions[-1]
+
+
 async def test_filters_go_as_parameters(reader: sql.PageReader, positions: list[int]) -> None:
     got, _ = await page_positions(reader, types=("member.joined", 'odd "type\\'), limit=100)
     assert len(got) == 4
