@@ -23,6 +23,7 @@ the digest); training does not wait for replication.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import importlib
 import json
@@ -39,7 +40,7 @@ from typing import Any
 
 from rank_runtime import checkpoint, faults
 from rank_runtime.client import EventClient
-from rank_runtime.group import GroupSockets, backend_for, member_device
+from rank_runtime.group import GroupSockets, backend_for, forget_failed_group, member_device
 from rank_runtime.identity import Identity
 from rank_runtime.replication import (
     ADVERTISE_ENV,
@@ -498,7 +499,13 @@ class Elastic:
             else None
         )
         forming = time.perf_counter()
-        self._form(command)
+        try:
+            self._form(command)
+        except _Superseded:
+            if fetching is not None:  # its shards belong to the overtaken generation
+                with contextlib.suppress(Exception):
+                    fetching.result()
+            raise
         formed = time.perf_counter() - forming
         self.client.phase = Phase.RESTORE
         try:
@@ -512,13 +519,16 @@ class Elastic:
             # A holder died (or a file is missing), or its copy is not what the owner
             # reported: say so (naming the refused copy), and follow the control plane's next
             # decision, which plans around what is lost or refused.
+            # Every rank formed the group first: one still forming when this rank leaves
+            # would fail there, or wait in it, deaf to the decision this report brings.
+            newer = self._await_formed(command)
             refused = exc if isinstance(exc, _RefusedCopy) else None
             self.report_fault(FaultKind.RESTORE_FAILED, str(exc), step=command.restore_step,
                               suspects=_suspects(exc, command),
                               shard=refused.shard if refused else None,
                               source=refused.source if refused else None)  # fmt: skip
             self._leave_group()
-            raise _Superseded(self._await_newer(command.generation)) from exc
+            raise _Superseded(newer or self._await_newer(command.generation)) from exc
         world = self._world()
         self.client.generation = command.generation
         replicated = self._own_replicated(command.restore_step)
@@ -566,6 +576,7 @@ class Elastic:
         if ended:
             log.debug("ended %d connections of the old group", ended)
         if not dist.is_initialized():
+            forget_failed_group()
             return
         try:
             if dist.get_backend() == "nccl":
@@ -754,18 +765,36 @@ class Elastic:
         )
         self._arrive(store, rank, command)
         device = self.device
-        self.group_sockets = GroupSockets.around(
-            lambda: dist.init_process_group(
-                backend_for(device),
-                store=store,
-                rank=rank,
-                world_size=len(command.world),
-                timeout=self._collective_timeout,
-                # NCCL: this device's communicator, created now (not at the first collective),
-                # so a recovery's first step does not pay for it.
-                device_id=device if device.type == "cuda" else None,
+        self.group_sockets = GroupSockets({})
+        try:
+            with self.group_sockets.recording():
+                dist.init_process_group(
+                    backend_for(device),
+                    store=store,
+                    rank=rank,
+                    world_size=len(command.world),
+                    timeout=self._collective_timeout,
+                    # NCCL: this device's communicator, created now (not at the first
+                    # collective), so a recovery's first step does not pay for it.
+                    device_id=device if device.type == "cuda" else None,
+                )
+        except RuntimeError as exc:
+            # A peer died or left while the group formed (a replacement that refused its
+            # copy leaves at once, while slower ranks still connect to it): a fault of this
+            # generation, reported as a failed collective is; then follow the decision
+            # that replaces the generation, as a failed collective's recovery does.
+            self.client.generation = command.generation
+            log.warning("generation %d: forming the group failed (%s); waiting for the"
+                        " control plane", command.generation, exc)  # fmt: skip
+            self.report_fault(
+                FaultKind.COLLECTIVE_ERROR,
+                f"forming generation {command.generation}: {type(exc).__name__}: {exc}",
+                step=command.restore_step if isinstance(command, Reallocate) else None,
             )
-        )
+            self._leave_group()
+            raise _Superseded(self._await_newer(command.generation)) from exc
+        # Formed: a rank that must leave at once (a refused copy) waits for this first.
+        store.set(f"formed/{rank}", self.identity.member)
         self.client.generation = command.generation
         self.world = World(
             generation=command.generation,
@@ -784,10 +813,39 @@ class Elastic:
         newer command meanwhile: a member that dies before it arrives is replaced by a newer
         decision, which this member then follows (``_Superseded``) instead of waiting in
         ``init_process_group`` until the collective timeout."""
+        try:
+            newer = self._barrier(store, "arrived", rank, command)
+        except TimeoutError:
+            raise JobStoppedError(
+                f"generation {command.generation}: not every rank arrived within"
+                f" {self._collective_timeout.total_seconds():g}s and no newer decision came"
+            ) from None
+        if newer is not None:
+            raise _Superseded(newer)
+
+    def _await_formed(self, command: Reallocate) -> Start | Reallocate | None:
+        """Before leaving a generation just formed (a refused copy, a lost holder): wait
+        until every rank formed it, or a newer decision came (returned). A rank still in
+        ``init_process_group`` when this one leaves fails there, or waits in it until the
+        collective timeout, deaf to the next decision."""
+        store = getattr(self, "_rendezvous_store", None)
+        if store is None or self.world is None:
+            return None
+        try:
+            return self._barrier(store, "formed", self.world.rank, command)
+        except TimeoutError:
+            return None  # a rank that never formed it: leave anyway
+
+    def _barrier(
+        self, store: Any, name: str, rank: int, command: Start | Reallocate
+    ) -> Start | Reallocate | None:
+        """Set ``name/<rank>`` and wait until every rank of ``command``'s world set its own;
+        a newer command for this member, if one comes first (None: all are there).
+        ``TimeoutError`` after the collective timeout."""
         import torch.distributed as dist
 
-        store.set(f"arrived/{rank}", self.identity.member)
-        keys = [f"arrived/{r}" for r in range(len(command.world))]
+        store.set(f"{name}/{rank}", self.identity.member)
+        keys = [f"{name}/{r}" for r in range(len(command.world))]
         deadline = time.monotonic() + self._collective_timeout.total_seconds()
         poll = timedelta(seconds=_ARRIVAL_POLL_S)
         while True:
@@ -795,17 +853,14 @@ class Elastic:
             # sleeping between cost the last arrival up to a whole poll on the recovery path).
             try:
                 store.wait(keys, poll)
-                return
+                return None
             except dist.DistStoreError:  # not everyone yet
                 pass
             newer = self._newer(command.generation, timeout=0.0)
             if newer is not None:
-                raise _Superseded(newer)
+                return newer
             if time.monotonic() > deadline:
-                raise JobStoppedError(
-                    f"generation {command.generation}: not every rank arrived within"
-                    f" {self._collective_timeout.total_seconds():g}s and no newer decision came"
-                )
+                raise TimeoutError(f"{name}: not every rank within the collective timeout")
 
     def _await_newer(self, generation: int, timeout_s: float = 300.0) -> Start | Reallocate:
         """Wait for the decision that replaces ``generation``."""

@@ -47,6 +47,22 @@ def backend_for(device: Any) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def forget_failed_group() -> None:
+    """Forget a default group whose ``init_process_group`` failed (a peer left midway).
+
+    torch names the default group by a count it bumps before creating the group and resets
+    only in ``destroy_process_group``, which has nothing to destroy after a failed creation.
+    The peers that formed and destroyed the group count from 0 again, this member from 1:
+    their next group's store keys (prefixed by that name) would never meet, and every rank
+    of the next generation would wait in ``init_process_group`` until the timeout. Reset it.
+    """
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    if not dist.is_initialized() and dist.get_pg_count():
+        distributed_c10d._world.group_count = 0
+
+
 def _sockets() -> dict[int, str]:
     """This process's open socket descriptors and what they are (``socket:[inode]``); empty
     where ``/proc`` is not there to ask."""

@@ -3,11 +3,13 @@ ends the old one at the step's end, whether or not a launcher's fence ever lands
 
 from __future__ import annotations
 
+import json
+import time
 import uuid
 
 import pytest
 
-from rank_runtime.elastic import Elastic, GenerationSuperseded, JobStoppedError, World
+from rank_runtime.elastic import Elastic, GenerationSuperseded, JobStoppedError, World, _Superseded
 from rank_runtime.identity import Identity
 from schemas.commands import Reallocate, Stop
 from schemas.common import ReallocationMode, RestoreFrom, Role
@@ -76,3 +78,105 @@ def test_nothing_new_lets_it_train_on_without_waiting():
     elastic.client._commands.put(reallocate(1, ["w0", "w1", "w2"]))  # its own, re-sent
     elastic._superseded(1)
     assert elastic.client.next_command() is None
+
+
+def _formation_fails(
+    monkeypatch: pytest.MonkeyPatch, elastic: Elastic, command: Reallocate
+) -> None:
+    """The generation's rendezvous is a real torch store every other rank already reached;
+    ``init_process_group`` then fails as gloo's does when a peer closes its connection midway
+    (a replacement that refused its copy and left)."""
+    import torch.distributed as dist
+
+    from rank_runtime import rendezvous
+
+    store = dist.HashStore()  # type: ignore[attr-defined]
+    for rank, name in enumerate(command.world):
+        if name != elastic.identity.member:
+            store.set(f"arrived/{rank}", name)
+
+    def connect(*args: object, **kwargs: object) -> object:
+        return store
+
+    def init_process_group(*args: object, **kwargs: object) -> None:
+        # What torch does before the backend fails: name the default group by its count.
+        from torch.distributed import distributed_c10d
+
+        distributed_c10d._process_group_name([], use_hashed_name=False)
+        raise RuntimeError(
+            "Gloo connectFullMesh failed with [pair.cc:553] Connection closed by peer"
+        )
+
+    monkeypatch.setattr(rendezvous.RendezvousStore, "connect", connect)
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+
+
+def _faults(elastic: Elastic) -> list[dict[str, object]]:
+    events = [json.loads(body) for _, _, body in elastic.client._buffer]
+    return [e for e in events if e["type"] == "member.fault"]
+
+
+def test_a_group_that_fails_to_form_is_a_reported_fault_and_the_next_decision_is_followed(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    import torch.distributed as dist
+
+    elastic = member()
+    failing = reallocate(2, ["w0", "w1", "s0"])
+    _formation_fails(monkeypatch, elastic, failing)
+    newer = reallocate(3, ["w0", "w1", "w2"])
+    elastic.client._commands.put(newer)
+    with pytest.raises(_Superseded) as raised:
+        elastic._form(failing)
+    assert raised.value.command is newer  # followed, not raised out of the loop
+    # The failed group is forgotten: the next one is named as the peers' is (their keys meet).
+    assert dist.get_pg_count() == 0
+    [fault] = _faults(elastic)
+    assert fault["generation"] == 2  # the generation it failed in, not the one before
+    assert fault["payload"]["kind"] == "collective_error"
+    assert fault["payload"]["step"] == 20
+    assert "forming generation 2" in fault["payload"]["detail"]
+    assert "Connection closed by peer" in fault["payload"]["detail"]
+
+
+def test_a_group_that_fails_to_form_ends_the_member_when_the_job_stops(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    elastic = member()
+    failing = reallocate(2, ["w0", "w1", "s0"])
+    _formation_fails(monkeypatch, elastic, failing)
+    stop = Stop(command_id=uuid.uuid4(), job_id="job1", decision_position=2, issued_at=T0,
+                reason="no complete copy")  # fmt: skip
+    elastic.client._commands.put(stop)
+    with pytest.raises(JobStoppedError, match="no complete copy"):
+        elastic._form(failing)
+    assert len(_faults(elastic)) == 1
+
+
+def test_a_rank_that_must_leave_a_generation_it_formed_waits_until_every_rank_formed_it():
+    """A replacement that refuses its copy leaves the group it just formed: not before the
+    slower ranks formed it too (they would fail in ``init_process_group``, or wait in it
+    deaf to the next decision), unless that decision comes first."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    elastic = member()
+    elastic._collective_timeout = timedelta(seconds=0.3)
+    store = elastic._rendezvous_store = dist.HashStore()  # type: ignore[attr-defined]
+    current = reallocate(1, ["w0", "w1", "w2"])
+    store.set("formed/0", "w0")
+    # w2 has not formed it: no newer decision either, so it waits, then leaves anyway.
+    started = time.monotonic()
+    assert elastic._await_formed(current) is None
+    assert time.monotonic() - started >= 0.3
+    assert store.get("formed/1") == b"w1"  # its own mark, for the others
+    # A newer decision ends the wait, and is the one to follow.
+    newer = reallocate(2, ["w0", "w1", "s0"])
+    elastic.client._commands.put(newer)
+    assert elastic._await_formed(current) is newer
+    # Everyone formed it: no wait.
+    store.set("formed/2", "w2")
+    started = time.monotonic()
+    assert elastic._await_formed(current) is None
+    assert time.monotonic() - started < 0.3
