@@ -446,6 +446,62 @@ def bench_decide(
     typer.echo(json.dumps(result))
 
 
+@bench_app.command("scale")
+def bench_scale(
+    *,
+    ranks: Annotated[
+        int, typer.Option(min=2, help="Simulated ranks (8 a node, 16 nodes a rack).")
+    ] = 4096,
+    seconds: Annotated[
+        float, typer.Option(min=5.0, help="The measured window (faults, table growth, CPU).")
+    ] = 60.0,
+    faults: Annotated[
+        int, typer.Option(min=1, help="Faults in the window, alternating crash and hang.")
+    ] = 6,
+    heartbeat_interval: Annotated[
+        float, typer.Option(min=0.01, help="Each member's heartbeat interval, seconds.")
+    ] = 0.25,
+    hang_timeout: Annotated[
+        float, typer.Option(min=0.02, help="The policy's heartbeat timeout in training, seconds.")
+    ] = 0.75,
+    backup_interval: Annotated[
+        int, typer.Option(min=1, help="Steps (one a second) between backups.")
+    ] = 10,
+    as_json: Annotated[bool, typer.Option("--json", help="Print only the JSON result.")] = False,
+) -> None:
+    """The control plane at a job's size: hang detection, decisions, storage, CPU.
+
+    Simulated members heartbeat on NATS core at --heartbeat-interval, rank 0 records a step a
+    second, every rank backs up every --backup-interval steps; crashes and hangs are
+    injected through the real service (a control plane process). Prints hang_detect_p50_s /
+    _p99_s, decide_p50_ms / _p99_ms (to the decision's commit), db_bytes_per_rank_day (the
+    tables' growth), controlplane_cpu_cores, lost, duplicated. Uses ELASTIC_NATS_URL /
+    ELASTIC_DATABASE_URL when set; otherwise embedded NATS and PostgreSQL in a temp dir.
+    """
+    from controlplane.bench.scale import BenchScaleError, run_scale_bench
+
+    if hang_timeout <= heartbeat_interval:
+        raise typer.BadParameter(
+            f"{hang_timeout:g}s is not longer than the heartbeat interval"
+            f" ({heartbeat_interval:g}s)",
+            param_hint="--hang-timeout",
+        )
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    try:
+        result = run_scale_bench(
+            ranks=ranks,
+            seconds=seconds,
+            faults=faults,
+            heartbeat_interval_s=heartbeat_interval,
+            hang_timeout_s=hang_timeout,
+            backup_interval=backup_interval,
+            progress=not as_json,
+        )
+    except BenchScaleError as exc:
+        raise _fail(str(exc), 1) from exc
+    typer.echo(json.dumps(result))
+
+
 @bench_app.command("api")
 def bench_api(
     *,

@@ -150,6 +150,11 @@ class Publisher:
             await _progress(acks, total)
         return acks.errors - refused
 
+    async def send_core(self, encoded: Sequence[bytes]) -> None:
+        """Publish NATS core frames (``PUB``: no acknowledgement asked, none waited for)."""
+        self._writer.write(b"".join(encoded))
+        await self._writer.drain()
+
     async def close(self) -> None:
         self._reading.cancel()
         self._writer.close()

@@ -1,0 +1,517 @@
+"""``elasticctl bench scale``: the control plane at a job's size, through the real service.
+
+``ranks`` simulated members (8 a node, 16 nodes a rack, and spares) join one job and then
+behave as the design has them behave, against a control plane process (``elasticctl serve``)
+as deployed:
+
+- each member heartbeats on its NATS core subject every ``heartbeat_interval_s``, spread over
+  the interval as real members' clocks are (soft state: nothing is stored);
+- rank 0 records one ``train.step`` a second (steps at job granularity), and the first rank of
+  each new generation its first step;
+- every ``backup_interval`` steps each rank records its snapshot (``backup.snapshot``) and
+  each holder its copy (``backup.replicated``), as the runtime does today.
+
+Over ``seconds`` of that, ``faults`` are injected at even intervals, alternating a crash (the
+node's launcher reports ``member.exited``) and a hang (the member's heartbeats stop). What the
+report says:
+
+- ``hang_detect_p50_s`` / ``_p99_s``: a hung member's last heartbeat sent, to the commit of the
+  ``fault.detected`` that names it (the timeout in force included);
+- ``decide_p50_ms`` / ``_p99_ms``: the fault (a crash: the exit reported; a hang: its last
+  heartbeat heard plus the timeout) to the commit of the decision, as ``bench decide`` times it;
+- ``db_bytes_per_rank_day``: how much every table of the database grew over the measured
+  window (``pg_total_relation_size``: heap, TOAST and indexes, after the ingest caught up),
+  per rank, scaled to a day; ``db_bytes_by_type`` splits the events table's growth by type
+  (the stored rows' own size, without indexes);
+- ``controlplane_cpu_cores``: the control plane process's CPU time over the window, per second
+  of the window (the simulated members, NATS and PostgreSQL share the machine);
+- ``lost`` / ``duplicated``: durable events the members published (JetStream acknowledged
+  each) that the log lacks, and stored ones beyond them; ``false_detections``: members found
+  failed that no fault was injected into (an overloaded control plane hears heartbeats late).
+
+Commit times come from PostgreSQL (``track_commit_timestamp``, which the benchmark turns on in
+the PostgreSQL it starts); with an external one that does not record them the latencies are
+not reported (``measured_to`` says so). All clocks are this machine's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import nats
+import psycopg
+from nats.aio.client import Client
+
+from controlplane.bench import loadgen
+from controlplane.bench.decide import _commit_times, _layout, _percentile, _until_caught_up
+from controlplane.bench.members import SimulatedJob
+from controlplane.bench.stack import serving, stack
+from controlplane.bus import ensure_stream
+from controlplane.publish import Outgoing
+from controlplane.settings import Settings, libpq_url
+from controlplane.store.postgres import PostgresEventStore
+from schemas.commands import COMMAND_ADAPTER, Reallocate, Start
+from schemas.common import CONTROLPLANE_SOURCE
+from schemas.subjects import command_subject
+
+#: Slices of each heartbeat interval: a member beats in one of them (spread, not a burst).
+_SLICES = 20
+#: How long a fault may wait for its decision before the run gives up on it.
+_DECISION_WAIT_S = 60.0
+
+
+class BenchScaleError(RuntimeError):
+    """The benchmark could not run as asked (the job never started, say)."""
+
+
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of process ``pid`` so far (Linux ``/proc``)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _database_bytes(conn: psycopg.AsyncConnection[Any]) -> int:
+    """Every table of the database's schema, with its TOAST and indexes."""
+    cursor = await conn.execute(
+        "SELECT coalesce(sum(pg_total_relation_size(c.oid)), 0) FROM pg_class c"
+        " JOIN pg_namespace n ON n.oid = c.relnamespace"
+        " WHERE c.relkind IN ('r', 'p', 'm') AND n.nspname = current_schema()"
+    )
+    row = await cursor.fetchone()
+    return int(row[0]) if row else 0
+
+
+@dataclass
+class _Fault:
+    kind: str  # "crash" | "hang"
+    member: str
+    #: A hang: when the member's last heartbeat was sent (this machine's clock, Unix s).
+    last_sent: float = 0.0
+    #: The decision reached the members (None: it never came within the wait).
+    decided: bool = False
+
+
+@dataclass
+class _Fleet:
+    """The simulated members' side: heartbeats, steps, backups, commands, faults."""
+
+    job: SimulatedJob
+    events: loadgen.Publisher
+    beats: loadgen.Publisher
+    interval_s: float
+    backup_interval: int
+    silent: set[str] = field(default_factory=set)
+    commands: list[Start | Reallocate] = field(default_factory=list)
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)
+    #: A backup was published.
+    backed_up: asyncio.Event = field(default_factory=asyncio.Event)
+    #: Durable events published and acknowledged (each member's, its launcher's).
+    published: int = 0
+    refused: int = 0
+    beats_sent: int = 0
+    step: int = 0
+    #: slice -> when it was last sent (Unix s): a member's last heartbeat.
+    slice_sent: dict[int, float] = field(default_factory=dict)
+    _frames: dict[str, tuple[int, bytes]] = field(default_factory=dict)
+    _order: dict[str, int] = field(default_factory=dict)
+    _sending: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @property
+    def current(self) -> Start | Reallocate:
+        return self.commands[-1]
+
+    async def send(self, build: Callable[[], list[Outgoing]]) -> None:
+        """Publish what ``build`` makes, one send at a time (each member's events reach the
+        stream in ``seq`` order, as one member's connection keeps them)."""
+        async with self._sending:
+            messages = build()
+            if messages:
+                self.refused += await self.events.send(loadgen.frames(messages))
+                self.published += len(messages)
+
+    async def on_command(self, msg: Any) -> None:
+        command = COMMAND_ADAPTER.validate_json(msg.data)
+        if not isinstance(command, Start | Reallocate):
+            return
+        if any(c.command_id == command.command_id for c in self.commands):
+            return  # a re-sent command
+        if self.commands and command.generation <= self.current.generation:
+            return
+        for name in command.world:
+            self.job.members[name].generation = command.generation
+        self.commands.append(command)
+        self.arrived.set()
+
+    async def next_command(self, count: int, wait_s: float) -> Start | Reallocate | None:
+        deadline = time.monotonic() + wait_s
+        while len(self.commands) < count:
+            self.arrived.clear()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.arrived.wait(), left)
+        return self.commands[count - 1]
+
+    def _frame(self, name: str) -> bytes:
+        """``name``'s heartbeat as a NATS core ``PUB`` frame, re-encoded when its generation
+        changed (its step is the one it had then: the control plane keeps it, decides
+        nothing by it)."""
+        member = self.job.members[name]
+        cached = self._frames.get(name)
+        if cached is not None and cached[0] == member.generation:
+            return cached[1]
+        phase = "train" if member.generation else "waiting"
+        message = self.job.beat_message(name, self.step, phase)
+        frame = b"PUB %s %d\r\n%s\r\n" % (message.subject.encode(), len(message.data), message.data)
+        self._frames[name] = (member.generation, frame)
+        return frame
+
+    def slice_of(self, name: str) -> int:
+        return self._order[name] % _SLICES
+
+    async def heartbeats(self, stop: asyncio.Event) -> None:
+        """Every member not silent, once an interval, a slice every ``interval / _SLICES``."""
+        names = list(self.job.members)
+        self._order = {name: i for i, name in enumerate(names)}
+        started = time.monotonic()
+        tick = 0
+        while not stop.is_set():
+            k = tick % _SLICES
+            frames = [self._frame(n) for n in names[k::_SLICES] if n not in self.silent]
+            if frames:
+                await self.beats.send_core(frames)
+                self.beats_sent += len(frames)
+            self.slice_sent[k] = time.time()
+            tick += 1
+            left = started + tick * self.interval_s / _SLICES - time.monotonic()
+            if left > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), left)
+
+    def _backup(self, step: int) -> list[Outgoing]:
+        command = self.current
+        out: list[Outgoing] = []
+        for shard, owner in enumerate(command.world):
+            checksum = f"sha256:{step:032x}{shard:032x}"
+            out.append(self.job.envelope(owner, "backup.snapshot", {
+                "step": step, "shard": shard, "nbytes": 1 << 20, "checksum": checksum,
+                "seconds": 0.01}))  # fmt: skip
+            for holder in command.placement[shard] if shard < len(command.placement) else []:
+                out.append(self.job.envelope(holder, "backup.replicated", {
+                    "step": step, "shard": shard, "owner": owner, "nbytes": 1 << 20,
+                    "checksum": checksum, "seconds": 0.01}))  # fmt: skip
+        return out
+
+    def _step(self, lead: str, step: int) -> list[Outgoing]:
+        return [self.job.envelope(lead, "train.step", {
+            "step": step, "loss": 1.0, "step_seconds": 1.0, "samples": 8})]  # fmt: skip
+
+    async def train(self, stop: asyncio.Event) -> None:
+        """One step a second, recorded by rank 0; a backup every ``backup_interval`` steps."""
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 1.0)
+            if stop.is_set():
+                return
+            self.step += 1
+            step, lead = self.step, self.current.world[0]
+            await self.send(lambda: self._step(lead, step))  # noqa: B023  (called at once)
+            if step % self.backup_interval == 0:
+                await self.send(lambda: self._backup(step))  # noqa: B023
+                self.backed_up.set()
+
+    async def resume(self, command: Reallocate) -> None:
+        """The new generation's first step (its first rank's), from the restored step on."""
+        self.step = command.restore_step + 1
+        lead, step = command.world[0], self.step
+        await self.send(lambda: self._step(lead, step))
+
+
+async def _scenario(
+    services_nats: str,
+    database_url: str,
+    job_id: str,
+    serve_pid: int,
+    *,
+    ranks: int,
+    seconds: float,
+    faults: int,
+    interval_s: float,
+    timeout_s: float,
+    backup_interval: int,
+    progress: bool,
+) -> dict[str, Any]:
+    job = SimulatedJob(None, job_id, _layout(ranks, spares=max(2, (faults + 1) // 2)))
+    fleet = _Fleet(
+        job,
+        await loadgen.Publisher.connect(services_nats),
+        await loadgen.Publisher.connect(services_nats),
+        interval_s,
+        backup_interval,
+    )
+    policy = {
+        "world_size": ranks,
+        "min_world": 1,
+        "max_world": ranks,
+        "backup_interval": backup_interval,
+        "redundancy": 2,
+        "heartbeat_interval_s": interval_s,
+        "heartbeat_timeout_s": {"init": 60.0, "train": timeout_s, "waiting": 60.0,
+                                "backup": 60.0, "restore": 60.0},
+        "recovery_deadline_s": 300.0,
+        "max_decisions_per_incident": 100,
+    }  # fmt: skip
+    stop = asyncio.Event()
+    tasks: list[asyncio.Task[None]] = []
+    nc: Client | None = None
+    injected: list[_Fault] = []
+    try:
+        nc = await nats.connect(services_nats)
+        settings = Settings()  # names the stream and consumer as the service does
+        await ensure_stream(nc.jetstream(), settings)
+        await nc.subscribe(command_subject(job_id), cb=fleet.on_command)
+        names = list(job.members)
+        if progress:
+            _progress(f"{len(names)} members join ({ranks} ranks)")
+        await fleet.send(lambda: [
+            job.envelope(m, "member.launched",
+                         {"member": m, "role": job.members[m].role, "pid": 1},
+                         by=job.launcher(m))
+            for m in names
+        ] + [
+            job.envelope(m, "member.joined", job.joined(m, policy if m == names[0] else None))
+            for m in names
+        ])  # fmt: skip
+        tasks.append(asyncio.create_task(fleet.heartbeats(stop)))
+        start = await fleet.next_command(1, 300.0)
+        if start is None:
+            raise BenchScaleError("the job did not start within 300s")
+        tasks.append(asyncio.create_task(fleet.train(stop)))
+        if progress:
+            _progress(f"generation 1 runs {len(start.world)} ranks; waiting for its first backup")
+        await fleet.backed_up.wait()
+        await _until_caught_up(nc, settings, max(100, ranks // 4), timeout_s=300.0)
+        async with await psycopg.AsyncConnection.connect(
+            libpq_url(database_url), autocommit=True
+        ) as db:
+            bytes0, cpu0, t0 = await _database_bytes(db), _cpu_seconds(serve_pid), time.time()
+            published0, beats0 = fleet.published, fleet.beats_sent
+            if progress:
+                _progress(f"measuring for {seconds:g}s, {faults} faults")
+            for k in range(faults):
+                due = t0 + (k + 0.5) * seconds / faults
+                await asyncio.sleep(max(0.0, due - time.time()))
+                world = fleet.current.world
+                victim = world[1 + (k * 7919) % (len(world) - 1)]  # never rank 0 (it records)
+                fault = _Fault("crash" if k % 2 == 0 else "hang", victim)
+                if fault.kind == "hang":
+                    fault.last_sent = fleet.slice_sent.get(fleet.slice_of(victim), time.time())
+                fleet.silent.add(victim)
+                if fault.kind == "crash":
+                    exit_ = {"member": victim, "signal": 9}
+                    await fleet.send(
+                        lambda v=victim, p=exit_: [  # type: ignore[misc]
+                            job.envelope(v, "member.exited", p, by=job.launcher(v))
+                        ]
+                    )
+                injected.append(fault)
+                command = await fleet.next_command(len(fleet.commands) + 1, _DECISION_WAIT_S)
+                if not isinstance(command, Reallocate):
+                    if progress:
+                        _progress(f"fault {k + 1}: no decision within {_DECISION_WAIT_S:g}s")
+                    break
+                fault.decided = True
+                if progress:
+                    _progress(f"fault {k + 1}/{faults}: {fault.kind} of {victim} -> generation"
+                              f" {command.generation} ({command.mode}, {len(command.world)}"
+                              " ranks)")  # fmt: skip
+                await fleet.resume(command)
+            await asyncio.sleep(max(0.0, t0 + seconds - time.time()))
+            t1, cpu1 = time.time(), _cpu_seconds(serve_pid)
+            published1, beats1 = fleet.published, fleet.beats_sent
+            stop.set()
+            for task in tasks:
+                await task
+            tasks = []
+            await _until_caught_up(nc, settings, 1, timeout_s=300.0)
+            bytes1 = await _database_bytes(db)
+            cursor = await db.execute(
+                "SELECT type, count(*), sum(pg_column_size(e.*)) FROM events e"
+                " WHERE job_id = %s AND recorded_at >= to_timestamp(%s) GROUP BY type",
+                (job_id, t0),
+            )
+            by_type = {str(t): int(b) for t, _, b in await cursor.fetchall()}
+            cursor = await db.execute(
+                "SELECT count(*), count(DISTINCT event_id) FROM events"
+                " WHERE job_id = %s AND source <> %s",
+                (job_id, CONTROLPLANE_SOURCE),
+            )
+            row = await cursor.fetchone()
+            stored, distinct = (int(row[0]), int(row[1])) if row else (0, 0)
+    finally:
+        stop.set()
+        for task in tasks:
+            with contextlib.suppress(Exception):
+                await task
+        if nc is not None:
+            await nc.close()
+        await fleet.events.close()
+        await fleet.beats.close()
+    window = t1 - t0
+    accepted = fleet.published - fleet.refused
+    return {
+        "window": window,
+        "db_bytes": bytes1 - bytes0,
+        "db_bytes_by_type": by_type,
+        "cpu_seconds": cpu1 - cpu0,
+        "events_per_s": (published1 - published0) / window,
+        "heartbeats_per_s": (beats1 - beats0) / window,
+        "lost": max(0, accepted - distinct),
+        "duplicated": (stored - distinct) + max(0, distinct - accepted),
+        "refused": fleet.refused,
+        "injected": injected,
+    }
+
+
+def _detections(
+    store: PostgresEventStore, job_id: str, injected: list[_Fault], timeout_s: float
+) -> tuple[list[float], list[float], list[float], dict[str, list[str]], bool]:
+    """Hang detection (s), and each fault's decision latency (ms, by crash and hang), from
+    the log; the members found failed that no fault was injected into; whether commit
+    times were known."""
+    log = store.read(
+        job_id=job_id, types=["member.exited", "fault.detected", "reallocation.issued"]
+    )
+    detections = [s for s in log if s.event.type == "fault.detected"]
+    decisions = [s for s in log if s.event.type == "reallocation.issued"]
+    commits = _commit_times(store, [s.position for s in detections + decisions])
+    by_position = {s.position: s for s in log}
+    faulted = {f.member: f for f in injected}
+    hang_s: list[float] = []
+    crash_ms: list[float] = []
+    hangs_ms: list[float] = []
+    false: dict[str, list[str]] = {}  # reason -> members found failed without a fault
+    for detected in detections:
+        payload = detected.event.payload
+        unfaulted = [m for m in payload.members if m not in faulted]
+        if unfaulted:
+            false.setdefault(payload.reason, []).extend(unfaulted)
+        ours = [faulted[m] for m in payload.members if m in faulted]
+        if not ours or commits is None:
+            continue
+        decision = next((s for s in decisions if s.position > detected.position), None)
+        evidence = payload.evidence[0]
+        if payload.reason == "exited" and evidence.position in by_position:
+            trigger = by_position[evidence.position].event.emitted_at.timestamp()
+            if decision is not None:
+                crash_ms.append((commits[decision.position] - trigger) * 1000)
+        elif payload.reason == "heartbeat_timeout":
+            for fault in ours:
+                if fault.kind == "hang":
+                    hang_s.append(commits[detected.position] - fault.last_sent)
+            if decision is not None and evidence.at is not None:
+                trigger = evidence.at.timestamp() + timeout_s
+                hangs_ms.append((commits[decision.position] - trigger) * 1000)
+    return hang_s, crash_ms, hangs_ms, false, commits is not None
+
+
+def run_scale_bench(
+    *,
+    ranks: int,
+    seconds: float = 60.0,
+    faults: int = 6,
+    heartbeat_interval_s: float = 0.25,
+    hang_timeout_s: float = 0.75,
+    backup_interval: int = 10,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Run the benchmark and return its figures (see the module's docstring)."""
+    if faults < 1 or ranks < 2:
+        raise ValueError("needs at least 2 ranks and 1 fault")
+    if hang_timeout_s <= heartbeat_interval_s:
+        raise ValueError("the hang timeout must be longer than the heartbeat interval")
+    level = {"ELASTIC_LOG_LEVEL": os.environ.get("ELASTIC_BENCH_LOG_LEVEL", "WARNING")}
+    with (
+        stack(commit_times=True) as services,
+        serving(services, ELASTIC_RENDEZVOUS_PORT="0", **level) as serve,
+    ):
+        job_id = f"scale-{uuid.uuid4().hex[:8]}"
+        out = asyncio.run(
+            _scenario(
+                services.nats_url,
+                services.database_url,
+                job_id,
+                serve.pid,
+                ranks=ranks,
+                seconds=seconds,
+                faults=faults,
+                interval_s=heartbeat_interval_s,
+                timeout_s=hang_timeout_s,
+                backup_interval=backup_interval,
+                progress=progress,
+            )
+        )
+        store = PostgresEventStore.from_url(services.database_url)
+        try:
+            hang_s, crash_ms, hangs_ms, false, committed = _detections(
+                store, job_id, out["injected"], hang_timeout_s
+            )
+        finally:
+            store.close()
+    injected: list[_Fault] = out["injected"]
+    decide_ms = crash_ms + hangs_ms
+    window = out["window"]
+
+    def pct(values: list[float], q: float, digits: int) -> float | None:
+        return round(_percentile(values, q), digits) if values else None
+
+    return {
+        "ranks": ranks,
+        "heartbeat_interval_s": heartbeat_interval_s,
+        "hang_timeout_s": hang_timeout_s,
+        "faults": len(injected),
+        "decided": sum(f.decided for f in injected),
+        "hang_detect_p50_s": round(statistics.median(hang_s), 3) if hang_s else None,
+        "hang_detect_p99_s": pct(hang_s, 0.99, 3),
+        "decide_p50_ms": round(statistics.median(decide_ms), 1) if decide_ms else None,
+        "decide_p99_ms": pct(decide_ms, 0.99, 1),
+        "crash_decide_ms": [round(x, 1) for x in crash_ms],
+        "hang_decide_ms": [round(x, 1) for x in hangs_ms],
+        "measured_to": "commit" if committed else "none (no commit times recorded)",
+        "db_bytes_per_rank_day": round(out["db_bytes"] / ranks / window * 86400),
+        # The events table's rows by type (their own bytes, no index), per rank-day.
+        "db_bytes_per_rank_day_by_type": {
+            t: round(b / ranks / window * 86400)
+            for t, b in sorted(out["db_bytes_by_type"].items(), key=lambda kv: -kv[1])
+        },
+        "controlplane_cpu_cores": round(out["cpu_seconds"] / window, 2),
+        "heartbeats_per_s": round(out["heartbeats_per_s"], 1),
+        "events_per_s": round(out["events_per_s"], 1),
+        "lost": out["lost"],
+        "duplicated": out["duplicated"],
+        "refused": out["refused"],
+        # Members found failed without a fault, by the detection's reason (a few named).
+        "false_detections": sum(len(v) for v in false.values()),
+        "false_detections_by_reason": {
+            reason: {"members": len(names), "e.g.": sorted(names)[:5]}
+            for reason, names in false.items()
+        },
+        "seconds": round(window, 1),
+        "cpus": os.cpu_count(),
+        **services.where,
+    }

@@ -1,0 +1,32 @@
+"""``elasticctl bench scale`` on a small world: every figure is measured, none is missing."""
+
+from __future__ import annotations
+
+import pytest
+
+from controlplane.bench.scale import run_scale_bench
+
+pytestmark = pytest.mark.services
+
+
+def test_bench_scale_measures_detection_decisions_storage_and_cpu():
+    out = run_scale_bench(
+        ranks=32, seconds=12, faults=2, heartbeat_interval_s=0.2, hang_timeout_s=1.0,
+        backup_interval=5, progress=False,
+    )  # fmt: skip
+    assert out["ranks"] == 32 and out["faults"] == 2 and out["decided"] == 2
+    assert out["measured_to"] == "commit"  # the embedded PostgreSQL records commit times
+    # A hang is found no sooner than its timeout after its last heartbeat, and it is found.
+    assert out["hang_detect_p50_s"] is not None and 1.0 <= out["hang_detect_p50_s"] < 10
+    assert len(out["crash_decide_ms"]) == 1 and len(out["hang_decide_ms"]) == 1
+    assert all(0 < x < 10_000 for x in out["crash_decide_ms"] + out["hang_decide_ms"])
+    assert out["decide_p50_ms"] <= out["decide_p99_ms"]
+    # The window held steps and a backup: the log grew, and by those types.
+    assert out["db_bytes_per_rank_day"] > 0
+    assert {"train.step", "backup.snapshot", "backup.replicated"} <= set(
+        out["db_bytes_per_rank_day_by_type"]
+    )
+    assert 0 < out["controlplane_cpu_cores"] < 4
+    assert out["heartbeats_per_s"] > 100  # 32 members and 2 spares, 5 a second each
+    assert out["lost"] == 0 and out["duplicated"] == 0 and out["refused"] == 0
+    assert out["false_detections"] == 0 and out["false_detections_by_reason"] == {}
