@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, Literal, Union
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from typing import Annotated, Any, Literal, NamedTuple, Union
 from uuid import UUID
 
 from pydantic import Field, StringConstraints, TypeAdapter, model_validator
@@ -285,10 +287,107 @@ class LivenessEntry(Strict):
     max_step_s: Seconds = 0.0
 
 
+#: Members one part of a columnar ``liveness.summary`` lists at most.
+SUMMARY_COLUMN_MEMBERS = 800
+#: Milliseconds a column's offset or duration may span (about 24 days).
+_SPAN_MS = 2**31 - 1
+_OffsetMs = Annotated[int, Field(ge=-_SPAN_MS, le=_SPAN_MS)]
+_DurationMs = Annotated[int, Field(ge=0, le=_SPAN_MS)]
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def at_ms(ms: int) -> datetime:
+    """The time ``ms`` milliseconds after the Unix epoch (exact: no float on the way)."""
+    return _EPOCH + timedelta(milliseconds=ms)
+
+
+def ms_of(at: datetime) -> int:
+    """``at`` in whole milliseconds since the Unix epoch (exact for a time on the millisecond)."""
+    return (at - _EPOCH) // timedelta(milliseconds=1)
+
+
+class LivenessRow(NamedTuple):
+    """One member's line of a summary, whatever its encoding. ``node`` and ``incarnation``
+    are None in a columnar summary: it lists only members whose process is the view's when it
+    was recorded (folded at once, behind that view), so both are the view's."""
+
+    member: str
+    node: str | None
+    incarnation: str | None
+    generation: int
+    last_at: datetime
+    assumed: bool
+    first_at: datetime | None
+    beats: int
+    max_gap_s: float
+    max_gap_at: datetime | None
+    phase: Phase
+    step: int
+    max_step_s: float
+
+
+class LivenessColumns(Strict):
+    """The members of one summary part, a column per field, times in whole milliseconds:
+    offsets from ``epoch_ms`` (Unix ms) for instants, milliseconds for durations: no field
+    name and no identity repeated per member, as a ``LivenessEntry`` has."""
+
+    epoch_ms: Annotated[int, Field(ge=0, le=2**53)]
+    members: Annotated[list[Ident], Field(max_length=SUMMARY_COLUMN_MEMBERS)]
+    generation: list[NonNegInt]
+    #: The last heartbeat heard (received), or the control plane's start when ``assumed``.
+    last_ms: list[_OffsetMs]
+    #: Indices (into ``members``) of those not heard since the control plane (re)started.
+    assumed: list[NonNegInt] = Field(default_factory=list)
+    #: The first heartbeat heard in the window (None: none).
+    first_ms: list[_OffsetMs | None]
+    beats: list[NonNegInt]
+    #: The largest silence in the window, and when it began (None: no gap).
+    max_gap_ms: list[_DurationMs]
+    max_gap_at_ms: list[_OffsetMs | None]
+    phase: list[Phase]
+    step: list[Step]
+    max_step_ms: list[_DurationMs]
+
+    @model_validator(mode="after")
+    def _aligned(self) -> LivenessColumns:
+        count = len(self.members)
+        for name in ("generation", "last_ms", "first_ms", "beats", "max_gap_ms",
+                     "max_gap_at_ms", "phase", "step", "max_step_ms"):  # fmt: skip
+            if len(getattr(self, name)) != count:
+                raise ValueError(
+                    f"column {name} has {len(getattr(self, name))} values, not {count}"
+                )
+        if len(set(self.members)) != count:
+            raise ValueError("a member is listed twice")
+        if any(i >= count for i in self.assumed):
+            raise ValueError("assumed names an index past the members")
+        return self
+
+    def last_heard(self) -> Iterator[tuple[str, str | None, int, datetime, Phase]]:
+        """(member, None, generation, last heartbeat, phase) of each member listed."""
+        epoch = self.epoch_ms
+        for member, generation, last, phase in zip(
+            self.members, self.generation, self.last_ms, self.phase, strict=True
+        ):
+            yield member, None, generation, at_ms(epoch + last), phase
+
+    def rows(self) -> Iterator[LivenessRow]:
+        epoch, assumed = self.epoch_ms, set(self.assumed)
+        for i, member in enumerate(self.members):
+            first, gap_at = self.first_ms[i], self.max_gap_at_ms[i]
+            yield LivenessRow(
+                member, None, None, self.generation[i], at_ms(epoch + self.last_ms[i]),
+                i in assumed, None if first is None else at_ms(epoch + first), self.beats[i],
+                self.max_gap_ms[i] / 1000, None if gap_at is None else at_ms(epoch + gap_at),
+                self.phase[i], self.step[i], self.max_step_ms[i] / 1000,
+            )  # fmt: skip
+
+
 class LivenessSummary(Strict):
     """``liveness.summary``: every member's liveness from ``since`` to ``at`` (a window),
     recorded every ``liveness_summary_interval_s`` and just before every decision, so the
-    decision's inputs are in the log (``reason`` decision)."""
+    decision's inputs are in the log (``reason`` decision). The control plane records them
+    as ``columns``; logs recorded before list ``members`` (one ``LivenessEntry`` each)."""
 
     reason: Literal["interval", "decision"]
     since: Timestamp | None = None
@@ -299,6 +398,25 @@ class LivenessSummary(Strict):
     members: Annotated[list[LivenessEntry], Field(max_length=SUMMARY_MEMBERS)] = Field(
         default_factory=list
     )
+    columns: LivenessColumns | None = None
+
+    def last_heard(self) -> Iterator[tuple[str, str | None, int, datetime, Phase]]:
+        """(member, incarnation or None, generation, last heartbeat, phase) of each member
+        the part lists (what the fold needs; ``rows`` has the rest)."""
+        for e in self.members:
+            yield e.member, e.incarnation, e.generation, e.last_at, e.phase
+        if self.columns is not None:
+            yield from self.columns.last_heard()
+
+    def rows(self) -> Iterator[LivenessRow]:
+        """Every member the part lists, whatever its encoding."""
+        for e in self.members:
+            yield LivenessRow(
+                e.member, e.node, e.incarnation, e.generation, e.last_at, e.assumed, e.first_at,
+                e.beats, e.max_gap_s, e.max_gap_at, e.phase, e.step, e.max_step_s,
+            )  # fmt: skip
+        if self.columns is not None:
+            yield from self.columns.rows()
 
 
 class TrainStep(Strict):

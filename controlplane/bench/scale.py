@@ -21,8 +21,9 @@ report says:
   heartbeat heard plus the timeout) to the commit of the decision, as ``bench decide`` times it;
 - ``db_bytes_per_rank_day``: how much every table of the database grew over the measured
   window (``pg_total_relation_size``: heap, TOAST and indexes, after the ingest caught up),
-  per rank, scaled to a day; ``db_bytes_by_type`` splits the events table's growth by type
-  (the stored rows' own size, without indexes);
+  per rank, scaled to a day; ``db_bytes_per_rank_day_by_type`` splits it by event type, as
+  each type's payloads are stored (compressed where PostgreSQL compresses them; without the
+  rows' headers, the envelope's columns and the indexes, which the total has);
 - ``controlplane_cpu_cores``: the control plane process's CPU time over the window, per second
   of the window (the simulated members, NATS and PostgreSQL share the machine);
 - ``lost`` / ``duplicated``: durable events the members published (JetStream acknowledged
@@ -351,7 +352,7 @@ async def _scenario(
             await _until_caught_up(nc, settings, 1, timeout_s=300.0)
             bytes1 = await _database_bytes(db)
             cursor = await db.execute(
-                "SELECT type, count(*), sum(pg_column_size(e.*)) FROM events e"
+                "SELECT type, count(*), sum(pg_column_size(payload)) FROM events e"
                 " WHERE job_id = %s AND recorded_at >= to_timestamp(%s) GROUP BY type",
                 (job_id, t0),
             )
@@ -494,7 +495,7 @@ def run_scale_bench(
         "hang_decide_ms": [round(x, 1) for x in hangs_ms],
         "measured_to": "commit" if committed else "none (no commit times recorded)",
         "db_bytes_per_rank_day": round(out["db_bytes"] / ranks / window * 86400),
-        # The events table's rows by type (their own bytes, no index), per rank-day.
+        # Each type's payloads as stored (no row header, envelope column or index), per rank-day.
         "db_bytes_per_rank_day_by_type": {
             t: round(b / ranks / window * 86400)
             for t, b in sorted(out["db_bytes_by_type"].items(), key=lambda kv: -kv[1])

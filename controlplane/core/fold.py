@@ -387,21 +387,24 @@ class _Fold:
             return  # the decoder refuses it from members; a log may still hold anything
         members = self.view.members
         generation = self.view.generation
-        for entry in p.members:
-            current = members.get(entry.member)
-            if current is None or current.incarnation != entry.incarnation:
+        for member_id, incarnation, beat_generation, last_at, phase in p.last_heard():
+            current = members.get(member_id)
+            if current is None:
                 continue
-            if entry.generation < generation and current.status is not _ACTIVE:
+            # A columnar summary lists only the view's processes (LivenessRow).
+            if incarnation is not None and current.incarnation != incarnation:
+                continue
+            if beat_generation < generation and current.status is not _ACTIVE:
                 continue  # a fenced member resumed: no sign of life in the current world
             last = current.last_heartbeat_at
-            if last is not None and entry.last_at < last:
+            if last is not None and last_at < last:
                 continue
-            member = self._member(entry.member)
+            member = self._member(member_id)
             assert member is not None
-            member.last_heartbeat_at = entry.last_at
+            member.last_heartbeat_at = last_at
             member.last_heartbeat_position = stored.position
             member.heartbeat_evidence = "liveness.summary"
-            member.phase = entry.phase
+            member.phase = phase
 
     def _stale(self, stored: StoredEvent, member: Member, generation: int) -> None:
         self._discount(

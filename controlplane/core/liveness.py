@@ -22,6 +22,10 @@ it. Between decisions a summary is recorded every ``liveness_summary_interval_s`
 then knows each member's liveness at that resolution (the API's last heartbeat, a
 counterfactual timeout).
 
+The table keeps times on the millisecond (a heartbeat's arrival is rounded down to it), the
+resolution of a summary's columns: the fold of a summary gives the view exactly the times the
+table held, hence the values a decision read.
+
 Pure: times are arguments; nothing here reads a clock or does I/O.
 """
 
@@ -32,7 +36,12 @@ from datetime import datetime, timedelta
 
 from controlplane.core.view import JobView, MemberStatus
 from schemas.common import Phase
-from schemas.events import SUMMARY_MEMBERS, LivenessEntry, LivenessSummary
+from schemas.events import SUMMARY_COLUMN_MEMBERS, LivenessColumns, LivenessSummary, ms_of
+
+
+def on_the_ms(at: datetime) -> datetime:
+    """``at`` rounded down to the millisecond (the resolution of a summary)."""
+    return at.replace(microsecond=at.microsecond - at.microsecond % 1000)
 
 
 @dataclass(slots=True)
@@ -67,7 +76,7 @@ class LivenessTable:
 
     def __init__(self, started_at: datetime) -> None:
         #: When this table started (the leader's start): active members count as heard then.
-        self.started_at = started_at
+        self.started_at = on_the_ms(started_at)
         self._jobs: dict[str, dict[str, Heard]] = {}
         #: Job -> when its current window began (its last summary, else the table's start).
         self._windows: dict[str, datetime] = {}
@@ -94,6 +103,7 @@ class LivenessTable:
     ) -> None:
         """One heartbeat of ``member_id`` (process ``incarnation``) received at ``at``
         (``step_seconds``: the longest step it finished since its previous one)."""
+        at = on_the_ms(at)
         members = self._jobs.get(job_id)
         if members is None:
             members = self._jobs[job_id] = {}
@@ -164,36 +174,23 @@ class LivenessTable:
         return self._windows.get(job_id, self.started_at) + timedelta(seconds=interval_s)
 
     def summarize(self, view: JobView, now: datetime, reason: str) -> list[LivenessSummary]:
-        """The job's summary at ``now`` (split in parts of ``SUMMARY_MEMBERS``): every member
-        the table holds whose process is the view's. Empty when there is none."""
+        """The job's summary at ``now`` (split in parts of ``SUMMARY_COLUMN_MEMBERS``): every
+        member the table holds whose process is the view's, in columns. Empty when there is
+        none."""
         members = self._jobs.get(view.job_id, {})
-        entries: list[LivenessEntry] = []
+        listed: list[tuple[str, Heard]] = []
         for member_id in sorted(members):
             heard = members[member_id]
             member = view.members.get(member_id)
             if member is None or member.incarnation != heard.incarnation:
                 continue
-            entries.append(
-                LivenessEntry(
-                    member=member_id,
-                    node=heard.node,
-                    incarnation=heard.incarnation,
-                    generation=heard.generation,
-                    last_at=heard.last_at,
-                    assumed=heard.assumed,
-                    first_at=heard.first_at,
-                    beats=heard.beats,
-                    max_gap_s=heard.max_gap_s,
-                    max_gap_at=heard.max_gap_at,
-                    phase=heard.phase,
-                    step=heard.step,
-                    max_step_s=heard.max_step_s,
-                )
-            )
-        if not entries:
+            listed.append((member_id, heard))
+        if not listed:
             return []
         since = self._windows.get(view.job_id, self.started_at)
-        chunks = [entries[i : i + SUMMARY_MEMBERS] for i in range(0, len(entries), SUMMARY_MEMBERS)]
+        epoch = ms_of(on_the_ms(now))
+        size = SUMMARY_COLUMN_MEMBERS
+        chunks = [listed[i : i + size] for i in range(0, len(listed), size)]
         return [
             LivenessSummary(
                 reason=reason,  # type: ignore[arg-type]  # "interval" | "decision"
@@ -201,7 +198,7 @@ class LivenessTable:
                 at=now,
                 part=i,
                 parts=len(chunks),
-                members=chunk,
+                columns=_columns(epoch, chunk),
             )
             for i, chunk in enumerate(chunks, start=1)
         ]
@@ -222,3 +219,25 @@ class LivenessTable:
         if members:
             for member_id in [m for m in members if m not in keep]:
                 del members[member_id]
+
+
+def _columns(epoch: int, listed: list[tuple[str, Heard]]) -> LivenessColumns:
+    """``listed`` members' windows as columns, times in milliseconds from ``epoch``."""
+
+    def offset(at: datetime | None) -> int | None:
+        return None if at is None else ms_of(at) - epoch
+
+    return LivenessColumns(
+        epoch_ms=epoch,
+        members=[m for m, _ in listed],
+        generation=[h.generation for _, h in listed],
+        last_ms=[ms_of(h.last_at) - epoch for _, h in listed],
+        assumed=[i for i, (_, h) in enumerate(listed) if h.assumed],
+        first_ms=[offset(h.first_at) for _, h in listed],
+        beats=[h.beats for _, h in listed],
+        max_gap_ms=[round(h.max_gap_s * 1000) for _, h in listed],
+        max_gap_at_ms=[offset(h.max_gap_at) for _, h in listed],
+        phase=[h.phase for _, h in listed],
+        step=[h.step for _, h in listed],
+        max_step_ms=[round(h.max_step_s * 1000) for _, h in listed],
+    )

@@ -569,14 +569,26 @@ def summary_heartbeats(
     resolution = 0.0
     limit = min([*policy.heartbeat_timeout_s.values(), SILENCE_BEATS * policy.heartbeat_interval_s])
     fill = timedelta(seconds=limit / 2)
+    #: member -> (node, incarnation) of its last join: a columnar summary lists only the
+    #: view's processes, without naming them (``LivenessRow``).
+    joined: dict[str, tuple[str, str]] = {}
     for stored in log:
         event = stored.event
+        if event.type == "member.joined":
+            node, _, member = event.source.partition("/")
+            joined[member] = (node, event.incarnation)
+            continue
         if event.type != "liveness.summary" or event.source != CONTROLPLANE_SOURCE:
             continue
         summary = event.payload
         if summary.since is not None:
             resolution = max(resolution, (summary.at - summary.since).total_seconds())
-        for entry in summary.members:
+        for entry in summary.rows():
+            node, incarnation = entry.node, entry.incarnation
+            if node is None or incarnation is None:
+                if entry.member not in joined:
+                    continue  # never joined in this log: nothing to replay it as
+                node, incarnation = joined[entry.member]
             times: set[datetime] = {entry.last_at}
             if entry.first_at is not None:
                 gap_end = None
@@ -605,8 +617,8 @@ def summary_heartbeats(
                             job_id=event.job_id,
                             type="member.heartbeat",
                             v=1,
-                            source=f"{entry.node}/{entry.member}",
-                            incarnation=entry.incarnation,
+                            source=f"{node}/{entry.member}",
+                            incarnation=incarnation,
                             seq=n,
                             generation=entry.generation,
                             emitted_at=at,

@@ -117,7 +117,7 @@ async def test_four_ranks_and_a_spare_train_with_backups_where_they_were_placed(
     step_times = {
         entry.member: entry.max_step_s
         for s in of(pg_store, job_id, "liveness.summary")
-        for entry in s.event.payload.members
+        for entry in s.event.payload.rows()
         if entry.max_step_s >= 1.9
     }
     assert first in step_times, "no summary saw rank 0's 2 s step"
@@ -127,7 +127,7 @@ async def test_four_ranks_and_a_spare_train_with_backups_where_they_were_placed(
         if s.event.payload.since is not None
         and after12.event.emitted_at < s.event.payload.since
         and s.event.payload.at < after13.event.emitted_at
-        for entry in s.event.payload.members
+        for entry in s.event.payload.rows()
         if entry.member == slow
     ]
     assert inside, "no summary window inside the slow step"
@@ -188,7 +188,7 @@ async def test_a_stopped_rank_falls_silent_and_is_detected(settings, pg_store):
     # before the decision heard each of them within a few intervals of it.
     [summary] = [s for s in of(pg_store, job_id, "liveness.summary")
                  if s.position == evidence.position]  # fmt: skip
-    heard = {e.member: e for e in summary.event.payload.members}
+    heard = {e.member: e for e in summary.event.payload.rows()}
     for other in (m for m in started.world if m != hung):
         gap = (summary.event.payload.at - heard[other].last_at).total_seconds()
         assert not heard[other].assumed and gap < 4 * INTERVAL_S, (other, gap)

@@ -101,7 +101,7 @@ async def test_a_hang_is_decided_from_soft_heartbeats_and_replays_exactly(settin
     assert evidence.what == "liveness.summary" and evidence.position < detected.position
     summary = next(s for s in log if s.position == evidence.position)
     assert summary.event.payload.reason == "decision"
-    entry = next(e for e in summary.event.payload.members if e.member == "w3")
+    entry = next(e for e in summary.event.payload.rows() if e.member == "w3")
     assert entry.last_at == evidence.at
     # The last heartbeat the control plane heard is the one the member sent last.
     assert abs((evidence.at - beating.last["w3"]).total_seconds()) < 0.1

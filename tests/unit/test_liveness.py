@@ -15,7 +15,7 @@ from controlplane.core.liveness import LivenessTable
 from controlplane.core.replay import DEADLINE_TICK, counterfactual, redecide
 from controlplane.decode import decode_heartbeat
 from schemas.common import Phase
-from schemas.events import SUMMARY_MEMBERS
+from schemas.events import SUMMARY_COLUMN_MEMBERS
 from tests.factories import T0, Events, recorded
 from tests.recorded import (
     HANG_LAST_HEARTBEAT_S,
@@ -79,14 +79,14 @@ def test_a_window_ends_with_its_summary_and_the_gap_across_it_counts_in_the_next
     observe(table, "m0", 1.0)
     observe(table, "m0", 2.0)
     [summary] = table.summarize(view, at(2.5), "interval")
-    [entry] = summary.members
+    [entry] = summary.rows()
     assert (entry.first_at, entry.last_at, entry.beats) == (at(1.0), at(2.0), 2)
     assert summary.since == T0 and summary.at == at(2.5)
     table.summarized("job1", at(2.5))
     assert table.summary_due("job1", 10.0) == at(12.5)
     observe(table, "m0", 5.0)
     [summary] = table.summarize(view, at(6.0), "interval")
-    [entry] = summary.members
+    [entry] = summary.rows()
     assert entry.first_at == at(5.0) and entry.beats == 1
     assert entry.max_gap_s == 3.0 and entry.max_gap_at == at(2.0)  # from the last window
 
@@ -100,11 +100,11 @@ def test_a_summary_keeps_each_member_s_longest_step_of_its_window():
     for t, seconds in ((1.0, 0.2), (1.25, 2.5), (1.5, 0.0), (1.75, 0.3)):
         observe(table, "m0", t, step_seconds=seconds)
     [summary] = table.summarize(view, at(2.0), "interval")
-    assert [e.max_step_s for e in summary.members] == [2.5]
+    assert [e.max_step_s for e in summary.rows()] == [2.5]
     table.summarized("job1", at(2.0))
     observe(table, "m0", 2.25, step_seconds=0.4)
     [summary] = table.summarize(view, at(3.0), "interval")
-    assert [e.max_step_s for e in summary.members] == [0.4]
+    assert [e.max_step_s for e in summary.rows()] == [0.4]
 
 
 def test_an_active_member_not_heard_since_the_start_counts_as_heard_at_the_start():
@@ -119,7 +119,7 @@ def test_an_active_member_not_heard_since_the_start_counts_as_heard_at_the_start
     assert view.members["m0"].last_heartbeat_at == at(30.0)  # assumed
     assert view.members["m1"].last_heartbeat_at == at(31.0)  # heard
     parts = table.summarize(view, at(32.0), "decision")
-    entries = {e.member: e for p in parts for e in p.members}
+    entries = {e.member: e for p in parts for e in p.rows()}
     assert entries["m0"].assumed and entries["m0"].beats == 0
     assert not entries["m1"].assumed
     # Folding the summary gives the log exactly what the overlay gave the live view.
@@ -132,14 +132,14 @@ def test_an_active_member_not_heard_since_the_start_counts_as_heard_at_the_start
 
 def test_a_summary_of_many_members_is_split_into_parts():
     events = Events()
-    n = SUMMARY_MEMBERS + 5
+    n = SUMMARY_COLUMN_MEMBERS + 5
     view = fold(None, recorded([events.joined(f"m{i}", incarnation="i1") for i in range(n)]))
     table = LivenessTable(started_at=T0)
     for i in range(n):
         observe(table, f"m{i}", 1.0)
     parts = table.summarize(view, at(2.0), "interval")
-    assert [(p.part, p.parts, len(p.members)) for p in parts] == [
-        (1, 2, SUMMARY_MEMBERS), (2, 2, 5)]  # fmt: skip
+    assert [(p.part, p.parts, len(list(p.rows()))) for p in parts] == [
+        (1, 2, SUMMARY_COLUMN_MEMBERS), (2, 2, 5)]  # fmt: skip
 
 
 def test_a_summary_of_another_process_or_from_a_member_changes_nothing():
@@ -264,3 +264,77 @@ def test_one_bad_heartbeat_or_a_failing_taker_never_stops_the_listener():
     assert listener.stats.received == 4 and listener.stats.accepted == 1
     assert listener.stats.refused == {"not JSON": 1, "undecodable": 1, "stale_incarnation": 1}
     assert taken[-1] == ("n0", "m0", T0)
+
+
+# --------------------------------------------------------------------------- the columns
+
+
+def _columns(**changes: object) -> dict[str, object]:
+    columns: dict[str, object] = {
+        "epoch_ms": 1_767_225_600_000, "members": ["m0", "m1"], "generation": [1, 1],
+        "last_ms": [-250, -10], "assumed": [], "first_ms": [-9_800, None], "beats": [40, 0],
+        "max_gap_ms": [260, 0], "max_gap_at_ms": [-5_000, None], "phase": ["train", "train"],
+        "step": [7, 7], "max_step_ms": [1_000, 0],
+    }  # fmt: skip
+    columns.update(changes)
+    return columns
+
+
+def test_a_columnar_summary_reads_back_each_member_s_line_on_the_millisecond():
+    from schemas.events import LivenessSummary, at_ms
+
+    summary = LivenessSummary.model_validate_json(
+        json.dumps(
+            {
+                "reason": "interval",
+                "at": "2026-01-01T00:00:00.000500Z",
+                "columns": _columns(assumed=[1]),
+            }
+        )
+    )
+    first, second = summary.rows()
+    epoch = 1_767_225_600_000
+    assert first.member == "m0" and first.node is None and first.incarnation is None
+    assert first.last_at == at_ms(epoch - 250) and first.first_at == at_ms(epoch - 9_800)
+    assert first.max_gap_s == 0.26 and first.max_gap_at == at_ms(epoch - 5_000)
+    assert (first.beats, first.step, first.max_step_s, first.assumed) == (40, 7, 1.0, False)
+    assert second.assumed and second.first_at is None and second.max_gap_at is None
+    assert [m for m, *_ in summary.last_heard()] == ["m0", "m1"]
+
+
+def test_a_columnar_summary_whose_columns_disagree_is_refused():
+    import pytest
+    from pydantic import ValidationError
+
+    from schemas.events import LivenessColumns
+
+    for bad, says in (
+        ({"last_ms": [-250]}, "column last_ms has 1 values, not 2"),
+        ({"members": ["m0", "m0"]}, "listed twice"),
+        ({"assumed": [2]}, "past the members"),
+        ({"last_ms": [-250, 2**40]}, "less than or equal"),
+        ({"phase": ["train", "asleep"]}, "phase"),
+    ):
+        with pytest.raises(ValidationError, match=says):
+            LivenessColumns.model_validate_json(json.dumps(_columns(**bad)))
+
+
+def test_a_summary_recorded_as_entries_still_folds():
+    """Logs recorded before the columns list one entry per member: they fold as before."""
+    events = Events()
+    log = recorded([events.joined("m0", incarnation="i1")])
+    entry = {"member": "m0", "node": "n0", "incarnation": "i1", "generation": 0,
+             "last_at": at(5.0).isoformat(), "phase": "train", "step": 3}  # fmt: skip
+    summary = events.cp("liveness.summary", {"reason": "interval", "at": at(6.0).isoformat(),
+                                             "members": [entry]})  # fmt: skip
+    view = fold(fold(None, log), recorded([summary], start=2))
+    assert view.members["m0"].last_heartbeat_at == at(5.0)
+    assert view.members["m0"].heartbeat_evidence == "liveness.summary"
+
+
+def test_the_table_keeps_times_on_the_millisecond_a_summary_records():
+    table = LivenessTable(started_at=T0 + timedelta(microseconds=1_999))
+    assert table.started_at == T0 + timedelta(milliseconds=1)
+    observe(table, "m0", 1.0004)  # 1000.4 ms after T0
+    heard = table.heard("job1", "m0")
+    assert heard is not None and heard.last_at == at(1.0)
