@@ -14,10 +14,11 @@ A few lines in an ordinary DDP loop::
 puts the step and its time on the heartbeats, publishes ``train.step`` (rank 0 every step, the
 others their first step of each generation), takes the hot backup every ``backup_interval``
 steps (a copy into preallocated, double-buffered memory: the only part on the training path)
-and hands it to a background thread that digests it, publishes ``backup.snapshot`` and sends
-the slot's bytes as they are to the holders the control plane placed it on (each holder keeps
-it under that digest and publishes ``backup.replicated``; a restore verifies every copy against
-the digest); training does not wait for replication.
+and hands it to a background thread that digests it, sends the slot's bytes as they are to the
+holders the control plane placed it on (each keeps it under that digest and answers once it
+has), then publishes ``backup.snapshot`` naming the holders that answered (one record per rank
+per backup); a restore verifies every copy against the digest. Training does not wait for
+replication.
 """
 
 from __future__ import annotations
@@ -45,7 +46,6 @@ from rank_runtime.identity import Identity
 from rank_runtime.replication import (
     ADVERTISE_ENV,
     DigestMismatch,
-    Held,
     PeerStore,
     ReplicationError,
     background_priority,
@@ -321,7 +321,6 @@ class Elastic:
         identity = self.identity
         _warm_up()
         self.client.start()
-        self.peers.on_held = self._on_held
         self.peers.own = self._own_served
         if self._secret is None:
             log.warning("%s is unset: this member's peer store accepts and serves shards"
@@ -1047,8 +1046,10 @@ class Elastic:
                 continue  # overwritten by two newer backups meanwhile
 
     def _replicate_step(self, step: int, copy_seconds: float) -> None:
-        """Digest the backup of ``step`` once, report it, send it to each holder: the slot's
-        bytes as they are (pinned meanwhile: a ``take`` skips rather than overwrite them)."""
+        """Digest the backup of ``step`` once, send it to each holder (the slot's bytes as
+        they are, pinned meanwhile: a ``take`` skips rather than overwrite them), then report
+        it with the holders that answered they keep it: one record per rank per backup, not
+        one more per copy."""
         world = self._world()
         shard = world.rank
         with self.hot.serialized(step, self._digest_algorithm) as form:
@@ -1056,12 +1057,8 @@ class Elastic:
             self._digests[(shard, step)] = reported
             for old in sorted(self._digests, key=_by_step)[: max(0, len(self._digests) - 4)]:
                 del self._digests[old]
-            self.client.publish(
-                "backup.snapshot",
-                {"step": step, "shard": shard, "nbytes": form.nbytes, "checksum": reported,
-                 "seconds": copy_seconds},
-            )  # fmt: skip
             holders = world.placement[shard] if shard < len(world.placement) else ()
+            kept: list[str] = []
             for holder in holders:
                 endpoint = world.endpoints.get(holder)
                 if not endpoint:
@@ -1073,11 +1070,10 @@ class Elastic:
                          secret=self._secret)  # fmt: skip
                 except ReplicationError as exc:
                     log.warning("%s", exc)
-
-    def _on_held(self, copy: Held, seconds: float) -> None:
-        """A peer's shard arrived verified: say so (the holder publishes the replica)."""
-        self.client.publish(
-            "backup.replicated",
-            {"step": copy.step, "shard": copy.shard, "owner": copy.owner,
-             "nbytes": len(copy.data), "checksum": copy.checksum, "seconds": seconds},
-        )  # fmt: skip
+                    continue
+                kept.append(holder)  # it answered once the copy was kept (verified, if so set)
+            self.client.publish(
+                "backup.snapshot",
+                {"step": step, "shard": shard, "nbytes": form.nbytes, "checksum": reported,
+                 "seconds": copy_seconds, "holders": kept},
+            )  # fmt: skip

@@ -427,11 +427,17 @@ class TrainStep(Strict):
 
 
 class BackupSnapshot(Strict):
+    """A rank's backup of ``step`` (its shard ``shard``), and the holders that answered they
+    keep a copy of it (the rank reports once it has sent them all: one record per rank per
+    backup). Logs recorded before name no holders here: each holder's ``backup.replicated``
+    said so."""
+
     step: Step
     shard: NonNegInt
     nbytes: NonNegInt
     checksum: Checksum
     seconds: Seconds
+    holders: Annotated[list[Ident], Field(max_length=8)] = Field(default_factory=list)
 
 
 class BackupReplicated(Strict):

@@ -8,8 +8,8 @@ as deployed:
   the interval as real members' clocks are (soft state: nothing is stored);
 - rank 0 records one ``train.step`` a second (steps at job granularity), and the first rank of
   each new generation its first step;
-- every ``backup_interval`` steps each rank records its snapshot (``backup.snapshot``) and
-  each holder its copy (``backup.replicated``), as the runtime does today.
+- every ``backup_interval`` steps each rank records its backup (``backup.snapshot``, naming
+  the holders that kept its copy), as the runtime does.
 
 Over ``seconds`` of that, ``faults`` are injected at even intervals, alternating a crash (the
 node's launcher reports ``member.exited``) and a hang (the member's heartbeats stop). What the
@@ -205,18 +205,17 @@ class _Fleet:
                     await asyncio.wait_for(stop.wait(), left)
 
     def _backup(self, step: int) -> list[Outgoing]:
+        """Each rank's record of its backup, naming the holders that kept its copy (as the
+        runtime reports once its copies are sent)."""
         command = self.current
-        out: list[Outgoing] = []
-        for shard, owner in enumerate(command.world):
-            checksum = f"sha256:{step:032x}{shard:032x}"
-            out.append(self.job.envelope(owner, "backup.snapshot", {
-                "step": step, "shard": shard, "nbytes": 1 << 20, "checksum": checksum,
-                "seconds": 0.01}))  # fmt: skip
-            for holder in command.placement[shard] if shard < len(command.placement) else []:
-                out.append(self.job.envelope(holder, "backup.replicated", {
-                    "step": step, "shard": shard, "owner": owner, "nbytes": 1 << 20,
-                    "checksum": checksum, "seconds": 0.01}))  # fmt: skip
-        return out
+        placement = command.placement
+        return [
+            self.job.envelope(owner, "backup.snapshot", {
+                "step": step, "shard": shard, "nbytes": 1 << 20,
+                "checksum": f"sha256:{step:032x}{shard:032x}", "seconds": 0.01,
+                "holders": list(placement[shard]) if shard < len(placement) else []})
+            for shard, owner in enumerate(command.world)
+        ]  # fmt: skip
 
     def _step(self, lead: str, step: int) -> list[Outgoing]:
         return [self.job.envelope(lead, "train.step", {

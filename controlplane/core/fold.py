@@ -464,6 +464,14 @@ class _Fold:
         shard.nbytes = p.nbytes
         shard.checksum = p.checksum
         shard.snapshot_position = stored.position
+        # The holders that answered the owner they keep a copy (logs recorded before say so
+        # in each holder's backup.replicated): members of the job, never the owner itself.
+        members = self.view.members
+        for holder in p.holders:
+            if holder == owner.member_id or holder not in members:
+                self._anomaly(stored, f"shard {p.shard}: {holder!r} cannot hold its copy")
+                continue
+            shard.replicas[holder] = ReplicaCopy(holder, p.nbytes, p.checksum, stored.position)
         self._satisfied(p.step, shard, was)
 
     def _replicated(self, stored: StoredEvent, p: Any) -> None:

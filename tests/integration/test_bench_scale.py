@@ -23,7 +23,7 @@ def test_bench_scale_measures_detection_decisions_storage_and_cpu():
     assert out["decide_p50_ms"] <= out["decide_p99_ms"]
     # The window held steps and a backup: the log grew, and by those types.
     assert out["db_bytes_per_rank_day"] > 0
-    assert {"train.step", "backup.snapshot", "backup.replicated"} <= set(
+    assert {"train.step", "backup.snapshot", "liveness.summary"} <= set(
         out["db_bytes_per_rank_day_by_type"]
     )
     assert 0 < out["controlplane_cpu_cores"] < 4

@@ -123,6 +123,37 @@ def test_backup_catalog_completes_and_evicts_old_steps():
     assert newest.satisfied == newest.num_shards == 4
 
 
+def test_an_owner_names_the_holders_that_kept_its_copy_in_one_record():
+    """The runtime's form: one backup.snapshot per rank per backup, naming the holders that
+    answered they keep the copy; the same catalog as a snapshot and a record per holder."""
+    ev = Events()
+    events = cluster(ev)
+    for step in (10, 20):
+        for r in range(4):
+            events.append(ev.make("backup.snapshot", {
+                "step": step, "shard": r, "nbytes": 10, "checksum": f"crc32:{step:04x}{r:04x}",
+                "seconds": 0.1, "holders": [f"m{(r + 1) % 4}"]}, source=f"n{r % 2}/m{r}"))  # fmt: skip
+    view = fold(None, recorded(events))
+    by_replicas = fold(None, recorded([*cluster(Events()), *_backup(Events(), 10, 4),
+                                       *_backup(Events(), 20, 4)]))  # fmt: skip
+    newest = view.newest_complete_backup()
+    assert newest is not None and newest.step == 20 and newest.satisfied == 4
+    assert newest.shards[2].verified_holders() == ["m3"]
+    assert by_replicas.newest_complete_backup() is not None
+    assert [s.verified_holders() for s in newest.shards.values()] == [
+        s.verified_holders() for s in by_replicas.newest_complete_backup().shards.values()
+    ]
+    assert view.anomalies == []
+    # A holder that is no member, or the owner itself, holds nothing (and is noted).
+    events.append(ev.make("backup.snapshot", {
+        "step": 30, "shard": 0, "nbytes": 10, "checksum": "crc32:00300000", "seconds": 0.1,
+        "holders": ["m0", "stranger"]}, source="n0/m0"))  # fmt: skip
+    view = fold(None, recorded(events))
+    assert view.backups[30].shards[0].verified_holders() == []
+    assert any("'stranger' cannot hold" in a for a in view.anomalies)
+    assert any("'m0' cannot hold" in a for a in view.anomalies)
+
+
 def test_a_replica_with_the_wrong_checksum_is_not_verified():
     ev = Events()
     events = cluster(ev)
