@@ -452,9 +452,10 @@ def bench_scale(
     ranks: Annotated[
         int, typer.Option(min=2, help="Simulated ranks (8 a node, 16 nodes a rack).")
     ] = 4096,
-    seconds: Annotated[
-        float, typer.Option(min=5.0, help="The measured window (faults, table growth, CPU).")
-    ] = 60.0,
+    seconds: Annotated[float, typer.Option(min=5.0, help="The window with faults.")] = 60.0,
+    steady_seconds: Annotated[
+        float, typer.Option(min=5.0, help="The window before, without faults (table growth).")
+    ] = 30.0,
     faults: Annotated[
         int, typer.Option(min=1, help="Faults in the window, alternating crash and hang.")
     ] = 6,
@@ -472,10 +473,11 @@ def bench_scale(
     """The control plane at a job's size: hang detection, decisions, storage, CPU.
 
     Simulated members heartbeat on NATS core at --heartbeat-interval, rank 0 records a step a
-    second, every rank backs up every --backup-interval steps; crashes and hangs are
-    injected through the real service (a control plane process). Prints hang_detect_p50_s /
-    _p99_s, decide_p50_ms / _p99_ms (to the decision's commit), db_bytes_per_rank_day (the
-    tables' growth), controlplane_cpu_cores, lost, duplicated. Uses ELASTIC_NATS_URL /
+    second, every rank backs up every --backup-interval steps; after --steady-seconds without
+    faults, crashes and hangs are injected through the real service (a control plane
+    process) for --seconds. Prints hang_detect_p50_s / _p99_s, decide_p50_ms / _p99_ms (to
+    the decision's commit), db_bytes_per_rank_day (the tables' growth without faults),
+    db_bytes_per_fault, controlplane_cpu_cores, lost, duplicated. Uses ELASTIC_NATS_URL /
     ELASTIC_DATABASE_URL when set; otherwise embedded NATS and PostgreSQL in a temp dir.
     """
     from controlplane.bench.scale import BenchScaleError, run_scale_bench
@@ -491,6 +493,7 @@ def bench_scale(
         result = run_scale_bench(
             ranks=ranks,
             seconds=seconds,
+            steady_seconds=steady_seconds,
             faults=faults,
             heartbeat_interval_s=heartbeat_interval,
             hang_timeout_s=hang_timeout,

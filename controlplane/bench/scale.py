@@ -11,21 +11,22 @@ as deployed:
 - every ``backup_interval`` steps each rank records its backup (``backup.snapshot``, naming
   the holders that kept its copy), as the runtime does.
 
-Over ``seconds`` of that, ``faults`` are injected at even intervals, alternating a crash (the
-node's launcher reports ``member.exited``) and a hang (the member's heartbeats stop). What the
-report says:
+First ``steady_seconds`` of that without faults, then ``seconds`` with ``faults`` injected at
+even intervals, alternating a crash (the node's launcher reports ``member.exited``) and a hang
+(the member's heartbeats stop). What the report says:
 
 - ``hang_detect_p50_s`` / ``_p99_s``: a hung member's last heartbeat sent, to the commit of the
   ``fault.detected`` that names it (the timeout in force included);
 - ``decide_p50_ms`` / ``_p99_ms``: the fault (a crash: the exit reported; a hang: its last
   heartbeat heard plus the timeout) to the commit of the decision, as ``bench decide`` times it;
-- ``db_bytes_per_rank_day``: how much every table of the database grew over the measured
-  window (``pg_total_relation_size``: heap, TOAST and indexes, after the ingest caught up),
-  per rank, scaled to a day; ``db_bytes_per_rank_day_by_type`` splits it by event type, as
-  each type's payloads are stored (compressed where PostgreSQL compresses them; without the
-  rows' headers, the envelope's columns and the indexes, which the total has);
-- ``controlplane_cpu_cores``: the control plane process's CPU time over the window, per second
-  of the window (the simulated members, NATS and PostgreSQL share the machine);
+- ``db_bytes_per_rank_day``: how much every table of the database grew while the job trained
+  without faults (``pg_total_relation_size``: heap, TOAST and indexes, after the ingest caught
+  up), per rank, scaled to a day; ``db_bytes_per_rank_day_by_type`` splits it by event type,
+  as each type's payloads are stored (without the rows' headers, the envelope's columns and
+  the indexes, which the total has); ``db_bytes_per_fault``: what each fault added beyond
+  that (its decisions, its generation, its incident), for the whole job;
+- ``controlplane_cpu_cores``: the control plane process's CPU time over both phases, per
+  second (the simulated members, NATS and PostgreSQL share the machine);
 - ``lost`` / ``duplicated``: durable events the members published (JetStream acknowledged
   each) that the log lacks, and stored ones beyond them; ``false_detections``: members found
   failed that no fault was injected into (an overloaded control plane hears heartbeats late).
@@ -250,6 +251,7 @@ async def _scenario(
     *,
     ranks: int,
     seconds: float,
+    steady_s: float,
     faults: int,
     interval_s: float,
     timeout_s: float,
@@ -309,8 +311,24 @@ async def _scenario(
         async with await psycopg.AsyncConnection.connect(
             libpq_url(database_url), autocommit=True
         ) as db:
-            bytes0, cpu0, t0 = await _database_bytes(db), _cpu_seconds(serve_pid), time.time()
+            # A day of training without faults: what the log grows by then.
+            steady0, cpu_start, s0 = await _database_bytes(db), _cpu_seconds(serve_pid), time.time()
             published0, beats0 = fleet.published, fleet.beats_sent
+            if progress:
+                _progress(f"measuring {steady_s:g}s without faults")
+            await asyncio.sleep(steady_s)
+            s1 = time.time()
+            await _until_caught_up(nc, settings, max(100, ranks // 8), timeout_s=300.0)
+            steady1 = await _database_bytes(db)
+            cursor = await db.execute(
+                "SELECT type, sum(pg_column_size(payload)) FROM events WHERE job_id = %s"
+                " AND recorded_at >= to_timestamp(%s) AND recorded_at < to_timestamp(%s)"
+                " GROUP BY type",
+                (job_id, s0, s1),
+            )
+            by_type = {str(t): int(b) for t, b in await cursor.fetchall()}
+            # Then the faults.
+            bytes0, t0 = await _database_bytes(db), time.time()
             if progress:
                 _progress(f"measuring for {seconds:g}s, {faults} faults")
             for k in range(faults):
@@ -351,12 +369,6 @@ async def _scenario(
             await _until_caught_up(nc, settings, 1, timeout_s=300.0)
             bytes1 = await _database_bytes(db)
             cursor = await db.execute(
-                "SELECT type, count(*), sum(pg_column_size(payload)) FROM events e"
-                " WHERE job_id = %s AND recorded_at >= to_timestamp(%s) GROUP BY type",
-                (job_id, t0),
-            )
-            by_type = {str(t): int(b) for t, _, b in await cursor.fetchall()}
-            cursor = await db.execute(
                 "SELECT count(*), count(DISTINCT event_id) FROM events"
                 " WHERE job_id = %s AND source <> %s",
                 (job_id, CONTROLPLANE_SOURCE),
@@ -372,15 +384,19 @@ async def _scenario(
             await nc.close()
         await fleet.events.close()
         await fleet.beats.close()
-    window = t1 - t0
+    window, steady = t1 - t0, s1 - s0
     accepted = fleet.published - fleet.refused
+    steady_rate = (steady1 - steady0) / steady  # bytes a second without faults
     return {
         "window": window,
-        "db_bytes": bytes1 - bytes0,
+        "steady_window": steady,
+        "steady_bytes_per_s": steady_rate,
+        "fault_bytes": max(0.0, (bytes1 - bytes0) - steady_rate * window),
         "db_bytes_by_type": by_type,
-        "cpu_seconds": cpu1 - cpu0,
-        "events_per_s": (published1 - published0) / window,
-        "heartbeats_per_s": (beats1 - beats0) / window,
+        "cpu_seconds": cpu1 - cpu_start,
+        "cpu_window": t1 - s0,
+        "events_per_s": (published1 - published0) / (t1 - s0),
+        "heartbeats_per_s": (beats1 - beats0) / (t1 - s0),
         "lost": max(0, accepted - distinct),
         "duplicated": (stored - distinct) + max(0, distinct - accepted),
         "refused": fleet.refused,
@@ -434,6 +450,7 @@ def run_scale_bench(
     *,
     ranks: int,
     seconds: float = 60.0,
+    steady_seconds: float = 30.0,
     faults: int = 6,
     heartbeat_interval_s: float = 0.25,
     hang_timeout_s: float = 0.75,
@@ -459,6 +476,7 @@ def run_scale_bench(
                 serve.pid,
                 ranks=ranks,
                 seconds=seconds,
+                steady_s=steady_seconds,
                 faults=faults,
                 interval_s=heartbeat_interval_s,
                 timeout_s=hang_timeout_s,
@@ -493,13 +511,16 @@ def run_scale_bench(
         "crash_decide_ms": [round(x, 1) for x in crash_ms],
         "hang_decide_ms": [round(x, 1) for x in hangs_ms],
         "measured_to": "commit" if committed else "none (no commit times recorded)",
-        "db_bytes_per_rank_day": round(out["db_bytes"] / ranks / window * 86400),
-        # Each type's payloads as stored (no row header, envelope column or index), per rank-day.
+        # Training without faults: the tables' growth per rank, scaled to a day.
+        "db_bytes_per_rank_day": round(out["steady_bytes_per_s"] / ranks * 86400),
+        # Each type's payloads as stored then (no row header, envelope column or index).
         "db_bytes_per_rank_day_by_type": {
-            t: round(b / ranks / window * 86400)
+            t: round(b / ranks / out["steady_window"] * 86400)
             for t, b in sorted(out["db_bytes_by_type"].items(), key=lambda kv: -kv[1])
         },
-        "controlplane_cpu_cores": round(out["cpu_seconds"] / window, 2),
+        # What each fault added beyond that (its decisions, generation, incident), for the job.
+        "db_bytes_per_fault": round(out["fault_bytes"] / max(1, len(injected))),
+        "controlplane_cpu_cores": round(out["cpu_seconds"] / out["cpu_window"], 2),
         "heartbeats_per_s": round(out["heartbeats_per_s"], 1),
         "events_per_s": round(out["events_per_s"], 1),
         "lost": out["lost"],
@@ -512,6 +533,7 @@ def run_scale_bench(
             for reason, names in false.items()
         },
         "seconds": round(window, 1),
+        "steady_seconds": round(out["steady_window"], 1),
         "cpus": os.cpu_count(),
         **services.where,
     }
