@@ -238,6 +238,7 @@ class ControlPlane:
                 publisher=publisher,
                 context=Context(rendezvous=base),
                 liveness=table,
+                hear=heartbeats.catch_up,
             )
             await _ensure_commands(js, settings, either)
             self.ingest = Ingest(

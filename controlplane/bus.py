@@ -560,6 +560,21 @@ class HeartbeatListener:
         if isinstance(self._nc, FastClient):
             self._nc.deliver_raw(self._sub, self._on_raw)
 
+    async def catch_up(self, timeout_s: float = 5.0) -> None:
+        """Take every heartbeat that reached NATS before this call: a PING's PONG comes back
+        behind every message the server sent before it, and nats-py's queue for this
+        subscription (a plain client's path) is then drained. A connection that does not
+        answer within ``timeout_s`` is given up on (what was heard is what there is)."""
+        try:
+            await self._nc.flush(timeout=timeout_s)  # type: ignore[arg-type]  # seconds
+            sub = self._sub
+            deadline = time.monotonic() + timeout_s
+            # nats-py signals nothing when a subscription's queue drains: yield to its task.
+            while sub is not None and sub.pending_msgs and time.monotonic() < deadline:  # noqa: ASYNC110
+                await asyncio.sleep(0)
+        except Exception as exc:  # unreachable NATS, a timeout: judge on what was heard
+            log.warning("heartbeats not caught up before a decision: %s", exc)
+
     async def stop(self) -> None:
         sub, self._sub = self._sub, None
         if sub is not None:

@@ -40,7 +40,7 @@ from controlplane.errors import ConcurrencyError, StoreUnavailable
 from controlplane.ingest import Appender
 from controlplane.store.port import AppendResult, JobHead
 from schemas.auth import SIGNATURE_HEADER, CommandSigner, command_message
-from schemas.common import CONTROLPLANE_SOURCE
+from schemas.common import CONTROLPLANE_SOURCE, FaultReason
 from schemas.events import EnvelopeBase, LivenessSummaryEvent
 from schemas.ids import new_event_id
 from schemas.subjects import MSG_ID_HEADER, command_subject
@@ -70,6 +70,8 @@ class DeciderStats:
     commands_published: int = 0
     #: ``liveness.summary`` events appended.
     summaries: int = 0
+    #: Decisions that found a silence, judged again once the queued heartbeats were taken.
+    hearings: int = 0
 
 
 class CommandPublisher:
@@ -156,6 +158,7 @@ class Decider:
         context: Context,
         clock: Callable[[], datetime] = utcnow,
         liveness: LivenessTable | None = None,
+        hear: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self._views = views
         self._apply = apply
@@ -167,6 +170,9 @@ class Decider:
         #: The heartbeats heard (soft state, core/liveness.py); None: heartbeats are events
         #: in the log (``member.heartbeat``), and only the log is read.
         self.liveness = liveness
+        #: Takes into the table every heartbeat that reached NATS before the call
+        #: (``HeartbeatListener.catch_up``): a silence is judged only on what could be heard.
+        self._hear = hear
         #: One run of this decider: the ``incarnation`` of its events.
         self.incarnation = uuid.uuid4().hex[:16]
         self._seq: dict[str, int] = {}
@@ -204,6 +210,15 @@ class Decider:
             if liveness is not None:
                 liveness.overlay(view)
             decided = decide(view, now, self.context)
+            if decided and liveness is not None and self._hear is not None and _silences(decided):
+                # A silence may be this process's own: a stall (a long fold, a collection)
+                # keeps heartbeats queued unread, and every member then looks silent. Take in
+                # what reached NATS before now, then judge again.
+                await self._hear()
+                self.stats.hearings += 1
+                view = self._views().get(job_id, view)
+                liveness.overlay(view)
+                decided = decide(view, now, self.context)
             if liveness is not None:
                 if decided:
                     # What the decision read of the heartbeats goes into the log first, so
@@ -378,3 +393,14 @@ def _log_decision(stored: StoredEvent) -> None:
     payload = event.payload
     detail = getattr(payload, "reason", None) or getattr(payload, "detail", None) or ""
     log.info("#%d %s %s: %s", stored.position, event.job_id, event.type, str(detail)[:200])
+
+
+def _silences(decided: Sequence[Decided]) -> bool:
+    """Whether ``decided`` finds a member failed by its silence (a heartbeat timeout, or a
+    peer's report that silence corroborates), not by an exit or its own report alone."""
+    return any(
+        d.type == "fault.detected"
+        and getattr(d.payload, "reason", None)
+        in (FaultReason.HEARTBEAT_TIMEOUT, FaultReason.REPORTED)
+        for d in decided
+    )

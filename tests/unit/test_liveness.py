@@ -338,3 +338,69 @@ def test_the_table_keeps_times_on_the_millisecond_a_summary_records():
     observe(table, "m0", 1.0004)  # 1000.4 ms after T0
     heard = table.heard("job1", "m0")
     assert heard is not None and heard.last_at == at(1.0)
+
+
+# --------------------------------------------------------------------------- a deaf control plane
+
+
+class _Store:
+    """The decider's appender over the in-memory store (its port, awaited)."""
+
+    def __init__(self, log: list) -> None:
+        from controlplane.store.memory import InMemoryEventStore
+
+        self.store = InMemoryEventStore(clock=lambda: T0)
+        self.store.import_events(log)
+
+    async def append(self, events, dead_letters=(), *, expected=None, encoded=None):  # type: ignore[no-untyped-def]
+        return self.store.append(events, dead_letters, expected=expected)
+
+    def encode(self, events):  # type: ignore[no-untyped-def]
+        return None
+
+
+async def _turn(queued: list[str], *, hear: bool) -> list[tuple[str, list[str]]]:
+    """A running job of four, all heard at t=1; the decider's turn at t=3 (timeout 1 s)
+    while the heartbeats of ``queued``, sent meanwhile, still wait unread in NATS (the
+    control plane's loop was busy). What it recorded: (fault reason, members) of each
+    ``fault.detected``."""
+    from controlplane.core.fold import fold_jobs
+    from controlplane.decider import Decider
+
+    timeouts = {Phase.INIT: 30.0, Phase.TRAIN: 1.0, Phase.WAITING: 30.0, Phase.BACKUP: 30.0,
+                Phase.RESTORE: 30.0}  # fmt: skip
+    s = SoftScenario(world_size=4, min_world=1, heartbeat_timeout_s=timeouts)
+    s.cluster(2, 2)
+    s.start_and_train()
+    s.at(3)
+    views = {s.job_id: s.v}
+    store = _Store(s.log)
+
+    def apply(result) -> None:  # type: ignore[no-untyped-def]
+        views.update(fold_jobs(views, result.stored))
+
+    async def catch_up() -> None:  # the heartbeats that were queued: heard now
+        s.heartbeat(*queued)
+
+    decider = Decider(
+        views=lambda: views, apply=apply, refresh=None, appender=store, publisher=None,
+        context=s.context, clock=lambda: s.now, liveness=s.table,
+        hear=catch_up if hear else None,
+    )  # fmt: skip
+    await decider.turn()
+    found = [
+        (e.event.payload.reason.value, e.event.payload.members)
+        for e in store.store.read(job_id=s.job_id, types=["fault.detected"])
+    ]
+    return found
+
+
+async def test_a_silence_the_control_plane_caused_fails_no_one():
+    """A stall of the control plane (a long fold, a collection) leaves heartbeats unread in
+    NATS; judged on the table alone, every member looks silent and the job is failed whole.
+    The decider takes in what reached NATS first and judges again: only a member that truly
+    went silent is found."""
+    everyone = ["w00", "w01", "w10", "w11"]
+    assert await _turn(everyone, hear=False) == [("heartbeat_timeout", everyone)]
+    assert await _turn(everyone, hear=True) == []
+    assert await _turn(["w00", "w01", "w11"], hear=True) == [("heartbeat_timeout", ["w10"])]
