@@ -477,7 +477,7 @@ def bench_scale(
     faults, crashes and hangs are injected through the real service (a control plane
     process) for --seconds. Prints hang_detect_p50_s / _p99_s, decide_p50_ms / _p99_ms (to
     the decision's commit), db_bytes_per_rank_day (the tables' growth without faults),
-    db_bytes_per_fault, controlplane_cpu_cores, lost, duplicated. Uses ELASTIC_NATS_URL /
+    db_payload_bytes_per_fault, controlplane_cpu_cores, lost, duplicated. Uses ELASTIC_NATS_URL /
     ELASTIC_DATABASE_URL when set; otherwise embedded NATS and PostgreSQL in a temp dir.
     """
     from controlplane.bench.scale import BenchScaleError, run_scale_bench

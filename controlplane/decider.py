@@ -28,6 +28,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+import nats.errors
 from nats.js import JetStreamContext
 
 from controlplane.core.commands import Owed, owing
@@ -127,6 +128,12 @@ class CommandPublisher:
         try:
             await self._js.publish(subject, body, headers=headers)
             self.published += 1
+        except nats.errors.MaxPayloadError:
+            # Sent again it fails again: say what to change (deploy/nats/nats.conf).
+            log.error("command %s for %s is %d bytes, over the NATS server's max_payload: raise"
+                      " it (max_payload: 8MB takes a job of 16,384 ranks); it will be sent"
+                      " again", key, job_id, len(body))  # fmt: skip
+            self._sent.pop(key, None)
         except Exception as exc:
             log.warning("publishing command %s failed (%s); it will be sent again", key, exc)
             self._sent.pop(key, None)

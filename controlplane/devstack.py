@@ -63,8 +63,15 @@ def nats_server_binary() -> str:
     return found
 
 
+#: The largest message NATS takes (``max_payload``; the server's default is 1 MB). A job's
+#: command names every rank, its endpoint, its holders and its shard's digest: about 130 bytes
+#: a rank, over 2 MB at 16,384 ranks. deploy/nats/nats.conf sets the same.
+MAX_PAYLOAD = "8MB"
+
+
 class NatsServer:
-    """A ``nats-server -js`` on a loopback port with file storage under ``directory``."""
+    """A ``nats-server -js`` on a loopback port with file storage under ``directory``;
+    without a ``config`` of its own, one that takes messages up to ``MAX_PAYLOAD``."""
 
     def __init__(
         self,
@@ -104,11 +111,16 @@ class NatsServer:
         if self.running:
             return self
         self.directory.mkdir(parents=True, exist_ok=True)
+        config = self.config
+        if config is None:
+            config = self.directory / "nats.conf"
+            config.write_text(f"max_payload: {MAX_PAYLOAD}\n")
         log = (self.directory / "nats-server.log").open("ab")
         self._proc = subprocess.Popen(
             [
                 nats_server_binary(),
-                *(["-c", str(self.config)] if self.config is not None else []),
+                "-c",
+                str(config),
                 "-js",
                 "-sd",
                 str(self.directory / "jetstream"),

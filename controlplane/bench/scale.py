@@ -23,8 +23,9 @@ even intervals, alternating a crash (the node's launcher reports ``member.exited
   without faults (``pg_total_relation_size``: heap, TOAST and indexes, after the ingest caught
   up), per rank, scaled to a day; ``db_bytes_per_rank_day_by_type`` splits it by event type,
   as each type's payloads are stored (without the rows' headers, the envelope's columns and
-  the indexes, which the total has); ``db_bytes_per_fault``: what each fault added beyond
-  that (its decisions, its generation, its incident), for the whole job;
+  the indexes, which the total has); ``db_payload_bytes_per_fault``: the payloads the
+  control plane recorded for each fault (its detection, decision, generation, incident),
+  for the whole job;
 - ``controlplane_cpu_cores``: the control plane process's CPU time over both phases, per
   second (the simulated members, NATS and PostgreSQL share the machine);
 - ``lost`` / ``duplicated``: durable events the members published (JetStream acknowledged
@@ -125,6 +126,8 @@ class _Fleet:
     published: int = 0
     refused: int = 0
     beats_sent: int = 0
+    #: The largest command the members received (bytes).
+    command_bytes: int = 0
     step: int = 0
     #: slice -> when it was last sent (Unix s): a member's last heartbeat.
     slice_sent: dict[int, float] = field(default_factory=dict)
@@ -146,6 +149,7 @@ class _Fleet:
                 self.published += len(messages)
 
     async def on_command(self, msg: Any) -> None:
+        self.command_bytes = max(self.command_bytes, len(msg.data))
         command = COMMAND_ADAPTER.validate_json(msg.data)
         if not isinstance(command, Start | Reallocate):
             return
@@ -328,7 +332,7 @@ async def _scenario(
             )
             by_type = {str(t): int(b) for t, b in await cursor.fetchall()}
             # Then the faults.
-            bytes0, t0 = await _database_bytes(db), time.time()
+            t0 = time.time()
             if progress:
                 _progress(f"measuring for {seconds:g}s, {faults} faults")
             for k in range(faults):
@@ -367,7 +371,14 @@ async def _scenario(
                 await task
             tasks = []
             await _until_caught_up(nc, settings, 1, timeout_s=300.0)
-            bytes1 = await _database_bytes(db)
+            cursor = await db.execute(
+                "SELECT coalesce(sum(pg_column_size(payload)), 0) FROM events WHERE job_id = %s"
+                " AND source = %s AND type <> 'liveness.summary'"
+                " AND recorded_at >= to_timestamp(%s)",
+                (job_id, CONTROLPLANE_SOURCE, t0),
+            )
+            row = await cursor.fetchone()
+            decided_bytes = int(row[0]) if row else 0
             cursor = await db.execute(
                 "SELECT count(*), count(DISTINCT event_id) FROM events"
                 " WHERE job_id = %s AND source <> %s",
@@ -391,7 +402,7 @@ async def _scenario(
         "window": window,
         "steady_window": steady,
         "steady_bytes_per_s": steady_rate,
-        "fault_bytes": max(0.0, (bytes1 - bytes0) - steady_rate * window),
+        "decided_bytes": decided_bytes,
         "db_bytes_by_type": by_type,
         "cpu_seconds": cpu1 - cpu_start,
         "cpu_window": t1 - s0,
@@ -400,6 +411,7 @@ async def _scenario(
         "lost": max(0, accepted - distinct),
         "duplicated": (stored - distinct) + max(0, distinct - accepted),
         "refused": fleet.refused,
+        "command_bytes": fleet.command_bytes,
         "injected": injected,
     }
 
@@ -518,14 +530,17 @@ def run_scale_bench(
             t: round(b / ranks / out["steady_window"] * 86400)
             for t, b in sorted(out["db_bytes_by_type"].items(), key=lambda kv: -kv[1])
         },
-        # What each fault added beyond that (its decisions, generation, incident), for the job.
-        "db_bytes_per_fault": round(out["fault_bytes"] / max(1, len(injected))),
+        # What the control plane recorded per fault (its detection, decision, generation and
+        # incident events: their payloads as stored), for the whole job.
+        "db_payload_bytes_per_fault": round(out["decided_bytes"] / max(1, len(injected))),
         "controlplane_cpu_cores": round(out["cpu_seconds"] / out["cpu_window"], 2),
         "heartbeats_per_s": round(out["heartbeats_per_s"], 1),
         "events_per_s": round(out["events_per_s"], 1),
         "lost": out["lost"],
         "duplicated": out["duplicated"],
         "refused": out["refused"],
+        # The largest command the members received (a decision names every rank).
+        "command_bytes_max": out["command_bytes"],
         # Members found failed without a fault, by the detection's reason (a few named).
         "false_detections": sum(len(v) for v in false.values()),
         "false_detections_by_reason": {

@@ -23,7 +23,8 @@ def test_bench_scale_measures_detection_decisions_storage_and_cpu():
     assert out["decide_p50_ms"] <= out["decide_p99_ms"]
     # The fault-free window held steps, a backup and a summary: the log grew, by those types;
     # each fault added its decision and generation on top.
-    assert out["db_bytes_per_rank_day"] > 0 and out["db_bytes_per_fault"] > 0
+    assert out["db_bytes_per_rank_day"] > 0 and out["db_payload_bytes_per_fault"] > 0
+    assert out["command_bytes_max"] > 0
     assert {"train.step", "backup.snapshot", "liveness.summary"} <= set(
         out["db_bytes_per_rank_day_by_type"]
     )
