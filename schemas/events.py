@@ -302,8 +302,12 @@ def at_ms(ms: int) -> datetime:
 
 
 def ms_of(at: datetime) -> int:
-    """``at`` in whole milliseconds since the Unix epoch (exact for a time on the millisecond)."""
-    return (at - _EPOCH) // timedelta(milliseconds=1)
+    """``at`` (aware) in whole milliseconds since the Unix epoch, rounded down. Exact: the
+    float of a time on the millisecond is off by far less than half a millisecond."""
+    extra = at.microsecond % 1000
+    if extra:
+        at = at.replace(microsecond=at.microsecond - extra)
+    return round(at.timestamp() * 1000)
 
 
 class LivenessRow(NamedTuple):

@@ -404,3 +404,18 @@ async def test_a_silence_the_control_plane_caused_fails_no_one():
     assert await _turn(everyone, hear=False) == [("heartbeat_timeout", everyone)]
     assert await _turn(everyone, hear=True) == []
     assert await _turn(["w00", "w01", "w11"], hear=True) == [("heartbeat_timeout", ["w10"])]
+
+
+def test_milliseconds_of_a_time_are_exact_and_round_down():
+    import random
+    from datetime import UTC, datetime
+
+    from schemas.events import at_ms, ms_of
+
+    epoch = datetime(1970, 1, 1, tzinfo=UTC)
+    rng = random.Random(7)
+    for _ in range(20_000):
+        at = epoch + timedelta(microseconds=rng.randrange(10**16))
+        assert ms_of(at) == (at - epoch) // timedelta(milliseconds=1), at
+        ms = rng.randrange(2**45)
+        assert ms_of(at_ms(ms)) == ms
