@@ -244,16 +244,7 @@ async def _scenario(
         if progress:
             _progress(f"{len(job.members)} members join")
         names = list(job.members)
-        # Each node's launcher announces the members it started (a spare counts only then).
-        await world.send(lambda: [
-            job.envelope(m, "member.launched",
-                         {"member": m, "role": job.members[m].role, "pid": 1},
-                         by=job.launcher(m))
-            for m in names
-        ] + [
-            job.envelope(m, "member.joined", job.joined(m, policy if m == names[0] else None))
-            for m in names
-        ])  # fmt: skip
+        await world.send(lambda: job.joining(names, policy))
         beating = asyncio.create_task(world.heartbeats(stop))
         start = await world.next_command(1)
         assert isinstance(start, Start)

@@ -102,17 +102,28 @@ class SimulatedJob:
             payload["policy"] = policy
         return payload
 
-    async def join(self, members: Iterable[str], policy: dict[str, Any] | None = None) -> None:
-        """Each member's launcher announces it, then it joins."""
-        names = list(members)
-        launched = [
+    def launched(self, names: Sequence[str]) -> list[Outgoing]:
+        """Each member's launcher announcing it (a spare counts only then)."""
+        return [
             self.envelope(n, "member.launched",
                           {"member": n, "role": self.members[n].role, "pid": 1},
                           by=self.launcher(n))
             for n in names
         ]  # fmt: skip
+
+    def joining(self, names: Sequence[str], policy: dict[str, Any] | None = None) -> list[Outgoing]:
+        """``launched``, then each member's join; the first one asks for ``policy``."""
+        return self.launched(names) + [
+            self.envelope(n, "member.joined", self.joined(n, policy if i == 0 else None))
+            for i, n in enumerate(names)
+        ]
+
+    async def join(self, members: Iterable[str], policy: dict[str, Any] | None = None) -> None:
+        """Each member's launcher announces it, then it joins (each asking for ``policy``)."""
+        names = list(members)
         await self.send(
-            launched + [self.envelope(n, "member.joined", self.joined(n, policy)) for n in names]
+            self.launched(names)
+            + [self.envelope(n, "member.joined", self.joined(n, policy)) for n in names]
         )
 
     async def heartbeat(self, members: Iterable[str], step: int, phase: str = "train") -> None:

@@ -294,15 +294,7 @@ async def _scenario(
         names = list(job.members)
         if progress:
             _progress(f"{len(names)} members join ({ranks} ranks)")
-        await fleet.send(lambda: [
-            job.envelope(m, "member.launched",
-                         {"member": m, "role": job.members[m].role, "pid": 1},
-                         by=job.launcher(m))
-            for m in names
-        ] + [
-            job.envelope(m, "member.joined", job.joined(m, policy if m == names[0] else None))
-            for m in names
-        ])  # fmt: skip
+        await fleet.send(lambda: job.joining(names, policy))
         tasks.append(asyncio.create_task(fleet.heartbeats(stop)))
         start = await fleet.next_command(1, 300.0)
         if start is None:
