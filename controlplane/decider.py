@@ -220,12 +220,13 @@ class Decider:
             if decided and liveness is not None and self._hear is not None and _silences(decided):
                 # A silence may be this process's own: a stall (a long fold, a collection)
                 # keeps heartbeats queued unread, and every member then looks silent. Take in
-                # what reached NATS before now, then judge again.
+                # what reached NATS before now, then judge again: on the view the summary
+                # below folds (what is decided there is what is recorded; a summary with no
+                # decision behind it costs only its record).
                 await self._hear()
                 self.stats.hearings += 1
                 view = self._views().get(job_id, view)
                 liveness.overlay(view)
-                decided = decide(view, now, self.context)
             if liveness is not None:
                 if decided:
                     # What the decision read of the heartbeats goes into the log first, so
