@@ -23,7 +23,7 @@ import contextlib
 import logging
 import os
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -81,14 +81,6 @@ class GroupSockets:
 
     def __init__(self, opened: dict[int, str]) -> None:
         self._opened = opened
-
-    @classmethod
-    def around(cls, create: Callable[[], None]) -> GroupSockets:
-        """Run ``create`` (``init_process_group``) and record the sockets it opened."""
-        opened = cls({})
-        with opened.recording():
-            create()
-        return opened
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[None]:

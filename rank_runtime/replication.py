@@ -58,7 +58,6 @@ import socketserver
 import ssl
 import sys
 import threading
-import time
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -267,8 +266,6 @@ class Held:
     verified: bool = False
 
 
-#: Called after a copy is verified and kept: (copy, seconds the transfer took).
-OnHeld = Callable[[Held, float], None]
 #: This member's own shard, served like a held copy: (shard, step) -> (bytes, digest) or None.
 OwnCopy = Callable[[int, int], "tuple[bytes | bytearray, str] | None"]
 
@@ -372,7 +369,6 @@ class PeerStore:
         self._serving: dict[int, int] = {}
         self._server: socketserver.ThreadingTCPServer | None = None
         self._thread: threading.Thread | None = None
-        self.on_held: OnHeld | None = None
         self.own: OwnCopy | None = None
         #: Fault injection only (``rank_runtime.faults``): rewrites the bytes a get serves.
         self.tamper: Callable[[bytes | bytearray], bytes] | None = None
@@ -541,7 +537,6 @@ class PeerStore:
         server_nonce: bytes,
         client_nonce: bytes,
     ) -> None:
-        started = time.perf_counter()
         background_priority()  # this connection's thread: receiving yields to training
         size = int(header["nbytes"])
         if not 0 <= size <= self._max_bytes:
@@ -560,9 +555,7 @@ class PeerStore:
         copy = Held(owner=owner, shard=shard, step=step, generation=generation,
                     checksum=claimed, data=data, verified=verify)  # fmt: skip
         self.keep(copy)
-        # Reported before the sender hears back, so "sent" implies "reported" (no race).
-        if self.on_held is not None:
-            self.on_held(copy, time.perf_counter() - started)
+        # Answered once kept: the owner names only holders that hold its copy.
         self._answer(wfile, server_nonce, client_nonce, {"ok": True})
 
     def _get(

@@ -188,7 +188,7 @@ class LivenessTable:
         if not listed:
             return []
         since = self._windows.get(view.job_id, self.started_at)
-        epoch = ms_of(on_the_ms(now))
+        epoch = ms_of(now)  # rounded down to the millisecond
         size = SUMMARY_COLUMN_MEMBERS
         chunks = [listed[i : i + size] for i in range(0, len(listed), size)]
         return [

@@ -28,11 +28,11 @@ def _free_port() -> int:
 def _member(rank: int, port: int, end: bool, results: mp.Queue) -> None:  # type: ignore[type-arg]
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=30))
-    opened = GroupSockets.around(
-        lambda: dist.init_process_group(
+    opened = GroupSockets({})
+    with opened.recording():
+        dist.init_process_group(
             "gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=TIMEOUT_S)
         )
-    )
     dist.barrier()
     if rank == 0:  # blocked: rank 1 never joins this all_reduce
         started = time.monotonic()

@@ -14,7 +14,6 @@ import pytest
 
 from rank_runtime.replication import (
     DigestMismatch,
-    Held,
     PeerStore,
     ReplicationError,
     bind_address,
@@ -44,12 +43,11 @@ def secure():
     peer.close()
 
 
-def test_a_copy_is_kept_reported_and_served_back(store):
-    seen: list[Held] = []
-    store.on_held = lambda copy, seconds: seen.append(copy)
+def test_a_copy_is_kept_once_sent_and_served_back(store):
     data = b"x" * 100_000
     send(store.endpoint, owner="m1", shard=1, step=10, generation=2, data=data,
          digest=digest(data))  # fmt: skip
+    seen = [c for c in [store.held("m1", 1, 10)] if c is not None]  # kept when send returned
     assert [(c.owner, c.shard, c.step, c.generation) for c in seen] == [("m1", 1, 10, 2)]
     assert seen[0].checksum == digest(data) and seen[0].checksum.startswith("sha256:")
     assert fetch(store.endpoint, owner="m1", shard=1, step=10) == data
