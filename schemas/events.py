@@ -11,6 +11,7 @@ from uuid import UUID
 from pydantic import Field, StringConstraints, TypeAdapter, model_validator
 
 from schemas.common import (
+    CONTROLPLANE_SOURCE,
     MAX_WORLD,
     Checksum,
     EventId,
@@ -444,6 +445,45 @@ class BackupSnapshot(Strict):
     holders: Annotated[list[Ident], Field(max_length=8)] = Field(default_factory=list)
 
 
+#: Backup reports one ``backup.catalog`` packs at most (a row of about 200 KB).
+CATALOG_ENTRIES = 1024
+
+
+class BackupCatalog(Strict):
+    """``backup.catalog``: ``backup.snapshot`` reports of one step, from members of one
+    generation, that reached the log together: the store packs each such run into one
+    record, a column per field and one value per report, so a backup of a large job costs
+    a few rows instead of a row (and five index entries) per rank. Each report keeps what
+    binds it to its sender (``sources``, ``incarnations``, ``seqs``: the ingest checked them
+    against the subject and the sequence rules before packing); only its event_id and
+    emission time are not kept. The store records it, never a member (the decoder refuses
+    one from the bus); the fold and replay read each report as the ``backup.snapshot`` it
+    was (``controlplane.core.catalog.unpacked``)."""
+
+    step: Step
+    sources: Annotated[list[Source], Field(min_length=1, max_length=CATALOG_ENTRIES)]
+    incarnations: list[Ident]
+    seqs: list[PositiveInt]
+    shards: list[NonNegInt]
+    nbytes: list[NonNegInt]
+    checksums: list[Checksum]
+    seconds: list[Seconds]
+    holders: list[Annotated[list[Ident], Field(max_length=8)]]
+
+    @model_validator(mode="after")
+    def _aligned(self) -> BackupCatalog:
+        count = len(self.sources)
+        for name in ("incarnations", "seqs", "shards", "nbytes", "checksums", "seconds",
+                     "holders"):  # fmt: skip
+            if len(getattr(self, name)) != count:
+                raise ValueError(
+                    f"column {name} has {len(getattr(self, name))} values, not {count}"
+                )
+        if any(s == CONTROLPLANE_SOURCE for s in self.sources):
+            raise ValueError("a backup report comes from a member, not the control plane")
+        return self
+
+
 class BackupReplicated(Strict):
     step: Step
     shard: NonNegInt
@@ -676,6 +716,14 @@ class BackupSnapshotEvent(EnvelopeBase):
     payload: BackupSnapshot
 
 
+class BackupCatalogEvent(EnvelopeBase):
+    """``backup.catalog``, version 1 (recorded by the store, an observation)."""
+
+    type: Literal["backup.catalog"]
+    v: Literal[1]
+    payload: BackupCatalog
+
+
 class BackupReplicatedEvent(EnvelopeBase):
     """``backup.replicated``, version 1."""
 
@@ -848,9 +896,10 @@ CONTROLPLANE_EVENT_TYPES: dict[str, type[Strict]] = {
     "job.stopped": JobStopped,
     "job.completed": JobCompleted,
     "liveness.summary": LivenessSummary,
+    "backup.catalog": BackupCatalog,
 }
 #: What the control plane records that it observed, not decided: replay folds them as inputs.
-OBSERVATION_TYPES = frozenset({"liveness.summary"})
+OBSERVATION_TYPES = frozenset({"liveness.summary", "backup.catalog"})
 #: Every event type -> the schema versions this build understands.
 SCHEMA_VERSIONS: dict[str, frozenset[int]] = {
     t: frozenset({1}) for t in (*MEMBER_EVENT_TYPES, *CONTROLPLANE_EVENT_TYPES)
@@ -881,6 +930,7 @@ Event = Annotated[
         JobStoppedEvent,
         JobCompletedEvent,
         LivenessSummaryEvent,
+        BackupCatalogEvent,
     ],
     Field(discriminator="type"),
 ]

@@ -236,3 +236,92 @@ class EventStoreContract:
         refused = store.import_events([StoredEvent(4, T0, impostor)])
         assert refused.stored == [] and len(refused.rejected) == 1
         assert store.count_dead_letters() == 1
+
+    # ------------------------------------------------------------------ backup catalogs
+
+    @staticmethod
+    def _reports(ev: Events, step: int, ranks: int, *, generation: int = 1) -> list:
+        return [
+            ev.make(
+                "backup.snapshot",
+                {
+                    "step": step,
+                    "shard": r,
+                    "nbytes": 100 + r,
+                    "checksum": f"sha256:{r:04x}",
+                    "seconds": 0.01 * r,
+                    "holders": [f"m{(r + 1) % ranks}"],
+                },
+                source=f"n{r}/m{r}",
+                generation=generation,
+            )
+            for r in range(ranks)
+        ]
+
+    def test_a_run_of_backup_reports_is_stored_as_one_catalog(self, store):
+        from controlplane.core.catalog import unpacked
+
+        ev = Events()
+        reports = self._reports(ev, 10, 5)
+        step = ev.make(
+            "train.step", {"step": 10, "loss": 1.0, "step_seconds": 0.1, "samples": 8},
+            source="n0/m0", generation=1,
+        )  # fmt: skip
+        other_job = Events("job2").heartbeat("m9")
+        # The job's train.step ends the first run; another job's event does not.
+        result = store.append([*reports[:3], other_job, *reports[3:4], step, reports[4]])
+        types = [(s.event.job_id, s.event.type) for s in result.stored]
+        assert types == [
+            ("job2", "member.heartbeat"),
+            ("job1", "backup.catalog"),
+            ("job1", "train.step"),
+            ("job1", "backup.snapshot"),
+        ]
+        assert [s.position for s in store.read()] == [1, 2, 3, 4]
+        [catalog] = store.read(types=["backup.catalog"])
+        assert catalog.event.source == "controlplane"
+        assert catalog.event.payload.sources == ["n0/m0", "n1/m1", "n2/m2", "n3/m3"]
+        # Unpacked, every report is what its member sent, but for event_id and emitted_at.
+        back = [s.event for s in unpacked(store.read(job_id="job1"))]
+        assert [e.type for e in back] == ["backup.snapshot"] * 4 + ["train.step", "backup.snapshot"]
+        for sent, got in zip([*reports[:4], step, reports[4]], back, strict=True):
+            assert (got.source, got.incarnation, got.seq, got.generation, got.payload) == (
+                sent.source, sent.incarnation, sent.seq, sent.generation, sent.payload,
+            )  # fmt: skip
+
+    def test_a_backup_report_delivered_again_is_a_duplicate_not_a_dead_letter(self, store):
+        ev = Events()
+        reports = self._reports(ev, 10, 4)
+        store.append(reports)
+        # Redelivered after a commit whose ack was lost: its event_ids are not in the log
+        # (packed), its seqs are: duplicates, nothing stored, nothing dead-lettered.
+        again = store.append(reports)
+        assert again.duplicates == 4 and again.stored == []
+        assert store.count_dead_letters() == 0
+        assert len(store.read()) == 1
+
+    def test_a_catalog_imports_as_its_reports_packed_again(self, store):
+        from controlplane.core.catalog import unpacked
+        from controlplane.core.records import StoredEvent
+        from tests.factories import T0
+
+        ev = Events()
+        reports = self._reports(ev, 20, 3)
+        exported = [StoredEvent(7, T0, e) for e in InMemoryExport.catalogs(reports)]
+        result = store.import_events(exported)
+        [stored] = result.stored
+        assert stored.event.type == "backup.catalog" and stored.recorded_at == T0
+        assert [e.event.payload for e in unpacked(store.read())] == [r.payload for r in reports]
+        twice = store.import_events(exported)
+        assert twice.stored == [] and twice.duplicates == 3
+        assert store.count_dead_letters() == 0
+
+
+class InMemoryExport:
+    """What an export of a log holds for a run of backup reports."""
+
+    @staticmethod
+    def catalogs(reports: list) -> list:
+        from controlplane.core.catalog import pack
+
+        return [event for event, _ in pack(reports)]

@@ -95,6 +95,7 @@ EventType = Literal[
     "job.stopped",
     "job.completed",
     "liveness.summary",
+    "backup.catalog",
 ]
 
 JobId = Annotated[str, Path(description="The job's id.", examples=["job-recorded"])]

@@ -4,7 +4,7 @@ The control plane runs as its own process (``elasticctl serve``), as deployed; t
 publishes pre-encoded frames (``loadgen``), so the measured rate is the control plane's.
 ``events_per_s`` is events over the time from the first publish to the commit of the last event
 (sustained: the ingest is subscribed before the first publish).
-``lost`` and ``duplicated`` are counted in PostgreSQL by event_id.
+``lost`` and ``duplicated`` are counted in PostgreSQL by (source, incarnation, seq).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from controlplane.bus import ensure_stream
 from controlplane.core.fold import fold
 from controlplane.publish import Outgoing
 from controlplane.settings import Settings, libpq_url
-from controlplane.store.postgres import PostgresEventStore
+from controlplane.store.postgres import MEMBER_EVENT_COUNTS, PostgresEventStore
 from controlplane.synth import SyntheticJob
 
 
@@ -36,13 +36,10 @@ def _progress(message: str) -> None:
 
 
 def _count(database_url: str, job_id: str) -> tuple[int, int]:
-    """(events, distinct event ids) the members of ``job_id`` have in the log."""
+    """(events, distinct events) the members of ``job_id`` have in the log (an event is
+    its source, incarnation and seq, whether stored as a row or packed into a catalog)."""
     with psycopg.connect(libpq_url(database_url)) as conn:
-        row = conn.execute(
-            "SELECT count(*), count(DISTINCT event_id) FROM events"
-            " WHERE job_id = %s AND source <> 'controlplane'",
-            (job_id,),
-        ).fetchone()
+        row = conn.execute(MEMBER_EVENT_COUNTS, {"job": job_id}).fetchone()
     assert row is not None
     return int(row[0]), int(row[1])
 

@@ -61,7 +61,7 @@ from controlplane.bench.stack import serving, stack
 from controlplane.bus import ensure_stream
 from controlplane.publish import Outgoing
 from controlplane.settings import Settings, libpq_url
-from controlplane.store.postgres import PostgresEventStore
+from controlplane.store.postgres import MEMBER_EVENT_COUNTS, PostgresEventStore
 from schemas.commands import COMMAND_ADAPTER, Reallocate, Start
 from schemas.common import CONTROLPLANE_SOURCE
 from schemas.subjects import command_subject
@@ -365,17 +365,13 @@ async def _scenario(
             await _until_caught_up(nc, settings, 1, timeout_s=300.0)
             cursor = await db.execute(
                 "SELECT coalesce(sum(pg_column_size(payload)), 0) FROM events WHERE job_id = %s"
-                " AND source = %s AND type <> 'liveness.summary'"
+                " AND source = %s AND type NOT IN ('liveness.summary', 'backup.catalog')"
                 " AND recorded_at >= to_timestamp(%s)",
                 (job_id, CONTROLPLANE_SOURCE, t0),
             )
             row = await cursor.fetchone()
             decided_bytes = int(row[0]) if row else 0
-            cursor = await db.execute(
-                "SELECT count(*), count(DISTINCT event_id) FROM events"
-                " WHERE job_id = %s AND source <> %s",
-                (job_id, CONTROLPLANE_SOURCE),
-            )
+            cursor = await db.execute(MEMBER_EVENT_COUNTS, {"job": job_id})
             row = await cursor.fetchone()
             stored, distinct = (int(row[0]), int(row[1])) if row else (0, 0)
     finally:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import fields
 from typing import Any, TypeVar
 
+from controlplane.core.catalog import is_catalog, reports
 from controlplane.core.detect import PEER_FAULTS
 from controlplane.core.records import StoredEvent
 from controlplane.core.statemachine import TERMINAL, can_transition
@@ -473,6 +474,21 @@ class _Fold:
                 continue
             shard.replicas[holder] = ReplicaCopy(holder, p.nbytes, p.checksum, stored.position)
         self._satisfied(p.step, shard, was)
+
+    def _catalog(self, stored: StoredEvent, p: Any) -> None:
+        """A ``backup.catalog``: each report it packs, folded as the ``backup.snapshot`` it
+        was, at the catalog's position."""
+        if not is_catalog(stored.event):
+            return  # the decoder refuses it from members; a log may still hold anything
+        ignored = self.ignored
+        start = len(ignored)
+        believed = False
+        for report in reports(stored.event):
+            before = len(ignored)
+            self._snapshot(StoredEvent(stored.position, stored.recorded_at, report), report.payload)
+            believed = believed or len(ignored) == before
+        if believed:  # the catalog changed something: it is not an event the fold ignored
+            del ignored[start:]
 
     def _replicated(self, stored: StoredEvent, p: Any) -> None:
         member = self._known_member(stored)
@@ -1039,6 +1055,7 @@ _HANDLERS: dict[str, Callable[[_Fold, StoredEvent, Any], None]] = {
     "liveness.summary": _Fold._liveness,
     "train.step": _Fold._train_step,
     "backup.snapshot": _Fold._snapshot,
+    "backup.catalog": _Fold._catalog,
     "backup.replicated": _Fold._replicated,
     "checkpoint.saved": _Fold._checkpoint,
     "member.fault": _Fold._fault,

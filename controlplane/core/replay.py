@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any
 
+from controlplane.core.catalog import unpacked
 from controlplane.core.decide import Context, Decided, decide, envelope, next_deadline
 from controlplane.core.detect import SILENCE_BEATS
 from controlplane.core.fold import fold
@@ -57,8 +58,8 @@ class Redecided:
 def decision_batches(log: Sequence[StoredEvent]) -> list[tuple[int, int]]:
     """``[start, end)`` index ranges of the control plane's batches in one job's log:
     consecutive decisions of one decider run with one ``emitted_at``. What it recorded as
-    observed (``liveness.summary``) is no decision: it is folded as an input, like the
-    members' events."""
+    observed (``liveness.summary``, and the store's ``backup.catalog``) is no decision: it
+    is folded as an input, like the members' events."""
     out = []
     i = 0
     while i < len(log):
@@ -482,7 +483,8 @@ def counterfactual(
         elif isinstance(payload, FaultDetected):
             recorded_reasons.setdefault(str(payload.incident_id), []).append(payload.reason.value)
 
-    members = [s for s in log if s.event.source != CONTROLPLANE_SOURCE]
+    # The backup reports a catalog packs are members' events like the others.
+    members = [s for s in unpacked(log) if s.event.source != CONTROLPLANE_SOURCE]
     notes: list[str] = []
     requested = next(
         (

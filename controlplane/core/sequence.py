@@ -64,6 +64,9 @@ class Sequenced:
     #: Events at or below their source's highest seq and in no hole, or implausibly far
     #: past it (``MAX_SEQ_JUMP``), with the reason.
     stale: list[tuple[EnvelopeBase, str]] = field(default_factory=list)
+    #: The event_ids of the stale events at or below their source's highest seq and in no
+    #: hole (not the implausible ones): repeats of an accepted seq, or out of order.
+    repeated: set[str] = field(default_factory=set)
     gaps: list[SeqGap] = field(default_factory=list)
     #: Events accepted into a hole (late, after later events of their source).
     late: int = 0
@@ -112,6 +115,7 @@ def sequence(events: Iterable[EnvelopeBase], cursors: Mapping[CursorKey, Cursor]
         else:
             filled = _fill(holes[key], seq)
             if filled is None:
+                out.repeated.add(event.event_id)
                 out.stale.append(
                     (
                         event,

@@ -6,6 +6,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 
+from controlplane.core.catalog import pack, unpacked
 from controlplane.core.records import DeadLetter, StoredEvent
 from controlplane.core.sequence import Cursor, CursorKey, SeqGap, sequence
 from controlplane.errors import ConcurrencyError, StoreRefused
@@ -57,6 +58,7 @@ class InMemoryEventStore:
 
     def import_events(self, events: Sequence[StoredEvent]) -> AppendResult:
         """See ``EventStore.import_events``."""
+        events = list(unpacked(events))
         recorded_at: dict[str, datetime] = {}
         for stored in events:
             recorded_at.setdefault(stored.event.event_id, stored.recorded_at)
@@ -86,11 +88,12 @@ class InMemoryEventStore:
             duplicates, refused = split_stale(sequenced, self._ids)
             now = self._clock()
             stored: list[StoredEvent] = []
-            for event in sequenced.accepted:
+            accepted = sequenced.accepted
+            for event, first in pack(accepted):
                 if event.event_id in self._ids:  # an event_id reused under a new seq
                     duplicates += 1
                     continue
-                at = now if recorded_at is None else recorded_at[event.event_id]
+                at = now if recorded_at is None else recorded_at[accepted[first].event_id]
                 stored.append(StoredEvent(head + len(stored) + 1, at, event))
                 self._ids.add(event.event_id)
             added = 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Container, Sequence
 from dataclasses import dataclass
 
+from controlplane.core.catalog import is_repeated_report
 from controlplane.core.records import DeadLetter
 from controlplane.core.sequence import SeqGap, Sequenced
 from schemas.events import EnvelopeBase
@@ -38,11 +39,14 @@ def unique(events: Sequence[EnvelopeBase], encoded: Sequence[bytes] | None) -> U
 def split_stale(
     sequenced: Sequenced, known_ids: Container[str]
 ) -> tuple[int, list[tuple[EnvelopeBase, str]]]:
-    """Stale events already in the log are duplicates; the others are refused (out of order)."""
+    """Stale events already in the log are duplicates, and so are repeated backup reports
+    (their seq was accepted and packed: ``is_repeated_report``); the others are refused
+    (out of order)."""
     duplicates = 0
     refused = []
+    repeated = sequenced.repeated
     for event, reason in sequenced.stale:
-        if event.event_id in known_ids:
+        if event.event_id in known_ids or is_repeated_report(event, repeated):
             duplicates += 1
         else:
             refused.append((event, reason))

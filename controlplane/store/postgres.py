@@ -19,6 +19,7 @@ import sqlalchemy as sa
 from pydantic_core import to_json
 from sqlalchemy import Engine, create_engine
 
+from controlplane.core.catalog import CATALOG, pack, unpacked
 from controlplane.core.records import DeadLetter, StoredEvent
 from controlplane.core.sequence import Cursor, CursorKey, SeqGap, sequence
 from controlplane.decode import storable
@@ -197,6 +198,7 @@ class PostgresEventStore:
         """See ``EventStore.import_events``."""
         if not events:
             return AppendResult()
+        events = list(unpacked(events))
         recorded_at: dict[str, datetime] = {}
         for stored in events:
             recorded_at.setdefault(stored.event.event_id, stored.recorded_at)
@@ -341,6 +343,27 @@ class Storage:
         (every row has the same index entries, give or take its key's length)."""
         rows = sum(j.row_bytes for j in self.jobs)
         return round(self.events_total_bytes * job.row_bytes / rows) if rows else 0
+
+
+#: (events, distinct (source, incarnation, seq)) the members of job ``%(job)s`` have in the
+#: log: rows of their own and the reports the store packed into catalogs (``core.catalog``),
+#: each report counted once. What a bench checks for lost and duplicated events.
+MEMBER_EVENT_COUNTS = """
+SELECT count(*), count(DISTINCT (source, incarnation, seq)) FROM (
+    SELECT source, incarnation, seq FROM events
+     WHERE job_id = %(job)s AND source <> 'controlplane'
+    UNION ALL
+    SELECT s.source, i.incarnation, q.seq::bigint
+      FROM events e
+     CROSS JOIN LATERAL jsonb_array_elements_text(e.payload->'sources')
+           WITH ORDINALITY AS s(source, n)
+      JOIN LATERAL jsonb_array_elements_text(e.payload->'incarnations')
+           WITH ORDINALITY AS i(incarnation, n) USING (n)
+      JOIN LATERAL jsonb_array_elements_text(e.payload->'seqs') WITH ORDINALITY AS q(seq, n)
+           USING (n)
+     WHERE e.job_id = %(job)s AND e.type = 'backup.catalog' AND e.source = 'controlplane'
+) AS reports
+"""
 
 
 # ---------------------------------------------------------------------- the append transaction
@@ -526,12 +549,19 @@ def _append_steps(
         known = {str(r[0]) for r in rows}
     duplicates, refused = split_stale(sequenced, known)
 
-    accepted = sequenced.accepted
-    if batch.encoded is not None:
-        wire = batch.encoded
-        encoded_rows = [wire[i] for i in sequenced.accepted_at]
-    else:
-        encoded_rows = [encode_row(e) for e in accepted]
+    # Runs of backup reports are packed into one record each (``core.catalog``); every other
+    # event is stored as it came, pre-encoded when the batch was.
+    wire = batch.encoded
+    at = sequenced.accepted_at
+    packed = pack(sequenced.accepted)
+    accepted = [e for e, _ in packed]
+    encoded_rows = [
+        wire[at[i]] if wire is not None and e.type != CATALOG else encode_row(e) for e, i in packed
+    ]
+    # An import keeps each event's recording time; a catalog takes its first report's.
+    if recorded_at is not None:
+        firsts = {e.event_id: sequenced.accepted[i].event_id for e, i in packed}
+        recorded_at = {e: recorded_at[first] for e, first in firsts.items()}
 
     def stamps() -> list[datetime] | None:
         return None if recorded_at is None else [recorded_at[e.event_id] for e in accepted]

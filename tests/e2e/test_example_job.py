@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from controlplane.core.catalog import unpacked
 from controlplane.settings import Settings
 from controlplane.store.postgres import PostgresEventStore
 from schemas.common import JobState
@@ -45,8 +46,11 @@ def launch(
 
 
 def of(store: PostgresEventStore, job_id: str, type_: str, member: str | None = None) -> list:  # type: ignore[type-arg]
-    events = store.read(job_id=job_id, types=[type_])
-    return [s for s in events if member is None or s.event.member == member]
+    # Backup reports come back as their members sent them, also those packed in catalogs.
+    events = unpacked(store.read(job_id=job_id, types=[type_, "backup.catalog"]))
+    return [
+        s for s in events if s.event.type == type_ and (member is None or s.event.member == member)
+    ]
 
 
 async def test_four_ranks_and_a_spare_train_with_backups_where_they_were_placed(settings, pg_store):

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from pydantic import SecretStr
 
+from controlplane.core.catalog import unpacked
 from controlplane.core.timeline import timeline
 from controlplane.settings import Settings
 from schemas.auth import COMMAND_KEY_ENV, JOB_SECRET_ENV, command_public_key, job_secret
@@ -69,7 +70,8 @@ async def test_a_forged_shard_with_a_valid_crc32_and_mac_is_refused_and_never_re
                                 ["crash@25:rank=1", "tamper@serve:rank=0"])  # fmt: skip
         view = cp.views[job]
     assert view.state is JobState.COMPLETED, [(h.to_state, h.reason) for h in view.history]
-    snapshots = [e.event.payload for e in pg_store.read(job_id=job, types=["backup.snapshot"])]
+    reports = unpacked(pg_store.read(job_id=job, types=["backup.snapshot", "backup.catalog"]))
+    snapshots = [e.event.payload for e in reports]
     assert snapshots and all(p.checksum.startswith("sha256:") for p in snapshots)
     [incident] = view.incidents.values()
     first, second = incident.decisions

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from controlplane.core.catalog import unpacked
 from controlplane.core.timeline import timeline
 from schemas.common import JobState
 from tests.e2e.test_recovery import assert_matches_reference, ensure_reference, launch
@@ -76,7 +77,7 @@ async def test_a_hung_rank_resumed_after_its_replacement_changes_nothing(
     # job completed: the launcher exits 0.
     assert code == 0
     # Its late events of generation 1, recorded after generation 2 was decided.
-    log = pg_store.read(job_id=job)
+    log = list(unpacked(pg_store.read(job_id=job)))  # backup reports as their members sent them
     late = [
         s
         for s in log

@@ -91,6 +91,17 @@ MINIMAL_PAYLOADS: dict[str, dict[str, Any]] = {
     "job.stopped": {"reason": "operator"},
     "job.completed": {},
     "liveness.summary": {"reason": "interval", "at": "2026-01-01T00:00:00+00:00"},
+    "backup.catalog": {
+        "step": 10,
+        "sources": ["n0/m0"],
+        "incarnations": ["i1"],
+        "seqs": [3],
+        "shards": [0],
+        "nbytes": [64],
+        "checksums": ["sha256:ab"],
+        "seconds": [0.01],
+        "holders": [["m1"]],
+    },
 }
 
 #: Payloads with every optional field set, to round-trip nested models too.
