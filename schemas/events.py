@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import math
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -388,6 +389,38 @@ class LivenessColumns(Strict):
             )  # fmt: skip
 
 
+class RegularMembers(Strict):
+    """The members an interval summary does not list one by one: each was heard all through
+    the window, its process the view's, not assumed, its first heartbeat within ``bound_ms``
+    of the window's start, its last within ``bound_ms`` of its end, no gap longer, in
+    ``phase`` of ``generation``, its step in ``[step_min, step_max]`` and its longest step
+    at most ``max_step_ms`` (within a quarter of the window's median). Anyone else is listed
+    in ``columns``; a decision's summary lists everyone."""
+
+    members: Annotated[list[Ident], Field(max_length=MAX_WORLD)]
+    bound_ms: _DurationMs
+    generation: NonNegInt
+    phase: Phase
+    step_min: Step
+    step_max: Step
+    max_step_ms: _DurationMs
+
+    def vouched(self, since: datetime | None, at: datetime) -> datetime:
+        """A time each was heard at or after: the window's end less the bound (and not
+        before the window's start, where each was heard), what the log can vouch for; the
+        live table knows more."""
+        heard = at - timedelta(milliseconds=self.bound_ms)
+        return heard if since is None or heard > since else since
+
+    def last_heard(
+        self, since: datetime | None, at: datetime
+    ) -> Iterator[tuple[str, str | None, int, datetime, Phase]]:
+        """(member, None, generation, ``vouched``, phase) of each."""
+        heard = self.vouched(since, at)
+        for member in self.members:
+            yield member, None, self.generation, heard, self.phase
+
+
 class LivenessSummary(Strict):
     """``liveness.summary``: every member's liveness from ``since`` to ``at`` (a window),
     recorded every ``liveness_summary_interval_s`` and just before every decision, so the
@@ -404,17 +437,26 @@ class LivenessSummary(Strict):
         default_factory=list
     )
     columns: LivenessColumns | None = None
+    #: In an interval summary, the members heard regularly (in part 1; None: none, or a
+    #: decision's summary, which lists every member in ``columns``).
+    regular: RegularMembers | None = None
 
     def last_heard(self) -> Iterator[tuple[str, str | None, int, datetime, Phase]]:
         """(member, incarnation or None, generation, last heartbeat, phase) of each member
-        the part lists (what the fold needs; ``rows`` has the rest)."""
+        the part lists (what the fold needs; ``rows`` has the rest), and of the regular ones
+        (``RegularMembers.last_heard``)."""
         for e in self.members:
             yield e.member, e.incarnation, e.generation, e.last_at, e.phase
         if self.columns is not None:
             yield from self.columns.last_heard()
+        if self.regular is not None:
+            yield from self.regular.last_heard(self.since, self.at)
 
     def rows(self) -> Iterator[LivenessRow]:
-        """Every member the part lists, whatever its encoding."""
+        """Every member the part lists, whatever its encoding; a regular member (see
+        ``RegularMembers``) as heard from the window's start to ``vouched`` without a gap:
+        never later than it was (a replay finds a member that stopped just after the window
+        as early as it could be found: the next summary lists it with its last heartbeat)."""
         for e in self.members:
             yield LivenessRow(
                 e.member, e.node, e.incarnation, e.generation, e.last_at, e.assumed, e.first_at,
@@ -422,6 +464,15 @@ class LivenessSummary(Strict):
             )  # fmt: skip
         if self.columns is not None:
             yield from self.columns.rows()
+        regular = self.regular
+        if regular is not None:
+            last = regular.vouched(self.since, self.at)
+            first = self.since if self.since is not None else last
+            for member in regular.members:
+                yield LivenessRow(
+                    member, None, None, regular.generation, last, False, first, 0, 0.0, None,
+                    regular.phase, regular.step_max, regular.max_step_ms / 1000,
+                )  # fmt: skip
 
 
 class TrainStep(Strict):
@@ -466,14 +517,28 @@ class BackupCatalog(Strict):
     seqs: list[PositiveInt]
     shards: list[NonNegInt]
     nbytes: list[NonNegInt]
-    checksums: list[Checksum]
+    #: Each report's checksum as it was sent; or, when every one of the run is a sha256
+    #: (``sha256:<64 hex>``), ``sha256`` instead: the digests' bytes in unpadded base64url,
+    #: 43 characters where the hex form takes 71 (the same digests: ``checksum(i)``).
+    checksums: list[Checksum] | None = None
+    sha256: list[Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{43}$")]] | None = None
     seconds: list[Seconds]
     holders: list[Annotated[list[Ident], Field(max_length=8)]]
+
+    def checksum(self, i: int) -> str:
+        """Report ``i``'s checksum, as it was sent."""
+        if self.sha256 is not None:
+            return "sha256:" + base64.urlsafe_b64decode(self.sha256[i] + "=").hex()
+        assert self.checksums is not None
+        return self.checksums[i]
 
     @model_validator(mode="after")
     def _aligned(self) -> BackupCatalog:
         count = len(self.sources)
-        for name in ("incarnations", "seqs", "shards", "nbytes", "checksums", "seconds",
+        if (self.checksums is None) == (self.sha256 is None):
+            raise ValueError("a catalog has either checksums or sha256")
+        digests = "checksums" if self.checksums is not None else "sha256"
+        for name in ("incarnations", "seqs", "shards", "nbytes", digests, "seconds",
                      "holders"):  # fmt: skip
             if len(getattr(self, name)) != count:
                 raise ValueError(

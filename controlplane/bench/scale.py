@@ -388,6 +388,7 @@ async def _scenario(
     steady_rate = (steady1 - steady0) / steady  # bytes a second without faults
     return {
         "window": window,
+        "stopped_at": t1,
         "steady_window": steady,
         "steady_bytes_per_s": steady_rate,
         "decided_bytes": decided_bytes,
@@ -405,15 +406,24 @@ async def _scenario(
 
 
 def _detections(
-    store: PostgresEventStore, job_id: str, injected: list[_Fault], timeout_s: float
+    store: PostgresEventStore,
+    job_id: str,
+    injected: list[_Fault],
+    timeout_s: float,
+    stopped_at: float,
 ) -> tuple[list[float], list[float], list[float], dict[str, list[str]], bool]:
     """Hang detection (s), and each fault's decision latency (ms, by crash and hang), from
     the log; the members found failed that no fault was injected into; whether commit
-    times were known."""
+    times were known. What was detected after the simulated members stopped (at
+    ``stopped_at``, Unix time: they all fall silent then) is not counted."""
     log = store.read(
         job_id=job_id, types=["member.exited", "fault.detected", "reallocation.issued"]
     )
-    detections = [s for s in log if s.event.type == "fault.detected"]
+    detections = [
+        s
+        for s in log
+        if s.event.type == "fault.detected" and s.recorded_at.timestamp() < stopped_at
+    ]
     decisions = [s for s in log if s.event.type == "reallocation.issued"]
     commits = _commit_times(store, [s.position for s in detections + decisions])
     by_position = {s.position: s for s in log}
@@ -487,7 +497,7 @@ def run_scale_bench(
         store = PostgresEventStore.from_url(services.database_url)
         try:
             hang_s, crash_ms, hangs_ms, false, committed = _detections(
-                store, job_id, out["injected"], hang_timeout_s
+                store, job_id, out["injected"], hang_timeout_s, out["stopped_at"]
             )
         finally:
             store.close()

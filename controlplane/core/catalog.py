@@ -15,6 +15,8 @@ catalog, and a report delivered again later is recognised by its seq (``duplicat
 
 from __future__ import annotations
 
+import base64
+import re
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Final
@@ -83,6 +85,8 @@ def catalog(reports: Sequence[EnvelopeBase]) -> BackupCatalogEvent:
     and step), built without validating again."""
     first = reports[0]
     payloads: list[BackupSnapshot] = [r.payload for r in reports]
+    checksums = [p.checksum for p in payloads]
+    sha256 = _sha256(checksums)
     body = BackupCatalog.model_construct(
         step=payloads[0].step,
         sources=[r.source for r in reports],
@@ -90,7 +94,8 @@ def catalog(reports: Sequence[EnvelopeBase]) -> BackupCatalogEvent:
         seqs=[r.seq for r in reports],
         shards=[p.shard for p in payloads],
         nbytes=[p.nbytes for p in payloads],
-        checksums=[p.checksum for p in payloads],
+        checksums=None if sha256 is not None else checksums,
+        sha256=sha256,
         seconds=[p.seconds for p in payloads],
         holders=[p.holders for p in payloads],
     )
@@ -108,13 +113,29 @@ def catalog(reports: Sequence[EnvelopeBase]) -> BackupCatalogEvent:
     )
 
 
+def _sha256(checksums: list[str]) -> list[str] | None:
+    """The digests of ``checksums`` in unpadded base64url when every one is a sha256 in
+    lowercase hex (what members send; see ``BackupCatalog``), else None."""
+    out = []
+    for checksum in checksums:
+        hexdigest = checksum[7:]
+        if len(checksum) != 71 or not checksum.startswith("sha256:") or not _HEX.match(hexdigest):
+            return None
+        out.append(base64.urlsafe_b64encode(bytes.fromhex(hexdigest)).rstrip(b"=").decode())
+    return out
+
+
+_HEX = re.compile(r"[0-9a-f]{64}\Z")
+
+
 def reports(event: EnvelopeBase) -> Iterator[BackupSnapshotEvent]:
     """The ``backup.snapshot`` reports a catalog holds, each as the event it was but for its
     event_id (derived) and emission time (the catalog's)."""
     body: BackupCatalog = event.payload
     base = uuid.UUID(event.event_id)
+    checksums = body.checksums or [body.checksum(i) for i in range(len(body.sources))]
     columns = zip(
-        body.sources, body.incarnations, body.seqs, body.shards, body.nbytes, body.checksums,
+        body.sources, body.incarnations, body.seqs, body.shards, body.nbytes, checksums,
         body.seconds, body.holders, strict=True,
     )  # fmt: skip
     for i, (source, incarnation, seq, shard, nbytes, checksum, seconds, holders) in enumerate(

@@ -31,12 +31,23 @@ Pure: times are arguments; nothing here reads a clock or does I/O.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from controlplane.core.view import JobView, MemberStatus
 from schemas.common import Phase
-from schemas.events import SUMMARY_COLUMN_MEMBERS, LivenessColumns, LivenessSummary, ms_of
+from schemas.events import (
+    SUMMARY_COLUMN_MEMBERS,
+    LivenessColumns,
+    LivenessSummary,
+    RegularMembers,
+    ms_of,
+)
+
+#: An interval summary names a member only (``RegularMembers``) when no silence of its in
+#: the window was longer than this many heartbeat intervals.
+REGULAR_BEATS = 2
 
 
 def on_the_ms(at: datetime) -> datetime:
@@ -175,8 +186,9 @@ class LivenessTable:
 
     def summarize(self, view: JobView, now: datetime, reason: str) -> list[LivenessSummary]:
         """The job's summary at ``now`` (split in parts of ``SUMMARY_COLUMN_MEMBERS``): every
-        member the table holds whose process is the view's, in columns. Empty when there is
-        none."""
+        member the table holds whose process is the view's, in columns; at an interval, the
+        members heard regularly named only (``regular``, see ``RegularMembers``). Empty when
+        there is none."""
         members = self._jobs.get(view.job_id, {})
         listed: list[tuple[str, Heard]] = []
         for member_id in sorted(members):
@@ -188,9 +200,13 @@ class LivenessTable:
         if not listed:
             return []
         since = self._windows.get(view.job_id, self.started_at)
+        regular = None
+        if reason == "interval":
+            bound_s = REGULAR_BEATS * view.effective_policy.heartbeat_interval_s
+            regular, listed = _regular(listed, since, now, bound_s)
         epoch = ms_of(now)  # rounded down to the millisecond
         size = SUMMARY_COLUMN_MEMBERS
-        chunks = [listed[i : i + size] for i in range(0, len(listed), size)]
+        chunks = [listed[i : i + size] for i in range(0, len(listed), size)] or [[]]
         return [
             LivenessSummary(
                 reason=reason,  # type: ignore[arg-type]  # "interval" | "decision"
@@ -198,7 +214,8 @@ class LivenessTable:
                 at=now,
                 part=i,
                 parts=len(chunks),
-                columns=_columns(epoch, chunk),
+                columns=_columns(epoch, chunk) if chunk else None,
+                regular=regular if i == 1 else None,
             )
             for i, chunk in enumerate(chunks, start=1)
         ]
@@ -219,6 +236,44 @@ class LivenessTable:
         if members:
             for member_id in [m for m in members if m not in keep]:
                 del members[member_id]
+
+
+def _regular(
+    listed: list[tuple[str, Heard]], since: datetime, now: datetime, bound_s: float
+) -> tuple[RegularMembers | None, list[tuple[str, Heard]]]:
+    """``listed`` split into the members heard regularly over ``[since, now]`` (see
+    ``RegularMembers``: in the window's most common generation and phase, every silence at
+    most ``bound_s``, the longest step within a quarter of the median's) and the others."""
+    bound = timedelta(milliseconds=round(bound_s * 1000))
+    start, end = since + bound, now - bound
+    steady = [
+        (m, h)
+        for m, h in listed
+        if not h.assumed
+        and h.first_at is not None
+        and h.first_at <= start
+        and h.last_at >= end
+        and h.max_gap_s <= bound.total_seconds()
+    ]
+    if not steady:
+        return None, listed
+    common = Counter((h.generation, h.phase) for _, h in steady).most_common(1)[0][0]
+    steps = sorted(h.max_step_s for _, h in steady)
+    slow = steps[len(steps) // 2] * 1.25
+    names = {m for m, h in steady if (h.generation, h.phase) == common and h.max_step_s <= slow}
+    if not names:
+        return None, listed
+    chosen = [h for m, h in listed if m in names]
+    regular = RegularMembers(
+        members=sorted(names),
+        bound_ms=round(bound_s * 1000),
+        generation=common[0],
+        phase=common[1],
+        step_min=min(h.step for h in chosen),
+        step_max=max(h.step for h in chosen),
+        max_step_ms=round(max(h.max_step_s for h in chosen) * 1000),
+    )
+    return regular, [(m, h) for m, h in listed if m not in names]
 
 
 def _columns(epoch: int, listed: list[tuple[str, Heard]]) -> LivenessColumns:

@@ -204,6 +204,9 @@ async def test_a_subject_that_is_not_utf8_is_dead_lettered_and_ingest_goes_on(
     raise UnicodeDecodeError on one and stop receiving, for every job."""
     from controlplane.bench.fuzz import publish_raw
 
+    # The stream exists before anything is published, however long serve takes to start
+    # (what reaches no stream is never acknowledged).
+    await _ensure_stream(settings)
     log = tmp_path / "serve.log"
     serve = _serve(settings, log)
     try:

@@ -14,6 +14,7 @@ from controlplane.core.fold import fold
 from controlplane.core.records import StoredEvent
 from controlplane.decode import decode
 from controlplane.store.memory import InMemoryEventStore
+from schemas.events import BackupCatalog
 from schemas.subjects import event_subject
 from tests.factories import Events
 from tests.scenario import Scenario
@@ -138,3 +139,31 @@ def _positionless(decided) -> list:
         return value
 
     return [(d.type, strip(d.payload.model_dump(mode="json"))) for d in decided]
+
+
+def test_sha256_digests_are_kept_in_base64_and_read_back_as_sent():
+    import hashlib
+
+    ev = Events()
+    sent = []
+    for rank in range(3):
+        report = _report(ev, rank)
+        digest = "sha256:" + hashlib.sha256(bytes([rank])).hexdigest()
+        sent.append(report.model_copy(update={"payload": report.payload.model_copy(
+            update={"checksum": digest})}))  # fmt: skip
+    [(catalog, _)] = pack(sent)
+    assert catalog.payload.checksums is None and len(catalog.payload.sha256[0]) == 43
+    stored = [StoredEvent(1, sent[0].emitted_at, catalog)]
+    assert [s.event.payload.checksum for s in unpacked(stored)] == [
+        r.payload.checksum for r in sent
+    ]
+    # Any other checksum in the run: every one kept as sent.
+    mixed = [*sent, _report(ev, 3)]
+    [(catalog, _)] = pack(mixed)
+    assert catalog.payload.sha256 is None
+    assert catalog.payload.checksums == [r.payload.checksum for r in mixed]
+    # Validated (an import reads it from a file): the digests' forms cannot be mixed up.
+    body = catalog.payload.model_dump()
+    BackupCatalog.model_validate(body)
+    with pytest.raises(ValueError, match="either checksums or sha256"):
+        BackupCatalog.model_validate({**body, "sha256": ["A" * 43] * 4})

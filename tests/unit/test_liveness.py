@@ -78,7 +78,8 @@ def test_a_window_ends_with_its_summary_and_the_gap_across_it_counts_in_the_next
     view = fold(None, recorded([events.joined("m0", incarnation="i1")]))
     observe(table, "m0", 1.0)
     observe(table, "m0", 2.0)
-    [summary] = table.summarize(view, at(2.5), "interval")
+    # (A decision's summary lists every member in full; see below for an interval's.)
+    [summary] = table.summarize(view, at(2.5), "decision")
     [entry] = summary.rows()
     assert (entry.first_at, entry.last_at, entry.beats) == (at(1.0), at(2.0), 2)
     assert summary.since == T0 and summary.at == at(2.5)
@@ -137,9 +138,71 @@ def test_a_summary_of_many_members_is_split_into_parts():
     table = LivenessTable(started_at=T0)
     for i in range(n):
         observe(table, f"m{i}", 1.0)
-    parts = table.summarize(view, at(2.0), "interval")
+    parts = table.summarize(view, at(2.0), "decision")
     assert [(p.part, p.parts, len(list(p.rows()))) for p in parts] == [
         (1, 2, SUMMARY_COLUMN_MEMBERS), (2, 2, 5)]  # fmt: skip
+
+
+def _steady(table: LivenessTable, member: str, start: float, end: float, **kw) -> None:
+    t = start
+    while t <= end + 1e-9:
+        observe(table, member, t, **kw)
+        t += 0.5
+
+
+def test_an_interval_summary_names_the_regular_members_and_lists_the_others():
+    """Heartbeats every 0.5 s (the policy's interval 1 s: the bound is 2 s). Named only:
+    heard all through the window, no gap over the bound, in the common generation and
+    phase, the longest step near the median. Listed in full: anyone else."""
+    events = Events()
+    names = ["m0", "m1", "late", "gap", "slow", "stopped", "init"]
+    view = fold(None, recorded([events.joined(m, incarnation="i1") for m in names]))
+    table = LivenessTable(started_at=T0)
+    for member in ("m0", "m1"):
+        _steady(table, member, 0.5, 9.5, step_seconds=1.0)
+    _steady(table, "late", 3.0, 9.5, step_seconds=1.0)  # first heard 3 s into the window
+    for t in (0.5, 1.0, 4.0, 4.5, 9.5):  # a 3 s silence
+        observe(table, "gap", t, step_seconds=1.0)
+    _steady(table, "slow", 0.5, 9.5, step_seconds=1.5)  # 50% slower than the median
+    _steady(table, "stopped", 0.5, 6.0, step_seconds=1.0)  # silent since 6 s
+    _steady(table, "init", 0.5, 9.5, phase=Phase.INIT, step_seconds=1.0)
+    [summary] = table.summarize(view, at(10.0), "interval")
+    assert summary.regular is not None
+    assert summary.regular.members == ["m0", "m1"]
+    assert (summary.regular.bound_ms, summary.regular.phase) == (2000, Phase.TRAIN)
+    assert summary.regular.max_step_ms == 1000
+    assert summary.columns is not None
+    assert summary.columns.members == ["gap", "init", "late", "slow", "stopped"]
+    # The fold moves a regular member's last heartbeat to what the log vouches for (the
+    # window's end less the bound), never past the time the table heard it.
+    folded = fold(view, recorded([_recorded_summary(events, summary)], start=9))
+    heard = table.heard("job1", "m0")
+    assert heard is not None
+    assert folded.members["m0"].last_heartbeat_at == at(8.0) <= heard.last_at
+    assert folded.members["stopped"].last_heartbeat_at == at(6.0)
+    # A decision's summary names nobody: every member in full.
+    [decision] = table.summarize(view, at(10.0), "decision")
+    assert decision.regular is None and decision.columns is not None
+    assert len(decision.columns.members) == len(names)
+
+
+def test_an_interval_summary_of_a_steady_job_costs_a_name_per_member():
+    events = Events()
+    n = 4096
+    view = fold(None, recorded([events.joined(f"m{i}", incarnation="i1") for i in range(n)]))
+    table = LivenessTable(started_at=T0)
+    for i in range(n):
+        _steady(table, f"m{i}", 0.5, 9.5, step_seconds=1.0)
+    [interval] = table.summarize(view, at(10.0), "interval")
+    full = table.summarize(view, at(10.0), "decision")
+    interval_bytes = len(interval.model_dump_json())
+    full_bytes = sum(len(p.model_dump_json()) for p in full)
+    assert interval.columns is None and interval.regular is not None
+    assert interval_bytes < 10 * n and full_bytes > 5 * interval_bytes, (interval_bytes, full_bytes)
+
+
+def _recorded_summary(events: Events, summary):
+    return events.cp("liveness.summary", summary.model_dump(mode="json"))
 
 
 def test_a_summary_of_another_process_or_from_a_member_changes_nothing():
