@@ -1,14 +1,13 @@
 """Room on each page of the source cursors for their updates.
 
 Every accepted event moves its source's cursor: at a backup of a 4,096-rank job, 4,096 rows
-updated at once, every ten seconds. With full pages each update wrote its new version on
-another page, with a new primary-key entry, and the table and its index grew between two
-vacuums by a row per update: ``elasticctl bench scale`` counted it as a growth of the log,
-about 1.4 MB per rank-day, for a table whose live size is a row per source. With half of
-each page free, an update that changes no key column (none does: the key is the source)
-stays on its page as a heap-only tuple, without an index entry, and the page's older
-versions are pruned when it is next read: the table stays near twice its live size.
-Existing pages are left as they are until they are rewritten (``VACUUM FULL``).
+updated at once, every ten seconds. With full pages an update writes its new version on
+another page, with a new primary-key entry, so the table and its index grow between two
+vacuums by a row per update, for a table whose live size is a row per source. With half of
+each page free, an update that changes no key column (none does: the key is the source) can
+stay on its page as a heap-only tuple, without an index entry, and the page's older versions
+are pruned when it is next read. Existing pages are left as they are until they are
+rewritten (``VACUUM FULL``).
 
 Revision ID: 0004
 Revises: 0003
