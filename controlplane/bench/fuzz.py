@@ -50,7 +50,7 @@ from controlplane.decode import decode, storable
 from controlplane.errors import StoreRefused
 from controlplane.settings import DATABASE_URL_ENV, NATS_URL_ENV, libpq_url
 from controlplane.store.memory import refusal
-from controlplane.store.postgres import PostgresEventStore, encode_row
+from controlplane.store.postgres import CATALOG_REPORTS, PostgresEventStore, encode_row
 from schemas.common import MAX_EVENT_BYTES, JobState
 from schemas.events import CONTROLPLANE_EVENT_TYPES, MEMBER_EVENT_TYPES
 
@@ -548,6 +548,8 @@ def account(database_url: str, cases: Sequence[Case], seqs: dict[int, int | None
                 "SELECT event_id FROM events WHERE event_id = ANY(%s::uuid[])", (ids,)
             ).fetchall()
         }
+        # A backup report the store packed is in a catalog, by its source, incarnation, seq.
+        packed = {(str(r[0]), str(r[1]), int(r[2])) for r in conn.execute(CATALOG_REPORTS)}
         letters = conn.execute(
             "SELECT stream_seq, event_id, reason FROM dead_letters WHERE stream_seq = ANY(%s)"
             " OR event_id = ANY(%s)",
@@ -560,7 +562,7 @@ def account(database_url: str, cases: Sequence[Case], seqs: dict[int, int | None
         if seq is None:
             continue
         event_id = cases[index].event_id
-        if event_id in stored:
+        if event_id in stored or _report_key(cases[index].data) in packed:
             out.stored += 1
             continue
         reason = by_seq.get(seq) or by_id.get(event_id)
@@ -570,6 +572,17 @@ def account(database_url: str, cases: Sequence[Case], seqs: dict[int, int | None
         out.dead_lettered += 1
         out.reasons[_reason_kind(reason)] += 1
     return out
+
+
+def _report_key(data: bytes) -> tuple[str, str, int] | None:
+    """(source, incarnation, seq) of a case that is a backup report, else None."""
+    try:
+        env = json.loads(data)
+        if env.get("type") != "backup.snapshot":
+            return None
+        return str(env["source"]), str(env["incarnation"]), int(env["seq"])
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError):  # any bytes
+        return None
 
 
 def _reason_kind(reason: str) -> str:

@@ -345,23 +345,28 @@ class Storage:
         return round(self.events_total_bytes * job.row_bytes / rows) if rows else 0
 
 
+#: (source, incarnation, seq) of every backup report the store packed into a catalog.
+CATALOG_REPORTS = """
+SELECT s.source, i.incarnation, q.seq::bigint
+  FROM events e
+ CROSS JOIN LATERAL jsonb_array_elements_text(e.payload->'sources')
+       WITH ORDINALITY AS s(source, n)
+  JOIN LATERAL jsonb_array_elements_text(e.payload->'incarnations')
+       WITH ORDINALITY AS i(incarnation, n) USING (n)
+  JOIN LATERAL jsonb_array_elements_text(e.payload->'seqs') WITH ORDINALITY AS q(seq, n)
+       USING (n)
+ WHERE e.type = 'backup.catalog' AND e.source = 'controlplane'
+"""
+
 #: (events, distinct (source, incarnation, seq)) the members of job ``%(job)s`` have in the
 #: log: rows of their own and the reports the store packed into catalogs (``core.catalog``),
 #: each report counted once. What a bench checks for lost and duplicated events.
-MEMBER_EVENT_COUNTS = """
+MEMBER_EVENT_COUNTS = f"""
 SELECT count(*), count(DISTINCT (source, incarnation, seq)) FROM (
     SELECT source, incarnation, seq FROM events
      WHERE job_id = %(job)s AND source <> 'controlplane'
     UNION ALL
-    SELECT s.source, i.incarnation, q.seq::bigint
-      FROM events e
-     CROSS JOIN LATERAL jsonb_array_elements_text(e.payload->'sources')
-           WITH ORDINALITY AS s(source, n)
-      JOIN LATERAL jsonb_array_elements_text(e.payload->'incarnations')
-           WITH ORDINALITY AS i(incarnation, n) USING (n)
-      JOIN LATERAL jsonb_array_elements_text(e.payload->'seqs') WITH ORDINALITY AS q(seq, n)
-           USING (n)
-     WHERE e.job_id = %(job)s AND e.type = 'backup.catalog' AND e.source = 'controlplane'
+    {CATALOG_REPORTS} AND e.job_id = %(job)s
 ) AS reports
 """
 
