@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import math
+import re
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, Literal, NamedTuple, Union
@@ -496,6 +497,8 @@ class BackupSnapshot(Strict):
     holders: Annotated[list[Ident], Field(max_length=8)] = Field(default_factory=list)
 
 
+#: A checksum whose digest a ``backup.catalog`` keeps in base64.
+_SHA256_HEX = re.compile(r"sha256:[0-9a-f]{64}\Z")
 #: Backup reports one ``backup.catalog`` packs at most (a row of about 200 KB).
 CATALOG_ENTRIES = 1024
 
@@ -524,6 +527,17 @@ class BackupCatalog(Strict):
     sha256: list[Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{43}$")]] | None = None
     seconds: list[Seconds]
     holders: list[Annotated[list[Ident], Field(max_length=8)]]
+
+    @staticmethod
+    def sha256_of(checksums: list[str]) -> list[str] | None:
+        """``checksums`` in the ``sha256`` column's form when every one is a sha256 in
+        lowercase hex (what members send), else None (kept as sent, in ``checksums``)."""
+        out = []
+        for checksum in checksums:
+            if not _SHA256_HEX.match(checksum):
+                return None
+            out.append(base64.urlsafe_b64encode(bytes.fromhex(checksum[7:])).rstrip(b"=").decode())
+        return out
 
     def checksum(self, i: int) -> str:
         """Report ``i``'s checksum, as it was sent."""

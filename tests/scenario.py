@@ -199,22 +199,25 @@ class Scenario:
         self.step(23)
         return self
 
-    def backup(self, step: int, *, replicate: bool = True) -> None:
+    def backup(self, step: int, *, replicate: bool = True, named: bool = False) -> None:
         """Every rank snapshots its shard at ``step``; holders named by the current
-        placement replicate it (when ``replicate``)."""
+        placement replicate it (when ``replicate``), each reporting its copy, or the owner
+        names them in its report (when ``named``, as the runtime does now)."""
         events = []
         for shard, owner in enumerate(self.v.world):
             checksum = f"crc32:{step:04x}{shard:04x}"
+            payload: dict[str, Any] = {
+                "step": step, "shard": shard, "nbytes": 100, "checksum": checksum,
+                "seconds": 0.01,
+            }  # fmt: skip
+            if named:
+                payload["holders"] = list(self.v.placement[shard])
             events.append(
                 self.ev.make(
-                    "backup.snapshot",
-                    {"step": step, "shard": shard, "nbytes": 100, "checksum": checksum,
-                     "seconds": 0.01},
-                    source=self._src(owner),
-                    generation=self._gen(),
+                    "backup.snapshot", payload, source=self._src(owner), generation=self._gen()
                 )
-            )  # fmt: skip
-            if not replicate:
+            )
+            if not replicate or named:
                 continue
             for holder in self.v.placement[shard]:
                 events.append(

@@ -10,13 +10,11 @@ job still does), so folding the catalogs is folding the reports (a unit test fol
 
 Packing runs after the sequence rules and the de-duplication, so every packed report was
 checked and bound to its sender like any event; its (source, incarnation, seq) stay in the
-catalog, and a report delivered again later is recognised by its seq (``duplicate_reports``).
+catalog, and a report delivered again later is recognised by its seq (``is_repeated_report``).
 """
 
 from __future__ import annotations
 
-import base64
-import re
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Final
@@ -46,10 +44,10 @@ _NAMESPACE = uuid.UUID("5b0f4a52-3c1e-4d8e-9a53-7f6d2c1b8e01")
 def pack(events: Sequence[EnvelopeBase]) -> list[tuple[EnvelopeBase, int]]:
     """``events`` (accepted, in order) with each run of two or more backup reports replaced
     by one catalog: pairs of (event, its index in ``events``; a catalog's is the index of
-    its first report, and its type ``CATALOG``). A
-    run ends at the job's next event of another kind, generation or step, at
-    ``CATALOG_ENTRIES`` reports, or at the batch's end; its catalog takes the place where
-    the run ended (other jobs' events may move past it, which no job's fold can see)."""
+    its first report, and its type ``CATALOG``). A run ends at the job's next event of
+    another kind, generation or step, at ``CATALOG_ENTRIES`` reports, or at the batch's
+    end; its catalog takes the place where the run ended (other jobs' events may move past
+    it, which no job's fold can see)."""
     out: list[tuple[EnvelopeBase, int]] = []
     runs: dict[str, tuple[int, int, list[int]]] = {}  # job -> (generation, step, indices)
 
@@ -86,7 +84,7 @@ def catalog(reports: Sequence[EnvelopeBase]) -> BackupCatalogEvent:
     first = reports[0]
     payloads: list[BackupSnapshot] = [r.payload for r in reports]
     checksums = [p.checksum for p in payloads]
-    sha256 = _sha256(checksums)
+    sha256 = BackupCatalog.sha256_of(checksums)
     body = BackupCatalog.model_construct(
         step=payloads[0].step,
         sources=[r.source for r in reports],
@@ -111,21 +109,6 @@ def catalog(reports: Sequence[EnvelopeBase]) -> BackupCatalogEvent:
         emitted_at=first.emitted_at,
         payload=body,
     )
-
-
-def _sha256(checksums: list[str]) -> list[str] | None:
-    """The digests of ``checksums`` in unpadded base64url when every one is a sha256 in
-    lowercase hex (what members send; see ``BackupCatalog``), else None."""
-    out = []
-    for checksum in checksums:
-        hexdigest = checksum[7:]
-        if len(checksum) != 71 or not checksum.startswith("sha256:") or not _HEX.match(hexdigest):
-            return None
-        out.append(base64.urlsafe_b64encode(bytes.fromhex(hexdigest)).rstrip(b"=").decode())
-    return out
-
-
-_HEX = re.compile(r"[0-9a-f]{64}\Z")
 
 
 def reports(event: EnvelopeBase) -> Iterator[BackupSnapshotEvent]:
@@ -176,15 +159,6 @@ def unpacked(log: Iterable[StoredEvent]) -> Iterator[StoredEvent]:
                 yield StoredEvent(stored.position, stored.recorded_at, report)
         else:
             yield stored
-
-
-def unpacked_events(events: Iterable[EnvelopeBase]) -> Iterator[EnvelopeBase]:
-    """``unpacked`` for envelopes (an import's input)."""
-    for event in events:
-        if is_catalog(event):
-            yield from reports(event)
-        else:
-            yield event
 
 
 def is_repeated_report(event: EnvelopeBase, repeated: set[str]) -> bool:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import fields
 from typing import Any, TypeVar
 
-from controlplane.core.catalog import is_catalog, reports
+from controlplane.core.catalog import is_catalog, unpacked
 from controlplane.core.detect import PEER_FAULTS
 from controlplane.core.records import StoredEvent
 from controlplane.core.statemachine import TERMINAL, can_transition
@@ -483,9 +483,9 @@ class _Fold:
         ignored = self.ignored
         start = len(ignored)
         believed = False
-        for report in reports(stored.event):
+        for report in unpacked((stored,)):
             before = len(ignored)
-            self._snapshot(StoredEvent(stored.position, stored.recorded_at, report), report.payload)
+            self._snapshot(report, report.event.payload)
             believed = believed or len(ignored) == before
         if believed:  # the catalog changed something: it is not an event the fold ignored
             del ignored[start:]

@@ -76,32 +76,15 @@ def test_a_member_cannot_publish_a_catalog():
 
 
 def _trained(s: Scenario) -> list[StoredEvent]:
-    """Members' events of a job that trains and backs up twice, each backup's reports named
-    with the holders of the placement; the log as the members sent it."""
+    """Members' events of a job that trains and backs up twice, each report naming the
+    holders of the placement, then loses a rank; the log as the members sent it."""
     s.cluster(2, 2, spares=1)
     s.decide()
     s.at(1)
     s.heartbeat_all()
     for step in (10, 20):
         s.step(step)
-        s.add(
-            *(
-                s.ev.make(
-                    "backup.snapshot",
-                    {
-                        "step": step,
-                        "shard": shard,
-                        "nbytes": 100,
-                        "checksum": f"sha256:{step:04x}{shard:04x}",
-                        "seconds": 0.01,
-                        "holders": list(s.v.placement[shard]),
-                    },
-                    source=s._src(owner),
-                    generation=s._gen(),
-                )
-                for shard, owner in enumerate(s.v.world)
-            )
-        )
+        s.backup(step, named=True)
     s.step(23)
     s.at(2)
     s.exited(s.v.world[1])
