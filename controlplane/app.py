@@ -24,6 +24,7 @@ from controlplane.core.records import DeadLetter
 from controlplane.core.statemachine import TERMINAL
 from controlplane.core.view import JobView, MemberStatus
 from controlplane.decider import CommandPublisher, Decider, DeciderStats, utcnow
+from controlplane.decode import Beat
 from controlplane.errors import BusUnavailable, StoreUnavailable
 from controlplane.ingest import Ingest, QuietTurn
 from controlplane.lock import AdvisoryLock
@@ -33,7 +34,7 @@ from controlplane.store.migrate import check_schema
 from controlplane.store.port import AppendResult, EventStore, JobHead
 from controlplane.store.postgres import AsyncAppender, PostgresEventStore
 from schemas.auth import CommandSigner
-from schemas.events import EnvelopeBase, HeartbeatMessage
+from schemas.events import EnvelopeBase
 
 if TYPE_CHECKING:
     from controlplane.api.metrics import LogMetrics, MetricsExporter
@@ -88,14 +89,13 @@ class ControlPlane:
         view = self.views.get(job_id)
         return view is not None and 0 < generation <= view.generation
 
-    def _heartbeat_taker(
-        self, table: LivenessTable
-    ) -> Callable[[HeartbeatMessage, str, str, datetime], str | None]:
+    def _heartbeat_taker(self, table: LivenessTable) -> Callable[[Beat, datetime], str | None]:
         """Takes a validated heartbeat into ``table``: only from the member's current
         process (its joined incarnation, on its node), else why not."""
 
-        def take(beat: HeartbeatMessage, node: str, member_id: str, at: datetime) -> str | None:
+        def take(beat: Beat, at: datetime) -> str | None:
             view = self.views.get(beat.job_id)
+            member_id, node = beat.member, beat.node
             member = view.members.get(member_id) if view is not None else None
             if view is None or member is None:
                 return f"never joined: {beat.source} of job {beat.job_id}"

@@ -9,7 +9,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, NamedTuple
 
 import nats
@@ -29,10 +29,9 @@ from nats.js.api import (
 )
 from nats.protocol.parser import AWAITING_CONTROL_LINE, MAX_CONTROL_LINE_SIZE, Parser
 
-from controlplane.decode import decode_heartbeat
+from controlplane.decode import Beat, decode_heartbeats
 from controlplane.errors import BusUnavailable
 from controlplane.settings import Settings
-from schemas.events import HeartbeatMessage
 from schemas.nats import auth_options
 from schemas.subjects import COMMAND_PREFIX, EVENTS_WILDCARD, HEARTBEATS_WILDCARD
 
@@ -531,19 +530,21 @@ _REFUSAL_LOG_S = 10.0
 class HeartbeatListener:
     """Receives heartbeats on the NATS core subjects ``elastic.hb.>`` (not stored).
 
-    Each message is validated and bound to its subject (``decode_heartbeat``), then handed to
-    ``on_beat`` with the time it arrived. One bad message (or a failing ``on_beat``) is
-    counted and dropped: it never stops the subscription or the loop.
+    Each message, a member's own heartbeat or its node's launcher's relay of its members', is
+    validated and bound to its subject (``decode_heartbeats``); each beat it carries is handed
+    to ``on_beat`` with the time it was heard (the message's arrival, less the time the
+    launcher held it). One bad message or beat (or a failing ``on_beat``) is counted and
+    dropped: it never stops the subscription or the loop.
     """
 
     def __init__(
         self,
         nc: Client,
-        on_beat: Callable[[HeartbeatMessage, str, str, datetime], str | None],
+        on_beat: Callable[[Beat, datetime], str | None],
         clock: Callable[[], datetime] | None = None,
     ) -> None:
         self._nc = nc
-        #: (message, node, member, received at) -> None, or why it was not taken.
+        #: (beat, when it was heard) -> None, or why it was not taken.
         self._on_beat = on_beat
         self._clock = clock or (lambda: datetime.now(UTC))
         self._sub: Subscription | None = None
@@ -596,23 +597,23 @@ class HeartbeatListener:
         self.receive(msg.subject, msg.data)
 
     def receive(self, subject: str, data: bytes) -> None:
-        """Take one message (never raises)."""
+        """Take one message, a member's heartbeat or its node's (never raises)."""
         self.stats.received += 1
         at = self._clock()
-        try:
-            beat = decode_heartbeat(subject, data)
-            if isinstance(beat, str):
-                self._refuse(subject, beat)
-                return
-            node, _, member = beat.source.partition("/")
-            why = self._on_beat(beat, node, member, at)
-        except Exception as exc:
-            log.exception("a heartbeat on %r could not be taken", subject[:256])
-            why = f"undecodable: {type(exc).__name__}"
-        if why is not None:
-            self._refuse(subject, why)
+        beats = decode_heartbeats(subject, data)
+        if isinstance(beats, str):
+            self._refuse(subject, beats)
             return
-        self.stats.accepted += 1
+        for beat in beats:
+            try:
+                why = self._on_beat(beat, at - timedelta(seconds=beat.age_s) if beat.age_s else at)
+            except Exception as exc:
+                log.exception("a heartbeat of %s could not be taken", beat.source)
+                why = f"undecodable: {type(exc).__name__}"
+            if why is not None:
+                self._refuse(subject, why)
+            else:
+                self.stats.accepted += 1
 
     def _refuse(self, subject: str, reason: str) -> None:
         key = reason.split(":", 1)[0][:64]

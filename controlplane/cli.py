@@ -468,11 +468,19 @@ def bench_scale(
     backup_interval: Annotated[
         int, typer.Option(min=1, help="Steps (one a second) between backups.")
     ] = 10,
+    heartbeats: Annotated[
+        str,
+        typer.Option(
+            help="node: each node's launcher relays its members' heartbeats in one message an"
+            " interval (as `elasticctl run` does); member: each member sends its own.",
+        ),
+    ] = "node",
     as_json: Annotated[bool, typer.Option("--json", help="Print only the JSON result.")] = False,
 ) -> None:
     """The control plane at a job's size: hang detection, decisions, storage, CPU.
 
-    Simulated members heartbeat on NATS core at --heartbeat-interval, rank 0 records a step a
+    Simulated members heartbeat on NATS core at --heartbeat-interval (relayed by each node's
+    launcher with --heartbeats node, the default), rank 0 records a step a
     second, every rank backs up every --backup-interval steps; after --steady-seconds without
     faults, crashes and hangs are injected through the real service (a control plane
     process) for --seconds. Prints hang_detect_p50_s / _p99_s, decide_p50_ms / _p99_ms (to
@@ -482,6 +490,10 @@ def bench_scale(
     """
     from controlplane.bench.scale import BenchScaleError, run_scale_bench
 
+    if heartbeats not in ("node", "member"):
+        raise typer.BadParameter(
+            f"{heartbeats!r}: expected node or member", param_hint="--heartbeats"
+        )
     if hang_timeout <= heartbeat_interval:
         raise typer.BadParameter(
             f"{hang_timeout:g}s is not longer than the heartbeat interval"
@@ -498,6 +510,7 @@ def bench_scale(
             heartbeat_interval_s=heartbeat_interval,
             hang_timeout_s=hang_timeout,
             backup_interval=backup_interval,
+            heartbeats=heartbeats,
             progress=not as_json,
         )
     except BenchScaleError as exc:

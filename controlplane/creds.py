@@ -6,7 +6,8 @@ deterministically, an Ed25519 NKey seed for
 - the control plane (``controlplane.nk``): administers both streams, pulls and acks events,
   publishes commands; the only identity that can read events;
 - each node of a job, twice: its launcher (``<job>/<node>/launcher.nk``), which may publish
-  ``elastic.evt.<job>.<node>.>`` (its members' exits as ``<node>/launcher``), and its members
+  ``elastic.evt.<job>.<node>.>`` (its members' exits as ``<node>/launcher``) and the NATS core
+  subject ``elastic.hb.<job>.<node>.launcher`` (the heartbeats it relays), and its members
   (``<job>/<node>/member.nk``), which may publish ``elastic.evt.<job>.<node>.*.>`` except
   ``elastic.evt.<job>.<node>.launcher.>``, and their heartbeats on the NATS core subjects
   ``elastic.hb.<job>.<node>.*`` except ``elastic.hb.<job>.<node>.launcher``.
@@ -116,9 +117,12 @@ def node_permissions(
             f"$JS.FC.{command_stream}.>",
         ]
     }
-    if kind == MEMBER:
+    beats = f"{HEARTBEAT_PREFIX}.{job_id}.{node}"
+    if kind == LAUNCHER:
+        # The node's heartbeats that its members sent it (NATS core, not stored).
+        publish["allow"].append(f"{beats}.{LAUNCHER_MEMBER}")
+    else:
         # Its members' heartbeats (NATS core, not stored), as its members only.
-        beats = f"{HEARTBEAT_PREFIX}.{job_id}.{node}"
         publish["allow"].append(f"{beats}.*")
         publish["deny"] = [f"{events}.{LAUNCHER_MEMBER}.>", f"{beats}.{LAUNCHER_MEMBER}"]
     return {"publish": publish, "subscribe": {"allow": [f"{inbox_prefix(public)}.>"]}}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import NamedTuple
 
 from pydantic import ValidationError
 
@@ -15,6 +16,8 @@ from schemas.events import (
     SCHEMA_VERSIONS,
     EnvelopeBase,
     HeartbeatMessage,
+    MemberHeartbeat,
+    NodeHeartbeatMessage,
 )
 from schemas.subjects import EventSubject, parse_event_subject, parse_heartbeat_subject
 
@@ -92,31 +95,65 @@ def _decode(subject: str, data: bytes, stream_seq: int | None) -> EnvelopeBase |
     return event
 
 
-#: The member name a launcher publishes under: it sends no heartbeats.
+#: The member name a launcher publishes under: its heartbeat subject carries its node's.
 _LAUNCHER = "launcher"
 
 
-def decode_heartbeat(subject: str, data: bytes) -> HeartbeatMessage | str:
-    """Validate one heartbeat published on ``subject`` (``elastic.hb.<job>.<node>.<member>``):
-    the message, or why it is refused. Bound to its subject like an event (the job, the
-    source ``<node>/<member>``); never raises, whatever the bytes."""
+class Beat(NamedTuple):
+    """One member's heartbeat, validated and bound to the subject it came on: its own
+    (``age_s`` 0), or its node's launcher's, which heard it ``age_s`` before sending."""
+
+    job_id: str
+    node: str
+    member: str
+    incarnation: str
+    generation: int
+    payload: MemberHeartbeat
+    age_s: float = 0.0
+
+    @property
+    def source(self) -> str:
+        return f"{self.node}/{self.member}"
+
+
+def decode_heartbeats(subject: str, data: bytes) -> list[Beat] | str:
+    """Validate one heartbeat message published on ``subject``: a member's own
+    (``elastic.hb.<job>.<node>.<member>``, ``member.heartbeat``) or its node's
+    (``elastic.hb.<job>.<node>.launcher``, ``node.heartbeat``: the launcher relays its
+    members'). The beats it carries, or why it is refused. Bound to its subject like an event
+    (the job, the source); a node's message speaks only for members of that node (the taker
+    checks each joined there). Never raises, whatever the bytes."""
     try:
         if len(data) > MAX_EVENT_BYTES:
             return f"oversized: {len(data)} bytes, the limit is {MAX_EVENT_BYTES}"
         parsed = parse_heartbeat_subject(subject)
         if parsed is None:
             return "not a heartbeat subject: expected elastic.hb.<job>.<node>.<member>"
-        if parsed.member == _LAUNCHER:
-            return "forged: a launcher sends no heartbeats"
+        message: HeartbeatMessage | NodeHeartbeatMessage
         try:
-            beat = HeartbeatMessage.model_validate_json(data)
+            if parsed.member == _LAUNCHER:
+                message = NodeHeartbeatMessage.model_validate_json(data)
+            else:
+                message = HeartbeatMessage.model_validate_json(data)
         except ValidationError as exc:
             return _explain_heartbeat(exc)
-        if beat.source != parsed.source:
-            return f"forged source: message says {beat.source!r}, subject binds {parsed.source!r}"
-        if beat.job_id != parsed.job_id:
-            return f"job mismatch: message says {beat.job_id!r}, subject says {parsed.job_id!r}"
-        return beat
+        if message.source != parsed.source:
+            return (
+                f"forged source: message says {message.source!r}, subject binds {parsed.source!r}"
+            )
+        if message.job_id != parsed.job_id:
+            return f"job mismatch: message says {message.job_id!r}, subject says {parsed.job_id!r}"
+        job, node = parsed.job_id, parsed.node
+        if isinstance(message, HeartbeatMessage):
+            return [Beat(job, node, parsed.member, message.incarnation, message.generation,
+                         message.payload)]  # fmt: skip
+        beats = message.beats
+        if any(b.member == _LAUNCHER for b in beats):
+            return "forged: a launcher relays its members' heartbeats, not its own"
+        if len({b.member for b in beats}) != len(beats):
+            return "schema violation at beats: a member twice in one node's heartbeats"
+        return [Beat(job, node, b.member, b.incarnation, b.generation, b.payload, b.age_s)
+                for b in beats]  # fmt: skip
     except Exception as exc:  # a bug here must not stop the listener
         log.exception("decoding a heartbeat on %r failed", subject[:_SUBJECT_KEPT])
         return printable(f"undecodable: {type(exc).__name__}: {exc}")

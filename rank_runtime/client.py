@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import queue
+import socket
 import threading
 import time
 import uuid
@@ -140,6 +141,7 @@ class EventClient:
         self._seen_commands: set[str] = set()
         self._thread: threading.Thread | None = None
         self._heart: threading.Thread | None = None
+        self._relay_socket: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._nc: Client | None = None
         self._wake: asyncio.Event | None = None
@@ -191,6 +193,8 @@ class EventClient:
             self._thread.join(max(1.0, deadline - time.monotonic() + 2.0))
         if self._heart is not None:
             self._heart.join(1.0)
+        if self._relay_socket is not None:
+            self._relay_socket.close()
 
     # ------------------------------------------------------------------ events out
 
@@ -244,7 +248,9 @@ class EventClient:
     def heartbeat(self) -> None:
         """Send one heartbeat (step, phase) on ``elastic.hb.<job>.<node>.<member>``: NATS
         core, not JetStream, so it is never stored; one that finds no connection is dropped
-        (the next one is due an interval later). Never blocks on I/O."""
+        (the next one is due an interval later). Started by a launcher that relays its node's
+        heartbeats (``Identity.heartbeat_relay``), it goes to the launcher's socket instead.
+        Never blocks on I/O."""
         identity = self.identity
         message = {
             "job_id": identity.job_id,
@@ -258,20 +264,43 @@ class EventClient:
                         "step_seconds": self._take_step_seconds()},
         }  # fmt: skip
         data = json.dumps(message).encode()
+        relay = self.identity.heartbeat_relay
+        if relay:
+            # To this node's launcher, which relays its members' heartbeats in one message.
+            self._relay_beat(relay, data)
+            return
+        self._send_core(heartbeat_subject(identity.job_id, identity.node, identity.member), data)
+
+    def send_node_heartbeats(self, data: bytes) -> None:
+        """Send a ``node.heartbeat`` (this launcher's members' heartbeats) on the launcher's
+        heartbeat subject; dropped when there is no connection. Never blocks on I/O."""
+        identity = self.identity
+        self._send_core(heartbeat_subject(identity.job_id, identity.node, identity.member), data)
+
+    def _relay_beat(self, path: str, data: bytes) -> None:
+        try:
+            if self._relay_socket is None:
+                self._relay_socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+                self._relay_socket.setblocking(False)
+            self._relay_socket.sendto(data, path)
+        except OSError:  # the launcher is gone, or its socket is full: the next one is due
+            self.stats.heartbeats_dropped += 1
+            return
+        self.stats.heartbeats += 1
+
+    def _send_core(self, subject: str, data: bytes) -> None:
         loop = self._loop
         if loop is None or loop.is_closed() or not self._connected.is_set():
             self.stats.heartbeats_dropped += 1
             return
         with contextlib.suppress(RuntimeError):  # the loop is shutting down
-            loop.call_soon_threadsafe(self._send_heartbeat, data)
+            loop.call_soon_threadsafe(self._publish_core, subject, data)
 
-    def _send_heartbeat(self, data: bytes) -> None:
+    def _publish_core(self, subject: str, data: bytes) -> None:
         nc = self._nc
         if nc is None or not nc.is_connected:
             self.stats.heartbeats_dropped += 1
             return
-        identity = self.identity
-        subject = heartbeat_subject(identity.job_id, identity.node, identity.member)
         task = asyncio.ensure_future(nc.publish(subject, data))
         task.add_done_callback(self._heartbeat_sent)
 

@@ -37,6 +37,10 @@ POLICY_ENV = "ELASTIC_POLICY"
 #: of the process carries it, and the launcher names it in the process's ``member.exited``,
 #: so the control plane applies the exit to this process and no other of the same name.
 INCARNATION_ENV = "ELASTIC_INCARNATION"
+#: The launcher's Unix datagram socket for this node's heartbeats: a member it started sends
+#: its heartbeats there, and the launcher sends the node's in one message an interval
+#: (``rank_runtime/relay.py``). Unset: the member heartbeats on NATS itself.
+HEARTBEAT_RELAY_ENV = "ELASTIC_HEARTBEAT_RELAY"
 #: The member name a node's launcher publishes under (``<node>/launcher``): the control plane
 #: believes a member's exit, and counts a spare, only from it, so no member may take it.
 LAUNCHER_MEMBER = "launcher"
@@ -66,6 +70,8 @@ class Identity:
     policy_json: str | None = None
     #: The incarnation the launcher chose for this process (None: the client draws one).
     incarnation: str | None = None
+    #: The launcher's socket that relays this node's heartbeats (None: beat on NATS).
+    heartbeat_relay: str | None = None
 
     @property
     def source(self) -> str:
@@ -115,4 +121,5 @@ class Identity:
             nats_creds=env.get(NATS_CREDS_ENV) or None,
             policy_json=env.get(POLICY_ENV) or None,
             incarnation=env.get(INCARNATION_ENV) or None,
+            heartbeat_relay=env.get(HEARTBEAT_RELAY_ENV) or None,
         )

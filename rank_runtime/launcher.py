@@ -12,6 +12,7 @@ member, role, pid, incarnation; the control plane counts a spare only once its l
 announced it), reports every exit as ``member.exited`` with the pid and incarnation of the
 process that ended (the control plane believes an exit only from that launcher, and applies it
 only to that process, never to a successor of the same name),
+relays its members' heartbeats, one message per node an interval (``rank_runtime/relay.py``),
 kills a random worker every S seconds for ``--fault random:every=S``, forwards SIGINT/SIGTERM,
 and returns when every member has exited. ``--checkpoint-dir`` is where members write cold
 checkpoints (``ELASTIC_CHECKPOINT_DIR``; the policy's ``checkpoint_every`` says how often).
@@ -51,6 +52,7 @@ from pathlib import Path
 from rank_runtime import checkpoint, faults
 from rank_runtime.client import EventClient
 from rank_runtime.identity import (
+    HEARTBEAT_RELAY_ENV,
     INCARNATION_ENV,
     JOB_ID_ENV,
     LAUNCHER_MEMBER,
@@ -65,6 +67,7 @@ from rank_runtime.identity import (
     ROLE_ENV,
     Identity,
 )
+from rank_runtime.relay import HeartbeatRelay
 from schemas import creds
 from schemas.auth import COMMAND_KEY_ENV, MASTER_SECRET_ENV
 from schemas.commands import Reallocate, Stop
@@ -221,9 +224,11 @@ def run(
     rack: str | None = None,
     fence: bool = True,
     verdict_wait_s: float = 2.0,
+    relay: bool = True,
 ) -> LaunchResult:
     """Launch the job and wait for every member; see the module docstring (``fence``
-    False: members a newer generation leaves out are not killed; for tests). When every
+    False: members a newer generation leaves out are not killed; for tests; ``relay`` False:
+    each member heartbeats on NATS itself, not through the launcher). When every
     member has exited and no ``Stop`` said how the job ended, the launcher waits up to
     ``verdict_wait_s`` for one (if it heard from the control plane at all)."""
     job_id = job_id or f"job-{uuid.uuid4().hex[:8]}"
@@ -265,6 +270,23 @@ def run(
     members: list[Running] = []
     #: node -> its launcher's reporter.
     reporters: dict[str, EventClient] = {}
+
+    def relay_to(node: str, data: bytes) -> None:
+        reporter = reporters.get(node)
+        if reporter is not None:
+            reporter.send_node_heartbeats(data)
+
+    # Each node's heartbeats in one message an interval (rank_runtime/relay.py).
+    relay_path = HeartbeatRelay.usable_path(state) if relay else None
+    heartbeats = (
+        HeartbeatRelay(relay_path, job_id, policy.heartbeat_interval_s, relay_to).start()
+        if relay_path is not None
+        else None
+    )
+    if heartbeats is not None:
+        base[HEARTBEAT_RELAY_ENV] = heartbeats.path
+    elif relay:
+        log.warning("%s is too long a path for a socket: members heartbeat on NATS", state)
     stopping = False
     stopped_by: int | None = None
 
@@ -315,6 +337,8 @@ def run(
                     ),
                     commands=False,
                 ).start()  # fmt: skip
+            if heartbeats is not None:
+                heartbeats.expect(slot.member, slot.node, incarnation)
             process = subprocess.Popen([python, *script], env=member_env)
             reporter.publish(
                 "member.launched",
@@ -364,6 +388,8 @@ def run(
             if m.process.poll() is None:
                 m.process.kill()
                 m.process.wait()
+        if heartbeats is not None:
+            heartbeats.close()
         for reporter in reporters.values():
             reporter.close(flush_s=5.0)
         shutil.rmtree(state, ignore_errors=True)  # the fault markers: every member is gone

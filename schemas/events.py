@@ -261,6 +261,38 @@ class HeartbeatMessage(Strict):
     payload: MemberHeartbeat
 
 
+#: Members one ``node.heartbeat`` carries at most (a node's launcher relays its members).
+NODE_BEATS = 512
+#: How old a relayed heartbeat may be when its node's message leaves (the launcher relays
+#: only what it heard since its previous message, an interval ago).
+RELAY_AGE_MAX_S = 60.0
+
+
+class RelayedBeat(Strict):
+    """One member's latest heartbeat as its node's launcher heard it."""
+
+    member: Ident
+    incarnation: Ident
+    generation: NonNegInt
+    #: How long before the node's message left the launcher heard this heartbeat.
+    age_s: Annotated[float, Field(ge=0, le=RELAY_AGE_MAX_S, allow_inf_nan=False)] = 0.0
+    payload: MemberHeartbeat
+
+
+class NodeHeartbeatMessage(Strict):
+    """A node's heartbeats in one message, on ``elastic.hb.<job>.<node>.launcher`` (NATS
+    core, not stored): the launcher of the node gathers what its members sent it over the
+    interval (their latest each) and sends it once an interval. Bound to its subject like
+    an event (source ``<node>/launcher``); each beat is then taken as its member's own."""
+
+    job_id: Ident
+    type: Literal["node.heartbeat"]
+    v: Literal[1]
+    source: Source
+    emitted_at: Timestamp
+    beats: list[RelayedBeat] = Field(max_length=NODE_BEATS)
+
+
 #: Members one ``liveness.summary`` lists at most (a job's summary is split into parts).
 SUMMARY_MEMBERS = 200
 

@@ -147,6 +147,27 @@ class SimulatedJob:
         subject = heartbeat_subject(self.job_id, m.node, m.member)
         return Outgoing(subject, json.dumps(data, separators=(",", ":")).encode(), None)
 
+    def node_beats_message(self, node: str, members: Iterable[str], step: int) -> Outgoing:
+        """``members``' heartbeats as ``node``'s launcher relays them (``node.heartbeat``, on
+        the launcher's NATS core subject), each heard as the message leaves."""
+        beats = []
+        for name in members:
+            m = self.members[name]
+            phase = "train" if m.generation else "waiting"
+            payload = {"step": step, "phase": phase}
+            beats.append({"member": m.member, "incarnation": m.incarnation,
+                          "generation": m.generation, "payload": payload})  # fmt: skip
+        data = {
+            "job_id": self.job_id,
+            "type": "node.heartbeat",
+            "v": 1,
+            "source": f"{node}/launcher",
+            "emitted_at": datetime.now(UTC).isoformat(),
+            "beats": beats,
+        }
+        subject = heartbeat_subject(self.job_id, node, "launcher")
+        return Outgoing(subject, json.dumps(data, separators=(",", ":")).encode(), None)
+
     async def beat(
         self, nc: Client, members: Iterable[str], step: int, phase: str = "train"
     ) -> None:

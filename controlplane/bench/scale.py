@@ -4,8 +4,10 @@
 behave as the design has them behave, against a control plane process (``elasticctl serve``)
 as deployed:
 
-- each member heartbeats on its NATS core subject every ``heartbeat_interval_s``, spread over
-  the interval as real members' clocks are (soft state: nothing is stored);
+- each member heartbeats every ``heartbeat_interval_s``, and each node's launcher sends its
+  members' heartbeats in one message an interval on its NATS core subject (``--heartbeats
+  node``, as ``elasticctl run`` relays them; ``member``: each member on its own subject),
+  spread over the interval as real clocks are (soft state: nothing is stored);
 - rank 0 records one ``train.step`` a second (steps at job granularity), and the first rank of
   each new generation its first step;
 - every ``backup_interval`` steps each rank records its backup (``backup.snapshot``, naming
@@ -117,6 +119,9 @@ class _Fleet:
     beats: loadgen.Publisher
     interval_s: float
     backup_interval: int
+    #: Each node's launcher relays its members' heartbeats, one message an interval (else
+    #: every member heartbeats on its own subject).
+    relay: bool = True
     silent: set[str] = field(default_factory=set)
     commands: list[Start | Reallocate] = field(default_factory=list)
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
@@ -126,12 +131,18 @@ class _Fleet:
     published: int = 0
     refused: int = 0
     beats_sent: int = 0
+    #: Heartbeat messages sent (one per member's beat, or per node's relay).
+    messages_sent: int = 0
     #: The largest command the members received (bytes).
     command_bytes: int = 0
     step: int = 0
     #: slice -> when it was last sent (Unix s): a member's last heartbeat.
     slice_sent: dict[int, float] = field(default_factory=dict)
     _frames: dict[str, tuple[int, bytes]] = field(default_factory=dict)
+    #: A node's relay frame and the beats it carries (rebuilt when the node's members'
+    #: generations or silences change).
+    _node_frames: dict[str, tuple[bytes, int]] = field(default_factory=dict)
+    _nodes: dict[str, list[str]] = field(default_factory=dict)
     _order: dict[str, int] = field(default_factory=dict)
     _sending: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -159,6 +170,7 @@ class _Fleet:
             return
         for name in command.world:
             self.job.members[name].generation = command.generation
+        self._node_frames.clear()
         self.commands.append(command)
         self.arrived.set()
 
@@ -187,21 +199,49 @@ class _Fleet:
         self._frames[name] = (member.generation, frame)
         return frame
 
+    def silence(self, name: str) -> None:
+        """``name`` sends no more heartbeats (it hung, or it died)."""
+        self.silent.add(name)
+        self._node_frames.pop(self.job.members[name].node, None)
+
+    def _node_frame(self, node: str) -> tuple[bytes, int]:
+        """``node``'s relayed heartbeats as a ``PUB`` frame, and how many beats it carries."""
+        cached = self._node_frames.get(node)
+        if cached is None:
+            names = [n for n in self._nodes[node] if n not in self.silent]
+            message = self.job.node_beats_message(node, names, self.step)
+            frame = b"PUB %s %d\r\n%s\r\n" % (
+                message.subject.encode(), len(message.data), message.data)  # fmt: skip
+            cached = self._node_frames[node] = (frame, len(names))
+        return cached
+
     def slice_of(self, name: str) -> int:
-        return self._order[name] % _SLICES
+        key = self.job.members[name].node if self.relay else name
+        return self._order[key] % _SLICES
 
     async def heartbeats(self, stop: asyncio.Event) -> None:
-        """Every member not silent, once an interval, a slice every ``interval / _SLICES``."""
+        """Every member not silent (or every node, its launcher relaying), once an interval,
+        a slice every ``interval / _SLICES``."""
         names = list(self.job.members)
-        self._order = {name: i for i, name in enumerate(names)}
+        for name in names:
+            self._nodes.setdefault(self.job.members[name].node, []).append(name)
+        units = list(self._nodes) if self.relay else names
+        self._order = {unit: i for i, unit in enumerate(units)}
         started = time.monotonic()
         tick = 0
         while not stop.is_set():
             k = tick % _SLICES
-            frames = [self._frame(n) for n in names[k::_SLICES] if n not in self.silent]
+            if self.relay:
+                built = [self._node_frame(node) for node in units[k::_SLICES]]
+                frames = [frame for frame, beats in built if beats]
+                beats = sum(beats for _, beats in built)
+            else:
+                frames = [self._frame(n) for n in units[k::_SLICES] if n not in self.silent]
+                beats = len(frames)
             if frames:
                 await self.beats.send_core(frames)
-                self.beats_sent += len(frames)
+                self.beats_sent += beats
+                self.messages_sent += len(frames)
             self.slice_sent[k] = time.time()
             tick += 1
             left = started + tick * self.interval_s / _SLICES - time.monotonic()
@@ -260,6 +300,7 @@ async def _scenario(
     interval_s: float,
     timeout_s: float,
     backup_interval: int,
+    relay: bool,
     progress: bool,
 ) -> dict[str, Any]:
     job = SimulatedJob(None, job_id, _layout(ranks, spares=max(2, (faults + 1) // 2)))
@@ -269,6 +310,7 @@ async def _scenario(
         await loadgen.Publisher.connect(services_nats),
         interval_s,
         backup_interval,
+        relay=relay,
     )
     policy = {
         "world_size": ranks,
@@ -310,6 +352,7 @@ async def _scenario(
             # A day of training without faults: what the log grows by then.
             steady0, cpu_start, s0 = await _database_bytes(db), _cpu_seconds(serve_pid), time.time()
             published0, beats0 = fleet.published, fleet.beats_sent
+            messages0 = fleet.messages_sent
             if progress:
                 _progress(f"measuring {steady_s:g}s without faults")
             await asyncio.sleep(steady_s)
@@ -335,7 +378,7 @@ async def _scenario(
                 fault = _Fault("crash" if k % 2 == 0 else "hang", victim)
                 if fault.kind == "hang":
                     fault.last_sent = fleet.slice_sent.get(fleet.slice_of(victim), time.time())
-                fleet.silent.add(victim)
+                fleet.silence(victim)
                 if fault.kind == "crash":
                     exit_ = {"member": victim, "signal": 9}
                     await fleet.send(
@@ -358,6 +401,7 @@ async def _scenario(
             await asyncio.sleep(max(0.0, t0 + seconds - time.time()))
             t1, cpu1 = time.time(), _cpu_seconds(serve_pid)
             published1, beats1 = fleet.published, fleet.beats_sent
+            messages1 = fleet.messages_sent
             stop.set()
             for task in tasks:
                 await task
@@ -397,6 +441,7 @@ async def _scenario(
         "cpu_window": t1 - s0,
         "events_per_s": (published1 - published0) / (t1 - s0),
         "heartbeats_per_s": (beats1 - beats0) / (t1 - s0),
+        "heartbeat_messages_per_s": (messages1 - messages0) / (t1 - s0),
         "lost": max(0, accepted - distinct),
         "duplicated": (stored - distinct) + max(0, distinct - accepted),
         "refused": fleet.refused,
@@ -465,9 +510,14 @@ def run_scale_bench(
     heartbeat_interval_s: float = 0.25,
     hang_timeout_s: float = 0.75,
     backup_interval: int = 10,
+    heartbeats: str = "node",
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Run the benchmark and return its figures (see the module's docstring)."""
+    """Run the benchmark and return its figures (see the module's docstring; ``heartbeats``
+    ``node``: each node's launcher relays its members' heartbeats in one message an
+    interval, as ``elasticctl run`` does; ``member``: every member heartbeats on its own)."""
+    if heartbeats not in ("node", "member"):
+        raise ValueError(f"heartbeats: expected node or member, not {heartbeats!r}")
     if faults < 1 or ranks < 2:
         raise ValueError("needs at least 2 ranks and 1 fault")
     if hang_timeout_s <= heartbeat_interval_s:
@@ -491,6 +541,7 @@ def run_scale_bench(
                 interval_s=heartbeat_interval_s,
                 timeout_s=hang_timeout_s,
                 backup_interval=backup_interval,
+                relay=heartbeats == "node",
                 progress=progress,
             )
         )
@@ -511,6 +562,7 @@ def run_scale_bench(
     return {
         "ranks": ranks,
         "heartbeat_interval_s": heartbeat_interval_s,
+        "heartbeats": heartbeats,
         "hang_timeout_s": hang_timeout_s,
         "faults": len(injected),
         "decided": sum(f.decided for f in injected),
@@ -533,6 +585,7 @@ def run_scale_bench(
         "db_payload_bytes_per_fault": round(out["decided_bytes"] / max(1, len(injected))),
         "controlplane_cpu_cores": round(out["cpu_seconds"] / out["cpu_window"], 2),
         "heartbeats_per_s": round(out["heartbeats_per_s"], 1),
+        "heartbeat_messages_per_s": round(out["heartbeat_messages_per_s"], 1),
         "events_per_s": round(out["events_per_s"], 1),
         "lost": out["lost"],
         "duplicated": out["duplicated"],

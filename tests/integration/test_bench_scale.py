@@ -31,5 +31,8 @@ def test_bench_scale_measures_detection_decisions_storage_and_cpu():
     )
     assert 0 < out["controlplane_cpu_cores"] < 4
     assert out["heartbeats_per_s"] > 100  # 32 members and 2 spares, 5 a second each
+    # Each node's launcher relays its members' heartbeats: 6 messages an interval, not 34.
+    assert out["heartbeats"] == "node"
+    assert 0 < out["heartbeat_messages_per_s"] * 4 < out["heartbeats_per_s"]
     assert out["lost"] == 0 and out["duplicated"] == 0 and out["refused"] == 0
     assert out["false_detections"] == 0 and out["false_detections_by_reason"] == {}

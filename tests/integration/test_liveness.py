@@ -126,6 +126,15 @@ async def test_bad_heartbeats_are_refused_and_the_rest_go_on(settings, pg_store,
             await start(job, commands)
             good = job.beat_message("w0", 5)
             body = json.loads(good.data)
+            w0 = job.members["w0"]
+
+            def relayed(node: str, member: str) -> bytes:
+                beat = {"member": member, "incarnation": w0.incarnation, "generation": 0,
+                        "payload": body["payload"]}  # fmt: skip
+                return json.dumps({"job_id": "job-badbeat", "type": "node.heartbeat", "v": 1,
+                                   "source": f"{node}/launcher", "emitted_at": body["emitted_at"],
+                                   "beats": [beat]}).encode()  # fmt: skip
+
             bad = [
                 (good.subject, b"\xff not json"),
                 (good.subject, json.dumps({**body, "source": "node-w1/w1"}).encode()),
@@ -133,6 +142,9 @@ async def test_bad_heartbeats_are_refused_and_the_rest_go_on(settings, pg_store,
                 (good.subject, json.dumps({**body, "incarnation": "old0"}).encode()),
                 (good.subject, json.dumps({**body, "payload": {"step": -1}}).encode()),
                 ("elastic.hb.job-badbeat.node-w0.launcher", good.data),
+                # A launcher speaks for its own node's members only, and never for a launcher.
+                ("elastic.hb.job-badbeat.node-w1.launcher", relayed("node-w1", "w0")),
+                ("elastic.hb.job-badbeat.node-w0.launcher", relayed("node-w0", "launcher")),
                 ("elastic.hb.job-badbeat.node-w1.w0", good.data),  # another node's member
                 (good.subject, b"x" * 70_000),
             ]
@@ -149,7 +161,7 @@ async def test_bad_heartbeats_are_refused_and_the_rest_go_on(settings, pg_store,
             )
             refused = cp.heartbeats.stats.refused
             assert {"not JSON", "forged source", "job mismatch", "stale_incarnation",
-                    "forged", "oversized"} <= set(refused), refused  # fmt: skip
+                    "forged node", "forged", "oversized"} <= set(refused), refused  # fmt: skip
             assert cp.liveness is not None
             heard = cp.liveness.heard("job-badbeat", "w0")
             assert heard is not None and heard.incarnation == job.members["w0"].incarnation

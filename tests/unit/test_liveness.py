@@ -13,7 +13,7 @@ from controlplane.bus import HeartbeatListener
 from controlplane.core.fold import fold
 from controlplane.core.liveness import LivenessTable
 from controlplane.core.replay import DEADLINE_TICK, counterfactual, redecide
-from controlplane.decode import decode_heartbeat
+from controlplane.decode import decode_heartbeats
 from schemas.common import Phase
 from schemas.events import SUMMARY_COLUMN_MEMBERS
 from tests.factories import T0, Events, recorded
@@ -291,8 +291,11 @@ def _beat(**over):
 
 def test_a_heartbeat_is_validated_and_bound_to_its_subject():
     subject = "elastic.hb.job1.n0.m0"
-    beat = decode_heartbeat(subject, _beat())
-    assert not isinstance(beat, str) and beat.payload.step == 3
+    beats = decode_heartbeats(subject, _beat())
+    assert not isinstance(beats, str)
+    ((job, node, member, incarnation, generation, payload, age),) = beats
+    assert (job, node, member, incarnation, generation, age) == ("job1", "n0", "m0", "i1", 1, 0)
+    assert payload.step == 3
     refused = {
         (subject, b"\xff"): "not JSON",
         (subject, _beat(source="n1/m0")): "forged source",
@@ -302,21 +305,21 @@ def test_a_heartbeat_is_validated_and_bound_to_its_subject():
         (subject, _beat(extra=1)): "schema violation",
         ("elastic.hb.job1.n0", _beat()): "not a heartbeat subject",
         ("elastic.evt.job1.n0.m0.member.heartbeat", _beat()): "not a heartbeat subject",
-        ("elastic.hb.job1.n0.launcher", _beat(source="n0/launcher")): "forged",
+        ("elastic.hb.job1.n0.launcher", _beat(source="n0/launcher")): "schema violation",
         (subject, b" " * 70_000): "oversized",
     }
     for (subj, data), reason in refused.items():
-        got = decode_heartbeat(subj, data)
+        got = decode_heartbeats(subj, data)
         assert isinstance(got, str) and got.startswith(reason), (subj, data[:40], got)
 
 
 def test_one_bad_heartbeat_or_a_failing_taker_never_stops_the_listener():
     taken = []
 
-    def take(beat, node, member, at):
+    def take(beat, at):
         if beat.payload.step == 13:
             raise RuntimeError("a bug in the taker")
-        taken.append((node, member, at))
+        taken.append((beat.node, beat.member, at))
         return None if beat.incarnation == "i1" else "stale_incarnation: i2"
 
     listener = HeartbeatListener(None, take, clock=lambda: T0)  # type: ignore[arg-type]
@@ -327,6 +330,63 @@ def test_one_bad_heartbeat_or_a_failing_taker_never_stops_the_listener():
     assert listener.stats.received == 4 and listener.stats.accepted == 1
     assert listener.stats.refused == {"not JSON": 1, "undecodable": 1, "stale_incarnation": 1}
     assert taken[-1] == ("n0", "m0", T0)
+
+
+def _node(beats, **over):
+    body = {
+        "job_id": "job1", "type": "node.heartbeat", "v": 1, "source": "n0/launcher",
+        "emitted_at": "2026-01-01T00:00:00+00:00", "beats": beats,
+    }  # fmt: skip
+    body.update(over)
+    return json.dumps(body).encode()
+
+
+def _relayed(member="m0", **over):
+    beat = {"member": member, "incarnation": "i1", "generation": 1, "age_s": 0.2,
+            "payload": {"step": 3, "phase": "train"}}  # fmt: skip
+    beat.update(over)
+    return beat
+
+
+def test_a_nodes_heartbeats_are_bound_to_its_launcher_and_speak_for_its_members_only():
+    subject = "elastic.hb.job1.n0.launcher"
+    beats = decode_heartbeats(subject, _node([_relayed("m0"), _relayed("m1", age_s=0)]))
+    assert not isinstance(beats, str)
+    assert [(b.node, b.member, b.source, b.age_s) for b in beats] == [
+        ("n0", "m0", "n0/m0", 0.2), ("n0", "m1", "n0/m1", 0.0)]  # fmt: skip
+    refused = {
+        (subject, _node([_relayed()], source="n1/launcher")): "forged source",
+        ("elastic.hb.job1.n0.m0", _node([_relayed()], source="n0/m0")): "schema violation",
+        (subject, _node([_relayed()], job_id="job2")): "job mismatch",
+        (subject, _node([_relayed("launcher")])): "forged",
+        (subject, _node([_relayed(), _relayed()])): "schema violation at beats",
+        (subject, _node([_relayed(age_s=61)])): "schema violation",
+        (subject, _node([_relayed(age_s=-1)])): "schema violation",
+        (subject, _node([_relayed(member=f"m{i}") for i in range(513)])): "schema violation",
+        (subject, _beat(source="n0/launcher")): "schema violation",
+    }
+    for (subj, data), reason in refused.items():
+        got = decode_heartbeats(subj, data)
+        assert isinstance(got, str) and got.startswith(reason), (subj, data[:60], got)
+
+
+def test_a_relayed_beat_is_heard_when_its_launcher_heard_it_and_one_bad_beat_spares_the_rest():
+    taken = []
+
+    def take(beat, at):
+        if beat.member == "m2":
+            return "never joined: n0/m2"
+        taken.append((beat.member, at))
+        return None
+
+    listener = HeartbeatListener(None, take, clock=lambda: T0)  # type: ignore[arg-type]
+    listener.receive(
+        "elastic.hb.job1.n0.launcher",
+        _node([_relayed("m0", age_s=0.25), _relayed("m2"), _relayed("m1", age_s=0)]),
+    )
+    assert taken == [("m0", T0 - timedelta(seconds=0.25)), ("m1", T0)]
+    assert listener.stats.received == 1 and listener.stats.accepted == 2
+    assert listener.stats.refused == {"never joined": 1}
 
 
 # --------------------------------------------------------------------------- the columns
