@@ -112,7 +112,6 @@ class ControlPlane:
                     f"stale_generation: {beat.source} beats in generation {beat.generation},"
                     f" left out of generation {view.generation}"
                 )
-            payload = beat.payload
             table.observe(
                 beat.job_id,
                 member_id,
@@ -120,9 +119,9 @@ class ControlPlane:
                 incarnation=beat.incarnation,
                 generation=beat.generation,
                 at=at,
-                step=payload.step,
-                phase=payload.phase,
-                step_seconds=payload.step_seconds,
+                step=beat.step,
+                phase=beat.phase,
+                step_seconds=beat.step_seconds,
             )
             return None
 

@@ -38,8 +38,7 @@ from controlplane.core.records import StoredEvent
 from controlplane.core.statemachine import TERMINAL
 from controlplane.core.view import JobView
 from controlplane.errors import ConcurrencyError, StoreUnavailable
-from controlplane.ingest import Appender
-from controlplane.store.port import AppendResult, JobHead
+from controlplane.store.port import Appender, AppendResult, JobHead
 from schemas.auth import SIGNATURE_HEADER, CommandSigner, command_message
 from schemas.common import CONTROLPLANE_SOURCE, FaultReason
 from schemas.events import EnvelopeBase, LivenessSummaryEvent

@@ -9,14 +9,13 @@ from typing import NamedTuple
 from pydantic import ValidationError
 
 from controlplane.core.records import DeadLetter
-from schemas.common import INT64_MAX, INT64_MIN, MAX_EVENT_BYTES
+from schemas.common import INT64_MAX, INT64_MIN, MAX_EVENT_BYTES, Phase
 from schemas.events import (
     CONTROLPLANE_EVENT_TYPES,
     EVENT_ADAPTER,
     SCHEMA_VERSIONS,
     EnvelopeBase,
     HeartbeatMessage,
-    MemberHeartbeat,
     NodeHeartbeatMessage,
 )
 from schemas.subjects import EventSubject, parse_event_subject, parse_heartbeat_subject
@@ -108,7 +107,10 @@ class Beat(NamedTuple):
     member: str
     incarnation: str
     generation: int
-    payload: MemberHeartbeat
+    step: int
+    phase: Phase
+    #: The longest step the member finished since its previous heartbeat.
+    step_seconds: float
     age_s: float = 0.0
 
     @property
@@ -145,15 +147,19 @@ def decode_heartbeats(subject: str, data: bytes) -> list[Beat] | str:
             return f"job mismatch: message says {message.job_id!r}, subject says {parsed.job_id!r}"
         job, node = parsed.job_id, parsed.node
         if isinstance(message, HeartbeatMessage):
+            p = message.payload
             return [Beat(job, node, parsed.member, message.incarnation, message.generation,
-                         message.payload)]  # fmt: skip
-        beats = message.beats
-        if any(b.member == _LAUNCHER for b in beats):
+                         p.step, p.phase, p.step_seconds)]  # fmt: skip
+        if _LAUNCHER in message.members:
             return "forged: a launcher relays its members' heartbeats, not its own"
-        if len({b.member for b in beats}) != len(beats):
-            return "schema violation at beats: a member twice in one node's heartbeats"
-        return [Beat(job, node, b.member, b.incarnation, b.generation, b.payload, b.age_s)
-                for b in beats]  # fmt: skip
+        m = message
+        return [
+            Beat(job, node, member, incarnation, generation, step, phase, step_ms / 1000,
+                 age_ms / 1000)
+            for member, incarnation, generation, step, phase, step_ms, age_ms in zip(
+                m.members, m.incarnation, m.generation, m.step, m.phase, m.step_ms, m.age_ms,
+                strict=True)
+        ]  # fmt: skip
     except Exception as exc:  # a bug here must not stop the listener
         log.exception("decoding a heartbeat on %r failed", subject[:_SUBJECT_KEPT])
         return printable(f"undecodable: {type(exc).__name__}: {exc}")

@@ -15,14 +15,13 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from controlplane.backoff import Backoff
 from controlplane.bus import Delivery, EventConsumer, delivery
 from controlplane.core.records import DeadLetter
 from controlplane.decode import decode, printable, storable
 from controlplane.errors import BusUnavailable, StoreError, StoreRefused, StoreUnavailable
-from controlplane.store.port import AppendResult, EventStore, JobHead
+from controlplane.store.port import Appender, AppendResult, EventStore, JobHead
 from schemas.common import MAX_EVENT_BYTES
 from schemas.events import EnvelopeBase
 
@@ -105,23 +104,6 @@ def decode_into(
             events.append(decoded)
             if origins is not None:
                 origins.append(msg)
-
-
-class Appender(Protocol):
-    """Where the ingest commits batches (``AsyncAppender``, or a store wrapped for tests)."""
-
-    async def append(
-        self,
-        events: Sequence[EnvelopeBase],
-        dead_letters: Sequence[DeadLetter] = (),
-        *,
-        expected: JobHead | None = None,
-        encoded: Sequence[bytes] | None = None,
-    ) -> AppendResult: ...
-
-    def encode(self, events: Sequence[EnvelopeBase]) -> list[bytes] | None:
-        """Pre-encode events for ``append(encoded=...)``; None when the store needs nothing."""
-        ...
 
 
 class SyncAppender:

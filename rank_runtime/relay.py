@@ -29,12 +29,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
 
 from pydantic import ValidationError
 
 from schemas.common import MAX_EVENT_BYTES
-from schemas.events import NODE_BEATS, RELAY_AGE_MAX_S, HeartbeatMessage
+from schemas.events import NODE_BEATS, RELAY_AGE_MAX_MS, HeartbeatMessage
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +56,28 @@ class _Latest:
     heard_at: float  # the relay's monotonic clock
     incarnation: str
     generation: int
-    payload: dict[str, Any]
+    step: int
+    phase: str
+    step_seconds: float
+
+
+def node_message(
+    job_id: str, node: str, emitted_at: str, heard: list[tuple[str, _Latest]], now: float
+) -> bytes:
+    """``heard`` (member, its latest heartbeat) as ``node``'s ``node.heartbeat``, a column
+    per field (``schemas.events.NodeHeartbeatMessage``)."""
+    return json.dumps({
+        "job_id": job_id, "type": "node.heartbeat", "v": 1, "source": f"{node}/launcher",
+        "emitted_at": emitted_at,
+        "members": [m for m, _ in heard],
+        "incarnation": [h.incarnation for _, h in heard],
+        "generation": [h.generation for _, h in heard],
+        "age_ms": [min(max(round((now - h.heard_at) * 1000), 0), RELAY_AGE_MAX_MS)
+                   for _, h in heard],
+        "step": [h.step for _, h in heard],
+        "phase": [h.phase for _, h in heard],
+        "step_ms": [round(h.step_seconds * 1000) for _, h in heard],
+    }, separators=(",", ":")).encode()  # fmt: skip
 
 
 class HeartbeatRelay:
@@ -114,9 +134,10 @@ class HeartbeatRelay:
                 return self._refuse(f"not a member this launcher started: {beat.source}")
             if expected[1] != beat.incarnation:
                 return self._refuse(f"stale_incarnation: {beat.incarnation} of {beat.source}")
+            p = beat.payload
             self._latest[member] = _Latest(
-                self._clock(), beat.incarnation, beat.generation,
-                beat.payload.model_dump(mode="json"),
+                self._clock(), beat.incarnation, beat.generation, p.step, p.phase.value,
+                p.step_seconds,
             )  # fmt: skip
         return None
 
@@ -125,31 +146,15 @@ class HeartbeatRelay:
         now = self._clock()
         with self._lock:
             latest, self._latest = self._latest, {}
-            nodes: dict[str, list[dict[str, Any]]] = {}
+            nodes: dict[str, list[tuple[str, _Latest]]] = {}
             for member, heard in latest.items():
-                node = self._expected[member][0]
-                age = min(max(now - heard.heard_at, 0.0), RELAY_AGE_MAX_S)
-                nodes.setdefault(node, []).append({
-                    "member": member, "incarnation": heard.incarnation,
-                    "generation": heard.generation, "age_s": round(age, 3),
-                    "payload": heard.payload,
-                })  # fmt: skip
+                nodes.setdefault(self._expected[member][0], []).append((member, heard))
             self.stats.relayed += len(latest)
         emitted_at = datetime.now(UTC).isoformat()
         out: dict[str, list[bytes]] = {}
         for node, beats in nodes.items():
             out[node] = [
-                json.dumps(
-                    {
-                        "job_id": self.job_id,
-                        "type": "node.heartbeat",
-                        "v": 1,
-                        "source": f"{node}/launcher",
-                        "emitted_at": emitted_at,
-                        "beats": beats[i : i + NODE_BEATS],
-                    },
-                    separators=(",", ":"),
-                ).encode()
+                node_message(self.job_id, node, emitted_at, beats[i : i + NODE_BEATS], now)
                 for i in range(0, len(beats), NODE_BEATS)
             ]
         return out

@@ -261,38 +261,6 @@ class HeartbeatMessage(Strict):
     payload: MemberHeartbeat
 
 
-#: Members one ``node.heartbeat`` carries at most (a node's launcher relays its members).
-NODE_BEATS = 512
-#: How old a relayed heartbeat may be when its node's message leaves (the launcher relays
-#: only what it heard since its previous message, an interval ago).
-RELAY_AGE_MAX_S = 60.0
-
-
-class RelayedBeat(Strict):
-    """One member's latest heartbeat as its node's launcher heard it."""
-
-    member: Ident
-    incarnation: Ident
-    generation: NonNegInt
-    #: How long before the node's message left the launcher heard this heartbeat.
-    age_s: Annotated[float, Field(ge=0, le=RELAY_AGE_MAX_S, allow_inf_nan=False)] = 0.0
-    payload: MemberHeartbeat
-
-
-class NodeHeartbeatMessage(Strict):
-    """A node's heartbeats in one message, on ``elastic.hb.<job>.<node>.launcher`` (NATS
-    core, not stored): the launcher of the node gathers what its members sent it over the
-    interval (their latest each) and sends it once an interval. Bound to its subject like
-    an event (source ``<node>/launcher``); each beat is then taken as its member's own."""
-
-    job_id: Ident
-    type: Literal["node.heartbeat"]
-    v: Literal[1]
-    source: Source
-    emitted_at: Timestamp
-    beats: list[RelayedBeat] = Field(max_length=NODE_BEATS)
-
-
 #: Members one ``liveness.summary`` lists at most (a job's summary is split into parts).
 SUMMARY_MEMBERS = 200
 
@@ -329,6 +297,50 @@ _SPAN_MS = 2**31 - 1
 _OffsetMs = Annotated[int, Field(ge=-_SPAN_MS, le=_SPAN_MS)]
 _DurationMs = Annotated[int, Field(ge=0, le=_SPAN_MS)]
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+#: Members one ``node.heartbeat`` carries at most (a node's launcher relays its members).
+NODE_BEATS = 512
+#: How old a relayed heartbeat may be when its node's message leaves, milliseconds (the
+#: launcher relays only what it heard since its previous message, an interval ago).
+RELAY_AGE_MAX_MS = 60_000
+
+
+class NodeHeartbeatMessage(Strict):
+    """A node's heartbeats in one message, on ``elastic.hb.<job>.<node>.launcher`` (NATS
+    core, not stored): the launcher of the node gathers what its members sent it over the
+    interval (their latest each) and sends it once an interval. A column per field, one
+    value per member (no field name repeated per member: validating a node's message costs
+    little more than one heartbeat's). Bound to its subject like an event (source
+    ``<node>/launcher``); each beat is then taken as its member's own."""
+
+    job_id: Ident
+    type: Literal["node.heartbeat"]
+    v: Literal[1]
+    source: Source
+    emitted_at: Timestamp
+    members: Annotated[list[Ident], Field(max_length=NODE_BEATS)]
+    incarnation: list[Ident]
+    generation: list[NonNegInt]
+    #: How long before the message left the launcher heard each heartbeat.
+    age_ms: list[Annotated[int, Field(ge=0, le=RELAY_AGE_MAX_MS)]]
+    step: list[Step]
+    phase: list[Phase]
+    #: The longest step each member finished since its previous heartbeat (its
+    #: heartbeat's ``step_seconds``), milliseconds.
+    step_ms: list[_DurationMs]
+
+    @model_validator(mode="after")
+    def _aligned(self) -> NodeHeartbeatMessage:
+        count = len(self.members)
+        for name in ("incarnation", "generation", "age_ms", "step", "phase", "step_ms"):
+            if len(getattr(self, name)) != count:
+                raise ValueError(
+                    f"column {name} has {len(getattr(self, name))} values, not {count}"
+                )
+        if len(set(self.members)) != count:
+            raise ValueError("a member twice in one node's heartbeats")
+        return self
 
 
 def at_ms(ms: int) -> datetime:

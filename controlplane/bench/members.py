@@ -150,20 +150,20 @@ class SimulatedJob:
     def node_beats_message(self, node: str, members: Iterable[str], step: int) -> Outgoing:
         """``members``' heartbeats as ``node``'s launcher relays them (``node.heartbeat``, on
         the launcher's NATS core subject), each heard as the message leaves."""
-        beats = []
-        for name in members:
-            m = self.members[name]
-            phase = "train" if m.generation else "waiting"
-            payload = {"step": step, "phase": phase}
-            beats.append({"member": m.member, "incarnation": m.incarnation,
-                          "generation": m.generation, "payload": payload})  # fmt: skip
+        names = [self.members[name] for name in members]
         data = {
             "job_id": self.job_id,
             "type": "node.heartbeat",
             "v": 1,
             "source": f"{node}/launcher",
             "emitted_at": datetime.now(UTC).isoformat(),
-            "beats": beats,
+            "members": [m.member for m in names],
+            "incarnation": [m.incarnation for m in names],
+            "generation": [m.generation for m in names],
+            "age_ms": [0] * len(names),
+            "step": [step] * len(names),
+            "phase": ["train" if m.generation else "waiting" for m in names],
+            "step_ms": [0] * len(names),
         }
         subject = heartbeat_subject(self.job_id, node, "launcher")
         return Outgoing(subject, json.dumps(data, separators=(",", ":")).encode(), None)

@@ -42,7 +42,7 @@ class StoredDeadLetter:
     received_at: object
 
 
-class EventStore(Protocol):
+class EventLog(Protocol):
     """An append-only log of events with gap-free positions in commit order.
 
     Appends are idempotent by ``event_id``; per-source ``seq`` rules apply (see
@@ -99,6 +99,18 @@ class EventStore(Protocol):
         """Position of the newest event (0 for an empty log)."""
         ...
 
+    def seq_gaps(self) -> list[SeqGap]:
+        """Every sequence gap recorded, oldest first."""
+        ...
+
+    def job_ids(self) -> list[str]:
+        """Every job that has an event, in order of first appearance."""
+        ...
+
+
+class DeadLetters(Protocol):
+    """What was refused, kept with its reason (written in the appends' transactions)."""
+
     def dead_letters(self, *, after_id: int = 0, limit: int = 1000) -> list[StoredDeadLetter]:
         """Dead letters in arrival order."""
         ...
@@ -107,12 +119,26 @@ class EventStore(Protocol):
         """How many dead letters are kept."""
         ...
 
-    def seq_gaps(self) -> list[SeqGap]:
-        """Every sequence gap recorded, oldest first."""
-        ...
 
-    def job_ids(self) -> list[str]:
-        """Every job that has an event, in order of first appearance."""
+class EventStore(EventLog, DeadLetters, Protocol):
+    """A store of both roles: the event log, and the dead letters its appends refused."""
+
+
+class Appender(Protocol):
+    """The event log's append, asynchronous: where the ingest and the decider commit
+    (``AsyncAppender``, or a synchronous store adapted by ``SyncAppender``)."""
+
+    async def append(
+        self,
+        events: Sequence[EnvelopeBase],
+        dead_letters: Sequence[DeadLetter] = (),
+        *,
+        expected: JobHead | None = None,
+        encoded: Sequence[bytes] | None = None,
+    ) -> AppendResult: ...
+
+    def encode(self, events: Sequence[EnvelopeBase]) -> list[bytes] | None:
+        """Pre-encode events for ``append(encoded=...)``; None when the store needs nothing."""
         ...
 
 

@@ -212,7 +212,8 @@ async def test_heartbeats_go_only_as_the_nodes_own_members_and_only_to_the_contr
 ) -> None:
     """Heartbeats are NATS core messages (not stored): a node's member credential publishes
     them as its own node's members only (not as its launcher, another node's member or
-    another job's), the control plane receives them, and a node credential cannot listen."""
+    another job's), its launcher credential the node's relayed ones on its own subject only,
+    the control plane receives them, and a node credential cannot listen."""
     got: list[str] = []
 
     async def heard(msg: Any) -> None:
@@ -227,18 +228,23 @@ async def test_heartbeats_go_only_as_the_nodes_own_members_and_only_to_the_contr
         (member, heartbeat_subject(JOB_A, "n1", "w1")),
         (member, heartbeat_subject(JOB_B, "n0", "w0")),
         (launcher, heartbeat_subject(JOB_A, "n0", "w0")),
+        (launcher, heartbeat_subject(JOB_A, "n1", "launcher")),
+        (launcher, heartbeat_subject(JOB_B, "n0", "launcher")),
     ):
         await conn.client.publish(subject, b"{}")
         await conn.client.flush()
         await conn.violation("publish", subject)
     own = heartbeat_subject(JOB_A, "n0", "w0")
-    await member.client.publish(own, b"{}")
-    await member.client.flush()
+    relayed = heartbeat_subject(JOB_A, "n0", "launcher")
+    for conn, subject in ((member, own), (launcher, relayed)):
+        await conn.client.publish(subject, b"{}")
+        await conn.client.flush()
     deadline = time.monotonic() + 5
-    while own not in got:
-        assert time.monotonic() < deadline, "the control plane did not receive the heartbeat"
+    while len(got) < 2:
+        assert time.monotonic() < deadline, "the control plane did not receive the heartbeats"
         await asyncio.sleep(0.02)
-    assert got == [own]  # none of the refused ones
+    await asyncio.sleep(0.1)
+    assert got == [own, relayed]  # none of the refused ones
     await member.client.subscribe("elastic.hb.>")
     await member.violation("subscription", "elastic.hb.>")
 

@@ -129,11 +129,11 @@ async def test_bad_heartbeats_are_refused_and_the_rest_go_on(settings, pg_store,
             w0 = job.members["w0"]
 
             def relayed(node: str, member: str) -> bytes:
-                beat = {"member": member, "incarnation": w0.incarnation, "generation": 0,
-                        "payload": body["payload"]}  # fmt: skip
                 return json.dumps({"job_id": "job-badbeat", "type": "node.heartbeat", "v": 1,
                                    "source": f"{node}/launcher", "emitted_at": body["emitted_at"],
-                                   "beats": [beat]}).encode()  # fmt: skip
+                                   "members": [member], "incarnation": [w0.incarnation],
+                                   "generation": [0], "age_ms": [0], "step": [5],
+                                   "phase": ["waiting"], "step_ms": [0]}).encode()  # fmt: skip
 
             bad = [
                 (good.subject, b"\xff not json"),

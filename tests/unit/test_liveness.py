@@ -293,9 +293,9 @@ def test_a_heartbeat_is_validated_and_bound_to_its_subject():
     subject = "elastic.hb.job1.n0.m0"
     beats = decode_heartbeats(subject, _beat())
     assert not isinstance(beats, str)
-    ((job, node, member, incarnation, generation, payload, age),) = beats
+    ((job, node, member, incarnation, generation, step, phase, step_s, age),) = beats
     assert (job, node, member, incarnation, generation, age) == ("job1", "n0", "m0", "i1", 1, 0)
-    assert payload.step == 3
+    assert (step, phase, step_s) == (3, Phase.TRAIN, 0.0)
     refused = {
         (subject, b"\xff"): "not JSON",
         (subject, _beat(source="n1/m0")): "forged source",
@@ -317,7 +317,7 @@ def test_one_bad_heartbeat_or_a_failing_taker_never_stops_the_listener():
     taken = []
 
     def take(beat, at):
-        if beat.payload.step == 13:
+        if beat.step == 13:
             raise RuntimeError("a bug in the taker")
         taken.append((beat.node, beat.member, at))
         return None if beat.incarnation == "i1" else "stale_incarnation: i2"
@@ -333,35 +333,43 @@ def test_one_bad_heartbeat_or_a_failing_taker_never_stops_the_listener():
 
 
 def _node(beats, **over):
+    """A node's message of ``beats`` (each a dict of one member's values), in columns."""
     body = {
         "job_id": "job1", "type": "node.heartbeat", "v": 1, "source": "n0/launcher",
-        "emitted_at": "2026-01-01T00:00:00+00:00", "beats": beats,
+        "emitted_at": "2026-01-01T00:00:00+00:00",
+        **{key: [b[key] for b in beats] for key in
+           ("members", "incarnation", "generation", "age_ms", "step", "phase", "step_ms")},
     }  # fmt: skip
     body.update(over)
     return json.dumps(body).encode()
 
 
 def _relayed(member="m0", **over):
-    beat = {"member": member, "incarnation": "i1", "generation": 1, "age_s": 0.2,
-            "payload": {"step": 3, "phase": "train"}}  # fmt: skip
+    beat = {"members": member, "incarnation": "i1", "generation": 1, "age_ms": 200,
+            "step": 3, "phase": "train", "step_ms": 0}  # fmt: skip
     beat.update(over)
     return beat
 
 
 def test_a_nodes_heartbeats_are_bound_to_its_launcher_and_speak_for_its_members_only():
     subject = "elastic.hb.job1.n0.launcher"
-    beats = decode_heartbeats(subject, _node([_relayed("m0"), _relayed("m1", age_s=0)]))
+    beats = decode_heartbeats(
+        subject, _node([_relayed("m0"), _relayed("m1", age_ms=0, step_ms=1500)])
+    )
     assert not isinstance(beats, str)
-    assert [(b.node, b.member, b.source, b.age_s) for b in beats] == [
-        ("n0", "m0", "n0/m0", 0.2), ("n0", "m1", "n0/m1", 0.0)]  # fmt: skip
+    assert [(b.node, b.member, b.source, b.age_s, b.step_seconds) for b in beats] == [
+        ("n0", "m0", "n0/m0", 0.2, 0.0), ("n0", "m1", "n0/m1", 0.0, 1.5)]  # fmt: skip
+    assert beats[0].step == 3 and beats[0].phase is Phase.TRAIN
     refused = {
         (subject, _node([_relayed()], source="n1/launcher")): "forged source",
         ("elastic.hb.job1.n0.m0", _node([_relayed()], source="n0/m0")): "schema violation",
         (subject, _node([_relayed()], job_id="job2")): "job mismatch",
         (subject, _node([_relayed("launcher")])): "forged",
-        (subject, _node([_relayed(), _relayed()])): "schema violation at beats",
-        (subject, _node([_relayed(age_s=61)])): "schema violation",
-        (subject, _node([_relayed(age_s=-1)])): "schema violation",
+        (subject, _node([_relayed(), _relayed()])): "schema violation",
+        (subject, _node([_relayed(), _relayed("m1")], step=[1])): "schema violation",
+        (subject, _node([_relayed(age_ms=60_001)])): "schema violation",
+        (subject, _node([_relayed(age_ms=-1)])): "schema violation",
+        (subject, _node([_relayed(phase="sleeping")])): "schema violation",
         (subject, _node([_relayed(member=f"m{i}") for i in range(513)])): "schema violation",
         (subject, _beat(source="n0/launcher")): "schema violation",
     }
@@ -382,7 +390,7 @@ def test_a_relayed_beat_is_heard_when_its_launcher_heard_it_and_one_bad_beat_spa
     listener = HeartbeatListener(None, take, clock=lambda: T0)  # type: ignore[arg-type]
     listener.receive(
         "elastic.hb.job1.n0.launcher",
-        _node([_relayed("m0", age_s=0.25), _relayed("m2"), _relayed("m1", age_s=0)]),
+        _node([_relayed("m0", age_ms=250), _relayed("m2"), _relayed("m1", age_ms=0)]),
     )
     assert taken == [("m0", T0 - timedelta(seconds=0.25)), ("m1", T0)]
     assert listener.stats.received == 1 and listener.stats.accepted == 2
