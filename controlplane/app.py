@@ -19,12 +19,11 @@ from controlplane import bus
 from controlplane.backoff import Backoff
 from controlplane.core.decide import Context
 from controlplane.core.fold import fold, fold_jobs
-from controlplane.core.liveness import LivenessTable
+from controlplane.core.liveness import Beats, LivenessTable, take_beats
 from controlplane.core.records import DeadLetter
 from controlplane.core.statemachine import TERMINAL
-from controlplane.core.view import JobView, MemberStatus
+from controlplane.core.view import JobView
 from controlplane.decider import CommandPublisher, Decider, DeciderStats, utcnow
-from controlplane.decode import Beat
 from controlplane.errors import BusUnavailable, StoreUnavailable
 from controlplane.ingest import Ingest, QuietTurn
 from controlplane.lock import AdvisoryLock
@@ -89,41 +88,12 @@ class ControlPlane:
         view = self.views.get(job_id)
         return view is not None and 0 < generation <= view.generation
 
-    def _heartbeat_taker(self, table: LivenessTable) -> Callable[[Beat, datetime], str | None]:
-        """Takes a validated heartbeat into ``table``: only from the member's current
-        process (its joined incarnation, on its node), else why not."""
+    def _heartbeat_taker(self, table: LivenessTable) -> Callable[[Beats, datetime], list[str]]:
+        """Takes validated heartbeats into ``table``: each only from its member's current
+        process (its joined incarnation, on its node); why each other one was not taken."""
 
-        def take(beat: Beat, at: datetime) -> str | None:
-            view = self.views.get(beat.job_id)
-            member_id, node = beat.member, beat.node
-            member = view.members.get(member_id) if view is not None else None
-            if view is None or member is None:
-                return f"never joined: {beat.source} of job {beat.job_id}"
-            if member.incarnation != beat.incarnation:
-                return (
-                    f"stale_incarnation: {beat.incarnation} of {beat.source}, which joined"
-                    f" as {member.incarnation}"
-                )
-            if member.node != node:
-                return f"forged node: {member_id} joined on {member.node}, not {node}"
-            if beat.generation < view.generation and member.status is not MemberStatus.ACTIVE:
-                # A fenced member resumed (SIGCONT), beating in the world it was left out of.
-                return (
-                    f"stale_generation: {beat.source} beats in generation {beat.generation},"
-                    f" left out of generation {view.generation}"
-                )
-            table.observe(
-                beat.job_id,
-                member_id,
-                node=node,
-                incarnation=beat.incarnation,
-                generation=beat.generation,
-                at=at,
-                step=beat.step,
-                phase=beat.phase,
-                step_seconds=beat.step_seconds,
-            )
-            return None
+        def take(beats: Beats, at: datetime) -> list[str]:
+            return take_beats(table, self.views.get(beats.job_id), beats, at)
 
         return take
 

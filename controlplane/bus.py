@@ -9,7 +9,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Any, NamedTuple
 
 import nats
@@ -29,7 +29,8 @@ from nats.js.api import (
 )
 from nats.protocol.parser import AWAITING_CONTROL_LINE, MAX_CONTROL_LINE_SIZE, Parser
 
-from controlplane.decode import Beat, decode_heartbeats
+from controlplane.core.liveness import Beats, on_the_ms
+from controlplane.decode import decode_heartbeats
 from controlplane.errors import BusUnavailable
 from controlplane.settings import Settings
 from schemas.nats import auth_options
@@ -531,21 +532,21 @@ class HeartbeatListener:
     """Receives heartbeats on the NATS core subjects ``elastic.hb.>`` (not stored).
 
     Each message, a member's own heartbeat or its node's launcher's relay of its members', is
-    validated and bound to its subject (``decode_heartbeats``); each beat it carries is handed
-    to ``on_beat`` with the time it was heard (the message's arrival, less the time the
-    launcher held it). One bad message or beat (or a failing ``on_beat``) is counted and
-    dropped: it never stops the subscription or the loop.
+    validated and bound to its subject (``decode_heartbeats``); the beats it carries are handed
+    to ``on_beats`` with the time the message arrived (on the millisecond; each beat was heard
+    its ``age_ms`` earlier). One bad message or beat (or a failing ``on_beats``) is counted
+    and dropped: it never stops the subscription or the loop.
     """
 
     def __init__(
         self,
         nc: Client,
-        on_beat: Callable[[Beat, datetime], str | None],
+        on_beats: Callable[[Beats, datetime], list[str]],
         clock: Callable[[], datetime] | None = None,
     ) -> None:
         self._nc = nc
-        #: (beat, when it was heard) -> None, or why it was not taken.
-        self._on_beat = on_beat
+        #: (beats, when their message arrived) -> why each beat not taken was not.
+        self._on_beats = on_beats
         self._clock = clock or (lambda: datetime.now(UTC))
         self._sub: Subscription | None = None
         self._logged = 0.0
@@ -599,21 +600,19 @@ class HeartbeatListener:
     def receive(self, subject: str, data: bytes) -> None:
         """Take one message, a member's heartbeat or its node's (never raises)."""
         self.stats.received += 1
-        at = self._clock()
+        at = on_the_ms(self._clock())
         beats = decode_heartbeats(subject, data)
         if isinstance(beats, str):
             self._refuse(subject, beats)
             return
-        for beat in beats:
-            try:
-                why = self._on_beat(beat, at - timedelta(seconds=beat.age_s) if beat.age_s else at)
-            except Exception as exc:
-                log.exception("a heartbeat of %s could not be taken", beat.source)
-                why = f"undecodable: {type(exc).__name__}"
-            if why is not None:
-                self._refuse(subject, why)
-            else:
-                self.stats.accepted += 1
+        try:
+            refused = self._on_beats(beats, at)
+        except Exception as exc:
+            log.exception("heartbeats of %s could not be taken", beats.node)
+            refused = [f"undecodable: {type(exc).__name__}"] * len(beats.members)
+        for why in refused:
+            self._refuse(subject, why)
+        self.stats.accepted += len(beats.members) - len(refused)
 
     def _refuse(self, subject: str, reason: str) -> None:
         key = reason.split(":", 1)[0][:64]

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import NamedTuple
 
 from pydantic import ValidationError
 
+from controlplane.core.liveness import Beats
 from controlplane.core.records import DeadLetter
-from schemas.common import INT64_MAX, INT64_MIN, MAX_EVENT_BYTES, Phase
+from schemas.common import INT64_MAX, INT64_MIN, MAX_EVENT_BYTES
 from schemas.events import (
     CONTROLPLANE_EVENT_TYPES,
     EVENT_ADAPTER,
@@ -98,27 +98,7 @@ def _decode(subject: str, data: bytes, stream_seq: int | None) -> EnvelopeBase |
 _LAUNCHER = "launcher"
 
 
-class Beat(NamedTuple):
-    """One member's heartbeat, validated and bound to the subject it came on: its own
-    (``age_s`` 0), or its node's launcher's, which heard it ``age_s`` before sending."""
-
-    job_id: str
-    node: str
-    member: str
-    incarnation: str
-    generation: int
-    step: int
-    phase: Phase
-    #: The longest step the member finished since its previous heartbeat.
-    step_seconds: float
-    age_s: float = 0.0
-
-    @property
-    def source(self) -> str:
-        return f"{self.node}/{self.member}"
-
-
-def decode_heartbeats(subject: str, data: bytes) -> list[Beat] | str:
+def decode_heartbeats(subject: str, data: bytes) -> Beats | str:
     """Validate one heartbeat message published on ``subject``: a member's own
     (``elastic.hb.<job>.<node>.<member>``, ``member.heartbeat``) or its node's
     (``elastic.hb.<job>.<node>.launcher``, ``node.heartbeat``: the launcher relays its
@@ -148,18 +128,13 @@ def decode_heartbeats(subject: str, data: bytes) -> list[Beat] | str:
         job, node = parsed.job_id, parsed.node
         if isinstance(message, HeartbeatMessage):
             p = message.payload
-            return [Beat(job, node, parsed.member, message.incarnation, message.generation,
-                         p.step, p.phase, p.step_seconds)]  # fmt: skip
-        if _LAUNCHER in message.members:
-            return "forged: a launcher relays its members' heartbeats, not its own"
+            return Beats(job, node, [parsed.member], [message.incarnation], [message.generation],
+                         [p.step], [p.phase], [round(p.step_seconds * 1000)], [0])  # fmt: skip
         m = message
-        return [
-            Beat(job, node, member, incarnation, generation, step, phase, step_ms / 1000,
-                 age_ms / 1000)
-            for member, incarnation, generation, step, phase, step_ms, age_ms in zip(
-                m.members, m.incarnation, m.generation, m.step, m.phase, m.step_ms, m.age_ms,
-                strict=True)
-        ]  # fmt: skip
+        if _LAUNCHER in m.members:
+            return "forged: a launcher relays its members' heartbeats, not its own"
+        return Beats(job, node, m.members, m.incarnation, m.generation, m.step, m.phase,
+                     m.step_ms, m.age_ms)  # fmt: skip
     except Exception as exc:  # a bug here must not stop the listener
         log.exception("decoding a heartbeat on %r failed", subject[:_SUBJECT_KEPT])
         return printable(f"undecodable: {type(exc).__name__}: {exc}")

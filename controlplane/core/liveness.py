@@ -34,6 +34,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import NamedTuple
 
 from controlplane.core.view import JobView, MemberStatus
 from schemas.common import Phase
@@ -52,7 +53,67 @@ REGULAR_BEATS = 2
 
 def on_the_ms(at: datetime) -> datetime:
     """``at`` rounded down to the millisecond (the resolution of a summary)."""
-    return at.replace(microsecond=at.microsecond - at.microsecond % 1000)
+    extra = at.microsecond % 1000
+    return at.replace(microsecond=at.microsecond - extra) if extra else at
+
+
+class Beats(NamedTuple):
+    """The heartbeats of one message, validated and bound to the subject it came on, a list
+    per field: one member's own (``age_ms`` 0), or its node's launcher's (``node.heartbeat``),
+    which heard each ``age_ms`` before sending."""
+
+    job_id: str
+    node: str
+    members: list[str]
+    incarnation: list[str]
+    generation: list[int]
+    step: list[int]
+    phase: list[Phase]
+    #: The longest step each member finished since its previous heartbeat, milliseconds.
+    step_ms: list[int]
+    age_ms: list[int]
+
+    def source(self, i: int) -> str:
+        return f"{self.node}/{self.members[i]}"
+
+
+def take_beats(table: LivenessTable, view: JobView | None, beats: Beats, at: datetime) -> list[str]:
+    """Take the validated ``beats`` of one message that arrived at ``at`` (on the ms) into
+    ``table``: each only from its member's current process (its joined incarnation, on the
+    node the message is bound to, not a fenced one beating in an older generation), heard
+    its ``age_ms`` before ``at``. Why each beat not taken was not."""
+    job_id, node = beats.job_id, beats.node
+    if view is None:
+        return [f"never joined: {node}/{m} of job {job_id}" for m in beats.members]
+    members, generation = view.members, view.generation
+    refused: list[str] = []
+    for i, member_id in enumerate(beats.members):
+        member = members.get(member_id)
+        incarnation = beats.incarnation[i]
+        if member is None:
+            refused.append(f"never joined: {beats.source(i)} of job {job_id}")
+        elif member.incarnation != incarnation:
+            refused.append(
+                f"stale_incarnation: {incarnation} of {beats.source(i)}, which joined"
+                f" as {member.incarnation}"
+            )
+        elif member.node != node:
+            refused.append(f"forged node: {member_id} joined on {member.node}, not {node}")
+        elif beats.generation[i] < generation and member.status is not MemberStatus.ACTIVE:
+            # A fenced member resumed (SIGCONT), beating in the world it was left out of.
+            refused.append(
+                f"stale_generation: {beats.source(i)} beats in generation"
+                f" {beats.generation[i]}, left out of generation {generation}"
+            )
+        else:
+            age = beats.age_ms[i]
+            table.observe(
+                job_id, member_id, node=node, incarnation=incarnation,
+                generation=beats.generation[i],
+                at=at - timedelta(milliseconds=age) if age else at,
+                step=beats.step[i], phase=beats.phase[i], step_seconds=beats.step_ms[i] / 1000,
+            )  # fmt: skip
+    return refused
 
 
 @dataclass(slots=True)

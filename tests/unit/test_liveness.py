@@ -11,7 +11,7 @@ from datetime import timedelta
 
 from controlplane.bus import HeartbeatListener
 from controlplane.core.fold import fold
-from controlplane.core.liveness import LivenessTable
+from controlplane.core.liveness import Beats, LivenessTable, take_beats
 from controlplane.core.replay import DEADLINE_TICK, counterfactual, redecide
 from controlplane.decode import decode_heartbeats
 from schemas.common import Phase
@@ -293,9 +293,7 @@ def test_a_heartbeat_is_validated_and_bound_to_its_subject():
     subject = "elastic.hb.job1.n0.m0"
     beats = decode_heartbeats(subject, _beat())
     assert not isinstance(beats, str)
-    ((job, node, member, incarnation, generation, step, phase, step_s, age),) = beats
-    assert (job, node, member, incarnation, generation, age) == ("job1", "n0", "m0", "i1", 1, 0)
-    assert (step, phase, step_s) == (3, Phase.TRAIN, 0.0)
+    assert beats == Beats("job1", "n0", ["m0"], ["i1"], [1], [3], [Phase.TRAIN], [0], [0])
     refused = {
         (subject, b"\xff"): "not JSON",
         (subject, _beat(source="n1/m0")): "forged source",
@@ -316,11 +314,11 @@ def test_a_heartbeat_is_validated_and_bound_to_its_subject():
 def test_one_bad_heartbeat_or_a_failing_taker_never_stops_the_listener():
     taken = []
 
-    def take(beat, at):
-        if beat.step == 13:
+    def take(beats, at):
+        if beats.step[0] == 13:
             raise RuntimeError("a bug in the taker")
-        taken.append((beat.node, beat.member, at))
-        return None if beat.incarnation == "i1" else "stale_incarnation: i2"
+        taken.append((beats.node, beats.members, at))
+        return [] if beats.incarnation[0] == "i1" else ["stale_incarnation: i2"]
 
     listener = HeartbeatListener(None, take, clock=lambda: T0)  # type: ignore[arg-type]
     subject = "elastic.hb.job1.n0.m0"
@@ -329,7 +327,7 @@ def test_one_bad_heartbeat_or_a_failing_taker_never_stops_the_listener():
         listener.receive(subject, data)
     assert listener.stats.received == 4 and listener.stats.accepted == 1
     assert listener.stats.refused == {"not JSON": 1, "undecodable": 1, "stale_incarnation": 1}
-    assert taken[-1] == ("n0", "m0", T0)
+    assert taken[-1] == ("n0", ["m0"], T0)
 
 
 def _node(beats, **over):
@@ -356,10 +354,9 @@ def test_a_nodes_heartbeats_are_bound_to_its_launcher_and_speak_for_its_members_
     beats = decode_heartbeats(
         subject, _node([_relayed("m0"), _relayed("m1", age_ms=0, step_ms=1500)])
     )
-    assert not isinstance(beats, str)
-    assert [(b.node, b.member, b.source, b.age_s, b.step_seconds) for b in beats] == [
-        ("n0", "m0", "n0/m0", 0.2, 0.0), ("n0", "m1", "n0/m1", 0.0, 1.5)]  # fmt: skip
-    assert beats[0].step == 3 and beats[0].phase is Phase.TRAIN
+    assert beats == Beats("job1", "n0", ["m0", "m1"], ["i1", "i1"], [1, 1], [3, 3],
+                          [Phase.TRAIN, Phase.TRAIN], [0, 1500], [200, 0])  # fmt: skip
+    assert beats.source(1) == "n0/m1"
     refused = {
         (subject, _node([_relayed()], source="n1/launcher")): "forged source",
         ("elastic.hb.job1.n0.m0", _node([_relayed()], source="n0/m0")): "schema violation",
@@ -379,22 +376,34 @@ def test_a_nodes_heartbeats_are_bound_to_its_launcher_and_speak_for_its_members_
 
 
 def test_a_relayed_beat_is_heard_when_its_launcher_heard_it_and_one_bad_beat_spares_the_rest():
-    taken = []
-
-    def take(beat, at):
-        if beat.member == "m2":
-            return "never joined: n0/m2"
-        taken.append((beat.member, at))
-        return None
-
-    listener = HeartbeatListener(None, take, clock=lambda: T0)  # type: ignore[arg-type]
-    listener.receive(
-        "elastic.hb.job1.n0.launcher",
-        _node([_relayed("m0", age_ms=250), _relayed("m2"), _relayed("m1", age_ms=0)]),
+    """Each beat of a node's message is taken as its member's own: heard ``age_ms`` before
+    the message arrived; one that is refused (never joined, another node's member, an old
+    incarnation) leaves the others taken."""
+    sc = SoftScenario(heartbeat_interval_s=0.25)
+    sc.join("m0", "n0", "r0")
+    sc.join("m1", "n0", "r0")
+    sc.join("m3", "n1", "r0")
+    joined = {m: sc.v.members[m].incarnation for m in ("m0", "m1", "m3")}
+    data = _node([
+        _relayed("m0", age_ms=250, incarnation=joined["m0"]), _relayed("m2"),
+        _relayed("m1", age_ms=0, incarnation=joined["m1"]),
+        _relayed("m3", incarnation=joined["m3"]),  # joined on n1: n0's launcher has no say
+    ])  # fmt: skip
+    beats = decode_heartbeats("elastic.hb.job1.n0.launcher", data)
+    assert not isinstance(beats, str)
+    table = LivenessTable(T0)
+    at = T0 + timedelta(seconds=5)
+    refused = take_beats(table, sc.v, beats, at)
+    assert [r.split(":")[0] for r in refused] == ["never joined", "forged node"]
+    assert table.heard("job1", "m0").last_at == at - timedelta(milliseconds=250)
+    assert table.heard("job1", "m1").last_at == at
+    assert table.heard("job1", "m3") is None
+    stale = decode_heartbeats(
+        "elastic.hb.job1.n0.launcher", _node([_relayed("m1", incarnation="old")])
     )
-    assert taken == [("m0", T0 - timedelta(seconds=0.25)), ("m1", T0)]
-    assert listener.stats.received == 1 and listener.stats.accepted == 2
-    assert listener.stats.refused == {"never joined": 1}
+    assert not isinstance(stale, str)
+    assert take_beats(table, sc.v, stale, at)[0].startswith("stale_incarnation")
+    assert take_beats(table, None, stale, at) == ["never joined: n0/m1 of job job1"]
 
 
 # --------------------------------------------------------------------------- the columns

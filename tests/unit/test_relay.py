@@ -6,6 +6,7 @@ import json
 import time
 from pathlib import Path
 
+from controlplane.core.liveness import Beats
 from controlplane.decode import decode_heartbeats
 from rank_runtime.client import EventClient
 from rank_runtime.identity import Identity
@@ -46,9 +47,7 @@ def test_the_relay_keeps_each_members_latest_beat_and_sends_one_message_per_node
     assert set(sent) == {"n0", "n1"} and all(len(m) == 1 for m in sent.values())
     beats = decode_heartbeats("elastic.hb.job1.n0.launcher", sent["n0"][0])
     assert not isinstance(beats, str)
-    ((_, node, member, incarnation, generation, step, phase, step_s, age),) = beats
-    assert (node, member, incarnation, generation, step, age) == ("n0", "m0", "i0", 2, 7, 0.15)
-    assert step_s == 0.5 and phase is Phase.TRAIN
+    assert beats == Beats("job1", "n0", ["m0"], ["i0"], [2], [7], [Phase.TRAIN], [500], [150])
     # m1 was not heard this interval: it is in no message; nothing heard, nothing sent.
     assert relay.flush() == {} and relay.stats.relayed == 2
 
@@ -98,9 +97,8 @@ def test_a_member_beats_through_its_launchers_socket(tmp_path: Path) -> None:
     node, data = sent[0]
     beats = decode_heartbeats("elastic.hb.job1.n0.launcher", data)
     assert node == "n0" and not isinstance(beats, str)
-    assert [(b.member, b.incarnation, b.step, b.step_seconds) for b in beats] == [
-        ("m0", "inc0", 4, 0.3)
-    ]
+    assert (beats.members, beats.incarnation, beats.step, beats.step_ms) == (
+        ["m0"], ["inc0"], [4], [300])  # fmt: skip
     assert not Path(path).exists()  # the socket is removed with the relay
 
 
