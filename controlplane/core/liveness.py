@@ -83,8 +83,8 @@ def take_beats(table: LivenessTable, view: JobView | None, beats: Beats, at: dat
     node the message is bound to, not a fenced one beating in an older generation), heard
     its ``age_ms`` before ``at``. Why each beat not taken was not."""
     job_id, node = beats.job_id, beats.node
-    if view is None:
-        return [f"never joined: {node}/{m} of job {job_id}" for m in beats.members]
+    if view is None:  # (every beat of a job not registered yet: one reason, counted per beat)
+        return [f"never joined: {node}'s members of job {job_id}"] * len(beats.members)
     members, generation = view.members, view.generation
     refused: list[str] = []
     for i, member_id in enumerate(beats.members):

@@ -403,7 +403,7 @@ def test_a_relayed_beat_is_heard_when_its_launcher_heard_it_and_one_bad_beat_spa
     )
     assert not isinstance(stale, str)
     assert take_beats(table, sc.v, stale, at)[0].startswith("stale_incarnation")
-    assert take_beats(table, None, stale, at) == ["never joined: n0/m1 of job job1"]
+    assert take_beats(table, None, stale, at) == ["never joined: n0's members of job job1"]
 
 
 # --------------------------------------------------------------------------- the columns
