@@ -4,18 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import signal
-import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
-from controlplane import bus
+from controlplane import bus, gctune
 from controlplane.backoff import Backoff
 from controlplane.core.decide import Context
 from controlplane.core.fold import fold, fold_jobs
@@ -23,7 +21,7 @@ from controlplane.core.liveness import Beats, LivenessTable, take_beats
 from controlplane.core.records import DeadLetter
 from controlplane.core.statemachine import TERMINAL
 from controlplane.core.view import JobView
-from controlplane.decider import CommandPublisher, Decider, DeciderStats, utcnow
+from controlplane.decider import CommandPublisher, Decider, utcnow
 from controlplane.errors import BusUnavailable, StoreUnavailable
 from controlplane.ingest import Ingest, QuietTurn
 from controlplane.lock import AdvisoryLock
@@ -141,7 +139,7 @@ class ControlPlane:
                 try:
                     # Fold what the log holds now: another process may have ingested before.
                     self.views = await asyncio.to_thread(load_views, store)
-                    gc.freeze()  # the folded views are no garbage: keep them out of collections
+                    gctune.freeze()  # the folded views are no garbage: keep them out of collections
                 except StoreUnavailable as exc:
                     log.warning("waiting for PostgreSQL: %s", exc)
                     await lock.release()
@@ -219,7 +217,7 @@ class ControlPlane:
                 # The decider is asked for its turn by ``_WakingAppender``, as the commit returns.
                 on_commit=self._apply,
                 quiet=QuietTurn(
-                    decider.wanted, without_gc(decider.turn, decider.stats, self._settled)
+                    decider.wanted, gctune.without_gc(decider.turn, decider.stats, self._settled)
                 ),
             )
             ticker = asyncio.ensure_future(decider.tick(either, settings.decide_interval_s))
@@ -291,78 +289,6 @@ async def _connect(settings: Settings, stop: asyncio.Event) -> Client | None:
     return None
 
 
-def tune_gc() -> None:
-    """Collect less often: the ingest allocates many short-lived objects per event, and a
-    default-threshold collector spent as much CPU as the ingest itself (bench ingest).
-
-    A young collection walks every young object still alive, and a batch in the ingest's
-    pipeline keeps about six tracked objects per event alive (the delivery, the envelope and
-    payload models with their dicts and sets, the stored record): at 50,000 the collector
-    ran on every 10,000-event batch, walked it and freed nothing (25-60 ms of CPU each, a
-    pause every two seconds with 4,096 members heartbeating). At 400,000 a young collection
-    waits for objects that outlive batches (or for garbage cycles), so it runs rarely."""
-    gc.freeze()  # what start-up loaded is never garbage
-    gc.set_threshold(400_000, 20, 100)
-    gc.callbacks.append(_gc_pause)
-
-
-def without_gc(
-    turn: Callable[[], Awaitable[None]],
-    stats: DeciderStats | None = None,
-    settled: Callable[[], bool] = lambda: True,
-) -> Callable[[], Awaitable[None]]:
-    """``turn`` with the collector held off while it runs: a decision allocates thousands of
-    containers (a world, its placement, a command), which would otherwise set off a
-    collection in the middle of the fault-to-command path. Whatever the turn left for the
-    collector is looked at afterwards, off that path.
-
-    After a turn that recorded decisions (``stats.batches`` moved) and left no job
-    recovering (``settled``: the turn that resolves an incident, not the one that opens
-    it), the young generations are collected and what survives is frozen, as the views
-    folded at start-up are: the generation's world, placement and incident (hundreds of
-    thousands of objects at 4,096 ranks) are no garbage, and a full collection walking them
-    took 180-350 ms whenever it came (a fault reported then waited as long). The young
-    collection takes a few milliseconds at 4,096 ranks; full collections then walk only
-    what is newer than the last freeze. Frozen objects dropped later are still freed by
-    reference counting, unless they sit in a reference cycle: the views hold none, and the
-    service's full collections had found nothing to free (bench decide: 0 collected)."""
-
-    async def run() -> None:
-        enabled = gc.isenabled()
-        batches = stats.batches if stats is not None else 0
-        gc.disable()
-        try:
-            await turn()
-        finally:
-            if enabled:
-                gc.enable()
-                if stats is not None and stats.batches != batches and settled():
-                    gc.collect(1)
-                    gc.freeze()
-
-    return run
-
-
-_gc_started = [0.0, 0.0]
-
-
-def _gc_pause(phase: str, info: dict[str, int]) -> None:
-    """Log collections long enough to delay a decision (a full one walks every view)."""
-    if phase == "start":
-        _gc_started[0] = time.perf_counter()
-        _gc_started[1] = time.thread_time()
-        return
-    took = time.perf_counter() - _gc_started[0]
-    if took > 0.05:
-        log.warning(
-            "garbage collection (generation %d) took %.0f ms (%.0f ms of CPU; %d collected)",
-            info["generation"],
-            took * 1e3,
-            (time.thread_time() - _gc_started[1]) * 1e3,
-            info["collected"],
-        )
-
-
 def _metrics_exporter(settings: Settings, plane: ControlPlane) -> MetricsExporter:
     """Serve ``plane``'s Prometheus metrics on ``ELASTIC_METRICS_HOST``/``_PORT``."""
     from controlplane.api.auth import TokenAuth
@@ -384,7 +310,7 @@ def _metrics_exporter(settings: Settings, plane: ControlPlane) -> MetricsExporte
 
 def serve(settings: Settings) -> None:
     """Run the control plane until SIGINT or SIGTERM."""
-    tune_gc()
+    gctune.tune_service()
 
     async def main() -> None:
         stop = asyncio.Event()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -59,6 +60,15 @@ from schemas.subjects import (
 )
 
 log = logging.getLogger(__name__)
+
+
+def _open_relay_socket() -> socket.socket:
+    """A datagram socket to the launcher's heartbeat relay (never blocks: a full queue drops
+    the heartbeat, the next one is due an interval later)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.setblocking(False)
+    return sock
+
 
 #: Events sent per round before waiting for the server's acknowledgements.
 _WINDOW = 512
@@ -141,7 +151,9 @@ class EventClient:
         self._seen_commands: set[str] = set()
         self._thread: threading.Thread | None = None
         self._heart: threading.Thread | None = None
-        self._relay_socket: socket.socket | None = None
+        #: Opened here, before any process group forms: a socket opened while one forms is
+        #: taken for one of the group's (``rank_runtime.group``).
+        self._relay_socket = _open_relay_socket() if identity.heartbeat_relay else None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._nc: Client | None = None
         self._wake: asyncio.Event | None = None
@@ -280,11 +292,17 @@ class EventClient:
     def _relay_beat(self, path: str, data: bytes) -> None:
         try:
             if self._relay_socket is None:
-                self._relay_socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-                self._relay_socket.setblocking(False)
+                self._relay_socket = _open_relay_socket()
             self._relay_socket.sendto(data, path)
-        except OSError:  # the launcher is gone, or its socket is full: the next one is due
+        except OSError as exc:  # the launcher is gone, or its socket is full: the next one is due
             self.stats.heartbeats_dropped += 1
+            if exc.errno in (errno.EPIPE, errno.ENOTCONN, errno.EBADF):
+                # This socket was ended under us (a process group's shutdown of the sockets
+                # opened while it formed, say): the next heartbeat gets a new one.
+                log.warning("the heartbeat relay's socket was closed (%s): opening another", exc)
+                broken, self._relay_socket = self._relay_socket, None
+                if broken is not None:
+                    broken.close()
             return
         self.stats.heartbeats += 1
 

@@ -108,8 +108,12 @@ class GroupSockets:
                     continue  # closed, and the number reused for something else
                 with socket.socket(fileno=os.dup(fd)) as sock:
                     # Never its listener: gloo's accept loop aborts the process on a listener
-                    # shut down under it (an EINVAL it enforces against).
-                    if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                    # shut down under it (an EINVAL it enforces against). Never a local socket
+                    # either: the group's connections are TCP, and a Unix socket opened
+                    # meanwhile is another part's (the heartbeat relay's).
+                    if sock.family == socket.AF_UNIX or sock.getsockopt(
+                        socket.SOL_SOCKET, socket.SO_ACCEPTCONN
+                    ):
                         continue
                     sock.shutdown(socket.SHUT_RDWR)
                 ended += 1

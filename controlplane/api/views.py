@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import gc
 import threading
 import time
 from collections.abc import Awaitable, Callable, Hashable, Iterator, Mapping, Sequence
@@ -22,6 +21,7 @@ from datetime import datetime
 
 from anyio import to_thread
 
+from controlplane import gctune
 from controlplane.api.render import StepLoss
 from controlplane.core.fold import fold_noting
 from controlplane.core.records import StoredEvent
@@ -126,7 +126,7 @@ class LiveViews:
         self._checked = -float("inf")
         self._warming: threading.Thread | None = None
         self._closing = False
-        #: Settle the heap at start-up and after the warm-up (``settle_heap``): a server's.
+        #: Settle the heap at start-up and after the warm-up (``gctune.settle_heap``): a server's.
         self._freeze_heap = freeze_heap
 
     @property
@@ -186,7 +186,7 @@ class LiveViews:
     def warm_up(self) -> None:
         """Start folding the log in the background (start-up of a server)."""
         if self._freeze_heap:
-            settle_heap()
+            gctune.settle_heap()
         if self._warming is None:
             self._warming = threading.Thread(
                 target=self._warm, name="api-views-warm-up", daemon=True
@@ -205,7 +205,7 @@ class LiveViews:
         except Exception:  # a request retries, and reports the error
             self._checked = -float("inf")
         if self._freeze_heap:
-            settle_heap()
+            gctune.settle_heap()
 
     @contextmanager
     def locked(self) -> Iterator[None]:
@@ -235,21 +235,6 @@ class LiveViews:
         self._position = events[-1].position
         if self._observe is not None:
             self._observe(events)
-
-
-def settle_heap() -> None:
-    """Collect the garbage, then move every object alive into the garbage collector's
-    permanent generation (``gc.freeze``), which no collection traverses.
-
-    A full collection traverses every object, and a server's long-lived ones (the modules,
-    pydantic's and SQLAlchemy's schemas, the folded views: over 100,000 objects) cost it
-    100 ms of CPU or more, while the event loop waits: a request answered during one takes
-    that much longer. Collections come as answers allocate; after this one they traverse only
-    what was made since. Objects frozen are still freed when no longer referenced (unless
-    they form a cycle), so this is for what lives as long as the process: start-up and the
-    warm-up."""
-    gc.collect()
-    gc.freeze()
 
 
 def _count_losses(

@@ -20,7 +20,7 @@ from typing import Any
 import nats
 import psycopg
 
-from controlplane.app import tune_gc
+from controlplane import gctune
 from controlplane.bench import loadgen
 from controlplane.bench.stack import serving, stack
 from controlplane.bus import ensure_stream
@@ -167,7 +167,7 @@ def run_ingest_bench(
 
         stored = list(store.iter_events(job_id=job.job_id, after=start_position))
         store.close()
-    tune_gc()  # as the service runs its fold
+    gctune.tune_service()  # as the service runs its fold
     fold_times = []
     for _ in range(3):
         fold_started = time.perf_counter()

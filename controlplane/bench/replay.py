@@ -22,10 +22,11 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from controlplane import gctune
 from controlplane.core.fold import fold
 from controlplane.core.records import StoredEvent
 from controlplane.postmortem.logfile import encode_line, read_log
-from controlplane.postmortem.replay import FOLD_CHUNK, relaxed_gc, replay_file, replay_processes
+from controlplane.postmortem.replay import FOLD_CHUNK, replay_file, replay_processes
 from controlplane.synth import SyntheticJob
 from schemas.common import CONTROLPLANE_SOURCE
 from schemas.events import EVENT_ADAPTER
@@ -88,12 +89,12 @@ def run_replay_bench(*, events: int, members: int = 64, progress: bool = False) 
 
         def replay(processes: int | None = None) -> Any:
             # What `elasticctl replay FILE` runs (commands.replay).
-            with relaxed_gc():
+            with gctune.relaxed():
                 return replay_file(path, source=str(path), processes=processes)
 
         def read_only() -> int:
             count = 0
-            with path.open("rb") as stream, relaxed_gc():
+            with path.open("rb") as stream, gctune.relaxed():
                 for _ in read_log(stream):
                     count += 1
             return count
@@ -117,7 +118,7 @@ def run_replay_bench(*, events: int, members: int = 64, progress: bool = False) 
         with path.open("rb") as stream:
             stored = list(itertools.islice(read_log(stream), FOLD_ONLY))
         fold_walls = []
-        with relaxed_gc():
+        with gctune.relaxed():
             for _ in range(RUNS):
                 fold_walls.append(_timed(lambda: _fold_chunks(stored))[0])
     seconds = statistics.median(w for w, _ in runs)

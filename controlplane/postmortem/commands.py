@@ -21,6 +21,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from controlplane import gctune
 from controlplane.core.fold import fold
 from controlplane.core.replay import PolicyError, counterfactual
 from controlplane.errors import ControlPlaneError, SchemaNotMigrated
@@ -32,7 +33,6 @@ from controlplane.postmortem.replay import (
     job_events,
     parse_overrides,
     parse_until,
-    relaxed_gc,
     replay_file,
     replay_log,
 )
@@ -207,7 +207,7 @@ def replay(
         with ExitStack() as stack:
             stream, size = stack.enter_context(_lines(path))
             advance = stack.enter_context(progress_bar(console, "replay", size))
-            stack.enter_context(relaxed_gc())
+            stack.enter_context(gctune.relaxed())
             read = [0]
 
             def on_bytes(n: int) -> None:
@@ -253,7 +253,7 @@ def timeline(database_url: str, job_id: str, *, as_json: bool) -> None:
     try:
         view = None
         chunk = []
-        with relaxed_gc():
+        with gctune.relaxed():
             for stored in store.iter_events(job_id=job_id):
                 chunk.append(stored)
                 if len(chunk) >= FOLD_CHUNK:

@@ -4,7 +4,6 @@ file is read by two processes taking turns where there are two CPUs (``replay_fi
 
 from __future__ import annotations
 
-import gc
 import io
 import itertools
 import multiprocessing
@@ -14,12 +13,13 @@ import pickle
 import queue
 import signal
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import suppress
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from controlplane import gctune
 from controlplane.core.fold import fold
 from controlplane.core.records import StoredEvent
 from controlplane.core.view import JobView
@@ -58,18 +58,6 @@ def parse_overrides(text: str) -> dict[str, object]:
         return policy_overrides(text)
     except ValueError as exc:
         raise ReplayError(str(exc)) from None
-
-
-@contextmanager
-def relaxed_gc() -> Iterator[None]:
-    """Collect less often while replaying: a replay allocates many short-lived objects and a
-    default-threshold collector costs about a third of it (``bench replay``)."""
-    before = gc.get_threshold()
-    gc.set_threshold(50_000, 50, 100)
-    try:
-        yield
-    finally:
-        gc.set_threshold(*before)
 
 
 def _one_job(events: Iterable[StoredEvent], job_id: str | None) -> Iterator[StoredEvent]:
@@ -409,11 +397,11 @@ class _TwoProcesses:
 
     def run(self) -> Replayed:
         # No collections (in the child too): a part read ahead keeps its events, some
-        # hundred thousand tracked objects, alive until its turn, and a collector that walks
-        # them finds nothing (what is read and folded makes no reference cycles); it cost
-        # a fifth of the CPU.
-        collecting = gc.isenabled()
-        gc.disable()
+        # hundred thousand tracked objects, alive until its turn (gctune.held_off).
+        with gctune.held_off():
+            return self._run()
+
+    def _run(self) -> Replayed:
         context = multiprocessing.get_context("fork")
         to_child: Any = context.Queue()
         to_parent: Any = context.Queue()
@@ -449,8 +437,6 @@ class _TwoProcesses:
             for channel in (to_child, to_parent):
                 channel.close()
                 channel.cancel_join_thread()
-            if collecting:
-                gc.enable()
 
     def _child(self, inbox: Any, outbox: Any) -> None:
         """The child: the even parts; the batons, and how the replay ended, to the parent."""
@@ -533,7 +519,6 @@ __all__ = [
     "job_events",
     "parse_overrides",
     "parse_until",
-    "relaxed_gc",
     "replay_blocks",
     "replay_file",
     "replay_log",

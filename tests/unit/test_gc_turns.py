@@ -1,4 +1,4 @@
-"""The collector around the decider's turns (``app.without_gc``)."""
+"""The collector around the decider's turns (``gctune.without_gc``)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from controlplane.app import without_gc
 from controlplane.decider import DeciderStats
+from controlplane.gctune import without_gc
 
 
 @pytest.fixture(autouse=True)

@@ -87,3 +87,25 @@ def test_nothing_recorded_ends_nothing() -> None:
     finally:
         os.close(r)
         os.close(w)
+
+
+def test_a_local_socket_opened_while_a_group_forms_is_not_the_groups(tmp_path) -> None:
+    """A member's heartbeat-relay socket (a Unix datagram socket) opened by its heartbeat
+    thread while the group forms is recorded with the group's, but never ended with them: a
+    recovery must not silence the member's heartbeats."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    relay = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    relay.bind(str(tmp_path / "relay.sock"))
+    opened = GroupSockets({})
+    with opened.recording():
+        tcp = socket.create_connection(listener.getsockname())
+        beats = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    accepted, _ = listener.accept()
+    try:
+        assert opened.shutdown() == 1  # the TCP connection only
+        assert accepted.recv(1) == b""  # its peer sees it end
+        beats.sendto(b"beat", str(tmp_path / "relay.sock"))  # the local one still sends
+        assert relay.recv(16) == b"beat"
+    finally:
+        for s in (listener, relay, tcp, beats, accepted):
+            s.close()
