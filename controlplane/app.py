@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
-from controlplane import bus, gctune
+from controlplane import bus, gctune, snapshots
 from controlplane.backoff import Backoff
 from controlplane.core.decide import Context
 from controlplane.core.fold import fold, fold_jobs
@@ -40,8 +40,8 @@ log = logging.getLogger(__name__)
 
 
 def load_views(store: EventStore) -> dict[str, JobView]:
-    """Fold the whole stored log into job views."""
-    return fold_jobs({}, store.iter_events())
+    """Every job's view: from the store's view snapshot and the log after it (``snapshots``)."""
+    return snapshots.load(store).views
 
 
 class ControlPlane:
@@ -60,6 +60,10 @@ class ControlPlane:
         self.heartbeats: bus.HeartbeatListener | None = None
         #: How many times this process took the ingest lock and started ingesting.
         self.sessions = 0
+        #: How the views of the current session were folded at its start.
+        self.loaded: snapshots.Loaded | None = None
+        #: Records the views as the log grows (None: ``snapshot_interval_s`` is 0).
+        self.snapshotter: snapshots.Snapshotter | None = None
         #: Prometheus metrics of what this process commits (``ELASTIC_METRICS_PORT``).
         self.metrics: LogMetrics | None = None
         #: The installation secret: authenticates the rendezvous store, signs commands.
@@ -98,6 +102,8 @@ class ControlPlane:
     def _apply(self, result: AppendResult) -> None:
         if result.stored:
             self.views = fold_jobs(self.views, result.stored)
+            if self.snapshotter is not None:
+                self.snapshotter.applied(result)
             if self.metrics is not None:
                 self.metrics.observe(result.stored)
 
@@ -118,6 +124,8 @@ class ControlPlane:
             return
         if events:
             self.views = {**self.views, job_id: fold(view, events)}
+            if self.snapshotter is not None:
+                self.snapshotter.lost_track(f"{len(events)} event(s) of {job_id} another wrote")
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until ``stop`` is set. Raises ``SchemaNotMigrated`` on an unmigrated database."""
@@ -138,7 +146,8 @@ class ControlPlane:
                     break
                 try:
                     # Fold what the log holds now: another process may have ingested before.
-                    self.views = await asyncio.to_thread(load_views, store)
+                    loaded = self.loaded = await asyncio.to_thread(snapshots.load, store)
+                    self.views = loaded.views
                     gctune.freeze()  # the folded views are no garbage: keep them out of collections
                 except StoreUnavailable as exc:
                     log.warning("waiting for PostgreSQL: %s", exc)
@@ -146,7 +155,15 @@ class ControlPlane:
                     await backoff.sleep(stop)
                     continue
                 backoff.reset()
-                log.info("folded %d job(s) from the log", len(self.views))
+                log.info(
+                    "folded %d job(s) in %.2f s: %s, and %d event(s) after it", len(self.views),
+                    loaded.seconds, "the whole log" if loaded.snapshot is None else
+                    f"the view snapshot at position {loaded.snapshot}", loaded.tail,
+                )  # fmt: skip
+                if settings.snapshot_interval_s > 0:
+                    self.snapshotter = snapshots.Snapshotter(
+                        store, loaded, settings.snapshot_interval_s
+                    )
                 self.sessions += 1
                 await self._ingest_while_held(store, lock, stop)
                 await lock.release()
@@ -182,6 +199,7 @@ class ControlPlane:
         appender = store.appender()
         publisher: CommandPublisher | None = None
         ticker: asyncio.Future[None] | None = None
+        snapshotting: asyncio.Future[None] | None = None
         try:
             if nc is None:
                 return
@@ -221,12 +239,15 @@ class ControlPlane:
                 ),
             )
             ticker = asyncio.ensure_future(decider.tick(either, settings.decide_interval_s))
+            if self.snapshotter is not None:
+                snapshotting = asyncio.ensure_future(
+                    self.snapshotter.run(either, lambda: self.views, self._settled)
+                )
             log.info("ingesting from %s into PostgreSQL; deciding", settings.nats_url)
             await self.ingest.run(either)
         finally:
             tasks: list[asyncio.Future[Any]] = [*relay, watcher]
-            if ticker is not None:
-                tasks.append(ticker)
+            tasks.extend(t for t in (ticker, snapshotting) if t is not None)
             for pending in tasks:
                 pending.cancel()
             if self.heartbeats is not None:

@@ -67,6 +67,11 @@ class Settings(BaseSettings):
     decide_interval_s: PositiveFloat = Field(
         0.5, description="Longest time between two decider turns (deadlines wake it sooner)"
     )
+    snapshot_interval_s: NonNegativeFloat = Field(
+        120.0,
+        description="How often the leader records the job views it holds while the log grows,"
+        " so that a restart or a standby starts from them and folds only the log after (0: never)",
+    )
     rendezvous: bool = Field(
         True, description="Host the ranks' rendezvous store in the control plane"
     )

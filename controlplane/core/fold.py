@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import fields
 from typing import Any, TypeVar
@@ -999,7 +1000,8 @@ class _Fold:
                 command_id=str(p.command_id),
                 generation=p.generation,
                 mode=p.mode,
-                world=tuple(p.world),
+                # One string per member name, not one per decision naming it.
+                world=tuple(map(sys.intern, p.world)),
                 restore_step=p.restore_step,
                 restore_from=p.restore_from,
                 plan=tuple(p.plan),
@@ -1027,6 +1029,8 @@ class _Fold:
 
     def _close(self, incident: Incident, stored: StoredEvent, outcome: str) -> None:
         incident.outcome = outcome
+        for decision in incident.decisions:  # owned: ``incident`` came from ``_incident``
+            decision.compact()
         incident.resolved_at = stored.recorded_at
         incident.resolved_position = stored.position
         if self.view.open_incident == incident.incident_id:

@@ -29,21 +29,14 @@ class Timeline:
     outcome: str | None
 
 
-def _last_of(marks: dict[str, Mark], world: tuple[str, ...]) -> Mark | None:
-    """The mark of the last member of ``world`` to get there; None until all have."""
-    if not world or any(m not in marks for m in world):
-        return None
-    return max((marks[m] for m in world), key=lambda mark: (mark.at, mark.position))
-
-
 def timeline(incident: Incident) -> Timeline:
     """Derive the timeline of ``incident`` (the decision that counts is the last one)."""
     detected = Mark(incident.opened_position, incident.opened_at)
     fault = incident.evidence if incident.evidence is not None else detected
     decision: Decision | None = incident.decisions[-1] if incident.decisions else None
     decided = Mark(decision.position, decision.at) if decision is not None else None
-    acked = _last_of(decision.acked, decision.world) if decision is not None else None
-    restored = _last_of(decision.restored, decision.world) if decision is not None else None
+    acked = decision.acked_by_all() if decision is not None else None
+    restored = decision.restored_by_all() if decision is not None else None
     first_step = (
         Mark(decision.first_step_position, decision.first_step_at)
         if decision is not None

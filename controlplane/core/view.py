@@ -287,6 +287,37 @@ class Decision:
     resumed: dict[str, Mark] = field(default_factory=dict)
     first_step_position: int | None = None
     first_step_at: datetime | None = None
+    #: Its incident closed: the per-member marks above, the plan and the digests were
+    #: dropped (nothing reads them once the incident is over) and what a timeline reads of
+    #: them kept instead (``all_acked``, ``all_restored``). A month-long job then holds a few
+    #: marks per closed decision, not three per rank of its world.
+    compacted: bool = False
+    all_acked: Mark | None = None
+    all_restored: Mark | None = None
+
+    def acked_by_all(self) -> Mark | None:
+        """The ack of the last member of the world to ack (None until every one has)."""
+        return self.all_acked if self.compacted else last_of(self.acked, self.world)
+
+    def restored_by_all(self) -> Mark | None:
+        """The restore of the last member of the world to restore (None until every one has)."""
+        return self.all_restored if self.compacted else last_of(self.restored, self.world)
+
+    def compact(self) -> None:
+        """Keep only what is read of a decision once its incident closed (see ``compacted``)."""
+        if self.compacted:
+            return
+        self.all_acked, self.all_restored = self.acked_by_all(), self.restored_by_all()
+        self.acked, self.restored, self.resumed = {}, {}, {}
+        self.plan, self.digests = (), ()
+        self.compacted = True
+
+
+def last_of(marks: dict[str, Mark], world: tuple[str, ...]) -> Mark | None:
+    """The mark of the last member of ``world`` to get there; None until all have."""
+    if not world or any(m not in marks for m in world):
+        return None
+    return max((marks[m] for m in world), key=lambda mark: (mark.at, mark.position))
 
 
 @dataclass(slots=True)

@@ -11,7 +11,7 @@ from controlplane.core.records import DeadLetter, StoredEvent
 from controlplane.core.sequence import Cursor, CursorKey, SeqGap, sequence
 from controlplane.errors import ConcurrencyError, StoreRefused
 from controlplane.store.planning import refused_letters, split_stale, unique
-from controlplane.store.port import AppendResult, JobHead, StoredDeadLetter, paged
+from controlplane.store.port import AppendResult, JobHead, StoredDeadLetter, ViewSnapshot, paged
 from schemas.common import INT64_MAX
 from schemas.events import EnvelopeBase
 
@@ -45,6 +45,7 @@ class InMemoryEventStore:
         self._gaps: list[SeqGap] = []
         self._dead: list[StoredDeadLetter] = []
         self._dead_keys: set[tuple[str, object]] = set()
+        self._snapshot: ViewSnapshot | None = None
 
     def append(
         self,
@@ -164,3 +165,27 @@ class InMemoryEventStore:
     def job_ids(self) -> list[str]:
         with self._lock:
             return list(dict.fromkeys(e.event.job_id for e in self._events))
+
+    def save_snapshot(
+        self,
+        position: int,
+        fold_version: str,
+        bodies: Mapping[str, tuple[int, bytes]],
+        *,
+        taken_at: datetime,
+        whole: bool,
+    ) -> bool:
+        with self._lock:
+            old = self._snapshot
+            if old is not None and old.position > position:
+                return False
+            if not whole and (old is None or old.fold_version != fold_version):
+                raise ValueError("a partial snapshot needs a whole one of the same fold before it")
+            kept = {} if whole or old is None else dict(old.bodies)
+            kept.update((job, body) for job, (_, body) in bodies.items())
+            self._snapshot = ViewSnapshot(position, fold_version, taken_at, kept)
+            return True
+
+    def load_snapshot(self) -> ViewSnapshot | None:
+        with self._lock:
+            return self._snapshot

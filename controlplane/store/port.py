@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import NamedTuple, Protocol
 
 from controlplane.core.records import DeadLetter, StoredEvent
@@ -120,8 +121,47 @@ class DeadLetters(Protocol):
         ...
 
 
-class EventStore(EventLog, DeadLetters, Protocol):
-    """A store of both roles: the event log, and the dead letters its appends refused."""
+@dataclass(frozen=True, slots=True)
+class ViewSnapshot:
+    """Every job's encoded view (``controlplane.core.snapshot``), whole through ``position``:
+    each holds every event of its job up to there."""
+
+    position: int
+    #: The fold that wrote it (``core.snapshot.fold_version``): another's is not read.
+    fold_version: str
+    taken_at: datetime
+    #: job -> encoded view.
+    bodies: dict[str, bytes]
+
+
+class ViewSnapshots(Protocol):
+    """A cache of the fold beside the log: where a leader's start-up begins (never a source of
+    truth: emptied, nothing is lost but time)."""
+
+    def save_snapshot(
+        self,
+        position: int,
+        fold_version: str,
+        bodies: Mapping[str, tuple[int, bytes]],
+        *,
+        taken_at: datetime,
+        whole: bool,
+    ) -> bool:
+        """Record the views in ``bodies`` (job -> (its view's last position, encoded view))
+        and that the snapshot is whole through ``position``. ``whole``: ``bodies`` has every
+        job, and rows of others are dropped; else the jobs not in it keep their rows (their
+        views did not change). Nothing is written, and False returned, when the snapshot
+        recorded already is of a later position (a writer that lost the lead)."""
+        ...
+
+    def load_snapshot(self) -> ViewSnapshot | None:
+        """The snapshot recorded (None: none yet)."""
+        ...
+
+
+class EventStore(EventLog, DeadLetters, ViewSnapshots, Protocol):
+    """A store of every role: the event log, the dead letters its appends refused, and the
+    views' snapshots."""
 
 
 class Appender(Protocol):

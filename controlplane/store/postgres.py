@@ -18,6 +18,7 @@ import psycopg
 import sqlalchemy as sa
 from pydantic_core import to_json
 from sqlalchemy import Engine, create_engine
+from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from controlplane.core.catalog import CATALOG, pack, unpacked
 from controlplane.core.records import DeadLetter, StoredEvent
@@ -32,10 +33,11 @@ from controlplane.errors import (
 )
 from controlplane.settings import libpq_url, sqlalchemy_url
 from controlplane.store.planning import gap_rows, refused_letters, split_stale, unique
-from controlplane.store.port import AppendResult, JobHead, StoredDeadLetter, paged
+from controlplane.store.port import AppendResult, JobHead, StoredDeadLetter, ViewSnapshot, paged
 from controlplane.store.tables import dead_letters as dead_letters_table
 from controlplane.store.tables import events as events_table
 from controlplane.store.tables import seq_gaps as seq_gaps_table
+from controlplane.store.tables import snapshot_head, view_snapshots
 from schemas.events import EVENT_ADAPTER, EnvelopeBase
 
 #: The head row's ``xmin`` names the last transaction that wrote to the log or the cursors
@@ -305,6 +307,62 @@ class PostgresEventStore:
             entry.first_at, entry.last_at = min(entry.first_at, first), max(entry.last_at, last)
             entry.by_type[type_] = (int(count), int(row_bytes))
         return Storage(int(total), int(table), int(indexes), int(letters), list(jobs.values()))
+
+    # ------------------------------------------------------------------ view snapshots
+
+    def save_snapshot(
+        self,
+        position: int,
+        fold_version: str,
+        bodies: Mapping[str, tuple[int, bytes]],
+        *,
+        taken_at: datetime,
+        whole: bool,
+    ) -> bool:
+        """See ``ViewSnapshots.save_snapshot``: one transaction, writers one at a time."""
+        head = snapshot_head.c
+        with translated(), self.engine.begin() as conn:
+            conn.execute(sa.text("LOCK TABLE snapshot_head IN SHARE ROW EXCLUSIVE MODE"))
+            row = conn.execute(
+                sa.select(head.position, head.fold_version).where(head.id == 1)
+            ).one_or_none()
+            if row is not None and row.position > position:
+                return False
+            if not whole and (row is None or row.fold_version != fold_version):
+                raise ValueError("a partial snapshot needs a whole one of the same fold before it")
+            if whole:
+                conn.execute(view_snapshots.delete())
+            if bodies:
+                rows = [
+                    {"job_id": job, "position": at, "body": body}
+                    for job, (at, body) in bodies.items()
+                ]
+                insert = pg_insert(view_snapshots)
+                conn.execute(
+                    insert.on_conflict_do_update(
+                        index_elements=[view_snapshots.c.job_id],
+                        set_={"position": insert.excluded.position, "body": insert.excluded.body},
+                    ),
+                    rows,
+                )
+            values = {"position": position, "fold_version": fold_version, "taken_at": taken_at}
+            insert = pg_insert(snapshot_head).values(id=1, **values)
+            conn.execute(insert.on_conflict_do_update(index_elements=[head.id], set_=values))
+        return True
+
+    def load_snapshot(self) -> ViewSnapshot | None:
+        # One statement, so one snapshot of the database: the head and the rows it vouches for.
+        query = sa.text(
+            "SELECT h.position, h.fold_version, h.taken_at, s.job_id, s.body"
+            " FROM snapshot_head h LEFT JOIN view_snapshots s ON true WHERE h.id = 1"
+        )
+        with translated(), self.engine.connect() as conn:
+            rows = conn.execute(query).all()
+        if not rows:
+            return None
+        position, fold_version, taken_at = rows[0][:3]
+        bodies = {job: bytes(body) for *_, job, body in rows if job is not None}
+        return ViewSnapshot(int(position), fold_version, taken_at, bodies)
 
     def job_ids(self) -> list[str]:
         t = events_table

@@ -88,3 +88,25 @@ dead_letters = Table(
     Column("reason", Text, nullable=False),
     Column("received_at", DateTime(timezone=True), nullable=False),
 )
+
+#: Every job's encoded view (``controlplane.core.snapshot``) at the position of its last event;
+#: a cache of the fold that ``snapshot_head`` says is whole through one log position.
+view_snapshots = Table(
+    "view_snapshots",
+    metadata,
+    Column("job_id", Text, primary_key=True),
+    Column("position", BigInteger, nullable=False),
+    Column("body", LargeBinary, nullable=False),
+)
+
+#: One row (or none: no snapshot yet): the log position through which ``view_snapshots`` holds
+#: every event, and the fold that wrote them (``fold_version``).
+snapshot_head = Table(
+    "snapshot_head",
+    metadata,
+    Column("id", SmallInteger, primary_key=True, autoincrement=False),
+    Column("position", BigInteger, nullable=False),
+    Column("fold_version", Text, nullable=False),
+    Column("taken_at", DateTime(timezone=True), nullable=False),
+    CheckConstraint("id = 1", name="snapshot_head_single_row"),
+)

@@ -298,9 +298,20 @@ def test_incident_lifecycle():
     assert view.members["m3"].exit_signal == 9
     [decision] = incident.decisions
     assert decision.generation == 1 and decision.restore_step == 2
+    # Open, the incident's decision holds each member's marks; closed, only the last ones.
+    [open_decision] = fold(None, log[:-1]).incidents[INCIDENT].decisions
+    assert not open_decision.compacted
     assert (
-        set(decision.acked) == set(decision.restored) == set(decision.resumed) == {"m0", "m1", "m2"}
-    )
+        set(open_decision.acked) == set(open_decision.restored) == set(open_decision.resumed)
+        == {"m0", "m1", "m2"}
+    )  # fmt: skip
+    last_ack = max(s.position for s in log if s.event.type == "command.acked")
+    last_restore = max(s.position for s in log if s.event.type == "restore.completed")
+    assert decision.compacted and not (decision.acked or decision.restored or decision.plan)
+    assert decision.acked_by_all() == open_decision.acked_by_all()
+    assert decision.restored_by_all() == open_decision.restored_by_all()
+    assert decision.acked_by_all() is not None and decision.acked_by_all().position == last_ack  # type: ignore[union-attr]
+    assert decision.restored_by_all().position == last_restore  # type: ignore[union-attr]
     first_step = next(s for s in log if s.event.type == "train.step" and s.event.generation == 1)
     assert decision.first_step_position == first_step.position
     assert (incident.downtime_s, incident.steps_lost) == (2.0, 1)

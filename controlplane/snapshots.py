@@ -1,0 +1,188 @@
+"""The leader's start-up from a view snapshot, and the snapshots it takes as the log grows.
+
+``load`` starts from the snapshot the store holds (``core.snapshot``: every job's view folded
+through one log position, written by this release's fold) and folds only the log after it; a
+snapshot of another fold, an unreadable one, or one beyond the log's end (a database restored
+from an older backup) is passed over, and the whole log folded. ``Snapshotter`` then records
+the leader's views every ``snapshot_interval_s`` while the log grew: only the jobs whose views
+moved since the last snapshot, in one transaction that also moves the snapshot's position.
+
+A snapshot is whole through a position only when every event up to it is in the views: the
+leader folds what it appends, and its appends follow each other in the log unless another
+process wrote in between (an import while it runs). The snapshotter follows the positions the
+leader folds; when they stop following each other, it takes no snapshot again in this
+session (a restart folds that writer's events from the log).
+
+The views a leader holds have its heartbeat table's liveness moved onto them
+(``LivenessTable.overlay``), so a snapshot may hold later heartbeat times than the log's
+summaries: soft state a new leader's table supersedes (it counts every member as heard at its
+own start), recorded in the summary before its first decision like any other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from controlplane.core.fold import fold_jobs
+from controlplane.core.snapshot import SnapshotUnreadable, decode_view, encode_view, fold_version
+from controlplane.core.view import JobView
+from controlplane.errors import StoreUnavailable
+from controlplane.store.port import AppendResult, EventStore
+
+log = logging.getLogger(__name__)
+
+#: Events read from the log at a time while folding the tail.
+_BATCH = 10_000
+
+
+@dataclass(slots=True)
+class Loaded:
+    """What a start-up folded: the views, and how it got them."""
+
+    views: dict[str, JobView]
+    #: Every event up to this log position is in ``views``.
+    position: int
+    #: The snapshot's position it started from (None: it folded the whole log).
+    snapshot: int | None = None
+    #: Events folded after the snapshot (or from the log's start).
+    tail: int = 0
+    seconds: float = 0.0
+    #: Why a snapshot the store held was passed over (None: there was none, or it was used).
+    passed_over: str | None = None
+    #: job -> the last position of its view as the snapshot holds it.
+    snapshotted: dict[str, int] = field(default_factory=dict)
+
+
+def load(store: EventStore, *, use_snapshot: bool = True) -> Loaded:
+    """Every job's view: from the store's snapshot when it can be read, plus the log after it."""
+    started = time.perf_counter()
+    views: dict[str, JobView] = {}
+    loaded = Loaded(views, 0)
+    snapshot = store.load_snapshot() if use_snapshot else None
+    if snapshot is not None:
+        reason = None
+        if snapshot.fold_version != fold_version():
+            reason = f"written by {snapshot.fold_version}, this release folds {fold_version()}"
+        elif snapshot.position > store.last_position():
+            reason = (
+                f"at position {snapshot.position}, beyond the log's end ({store.last_position()})"
+            )
+        else:
+            try:
+                views = {job: decode_view(body) for job, body in snapshot.bodies.items()}
+            except SnapshotUnreadable as exc:
+                reason = str(exc)
+        if reason is None:
+            loaded = Loaded(
+                views, snapshot.position, snapshot=snapshot.position,
+                snapshotted={job: v.last_position for job, v in views.items()},
+            )  # fmt: skip
+        else:
+            log.warning("view snapshot passed over (%s): folding the whole log", reason)
+            views = {}
+            loaded.passed_over = reason
+    while True:
+        batch = store.read(after=loaded.position, limit=_BATCH)
+        if not batch:
+            break
+        views = fold_jobs(views, batch)
+        loaded.position = batch[-1].position
+        loaded.tail += len(batch)
+    loaded.views = views
+    loaded.seconds = time.perf_counter() - started
+    return loaded
+
+
+class Snapshotter:
+    """Records the leader's views in the store as the log grows (see the module docstring)."""
+
+    def __init__(self, store: EventStore, loaded: Loaded, interval_s: float) -> None:
+        self._store = store
+        self.interval_s = interval_s
+        #: Every event up to here is folded into the views (None: no longer known).
+        self.through: int | None = loaded.position
+        #: The snapshot's position in the store, and each job's view position in it.
+        self.position: int | None = loaded.snapshot
+        self._saved: dict[str, int] = dict(loaded.snapshotted)
+        self.taken = 0
+        #: Jobs the last snapshot wrote (the others' views had not moved).
+        self.written = 0
+
+    def applied(self, result: AppendResult) -> None:
+        """The leader folded ``result``: follow its positions."""
+        stored = result.stored
+        if not stored or self.through is None:
+            return
+        if stored[0].position != self.through + 1:
+            self.lost_track(f"the log went from {self.through} to {stored[0].position}")
+            return
+        self.through = stored[-1].position
+
+    def lost_track(self, why: str) -> None:
+        """The views stopped being the log's through a known position."""
+        if self.through is not None:
+            log.warning("no more view snapshots this session: %s (another writer?)", why)
+        self.through = None
+
+    def due(self) -> bool:
+        through = self.through
+        return through is not None and (self.position is None or through > self.position)
+
+    async def take(self, views: Mapping[str, JobView]) -> bool:
+        """Record the views whose jobs moved since the last snapshot; True when recorded."""
+        through = self.through
+        if through is None:
+            return False
+        whole = self.position is None
+        started = time.perf_counter()
+        changed = {
+            job: (view.last_position, encode_view(view))
+            for job, view in views.items()
+            if whole or self._saved.get(job) != view.last_position
+        }
+        encoded = time.perf_counter()
+        saved = await asyncio.to_thread(
+            self._store.save_snapshot, through, fold_version(), changed,
+            taken_at=datetime.now(UTC), whole=whole,
+        )  # fmt: skip
+        if not saved:
+            self.lost_track("the store holds a later snapshot")
+            return False
+        self.position = through
+        self._saved.update((job, at) for job, (at, _) in changed.items())
+        self.taken += 1
+        self.written = len(changed)
+        log.info(
+            "view snapshot at position %d: %d of %d job(s), %d bytes; encoded in %.0f ms,"
+            " written in %.0f ms", through, len(changed), len(views),
+            sum(len(body) for _, body in changed.values()), (encoded - started) * 1e3,
+            (time.perf_counter() - encoded) * 1e3,
+        )  # fmt: skip
+        return True
+
+    async def run(
+        self,
+        stop: asyncio.Event,
+        views: Callable[[], Mapping[str, JobView]],
+        settled: Callable[[], bool],
+    ) -> None:
+        """Take a snapshot every ``interval_s`` the log grew, while no job recovers (the
+        encoding holds the loop: it waits for no recovery)."""
+        while not stop.is_set() and self.through is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.interval_s)
+            while not stop.is_set() and not settled():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 1.0)
+            if stop.is_set() or not self.due():
+                continue
+            try:
+                await self.take(views())
+            except StoreUnavailable as exc:
+                log.warning("view snapshot not recorded (%s); at the next interval", exc)
