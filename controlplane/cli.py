@@ -518,6 +518,51 @@ def bench_scale(
     typer.echo(json.dumps(result))
 
 
+@bench_app.command("takeover")
+def bench_takeover(
+    *,
+    ranks: Annotated[
+        int, typer.Option(min=2, help="Simulated ranks of the running job (8 a node).")
+    ] = 16_384,
+    days: Annotated[
+        float, typer.Option(min=0.0, help="Days of that job's log written first (the history).")
+    ] = 30.0,
+    history_rows: Annotated[
+        int | None,
+        typer.Option(
+            min=0, help="Rows of history instead (default: what --days of the job writes)."
+        ),
+    ] = None,
+    api_wait: Annotated[
+        float, typer.Option(min=1.0, help="How long the API's cold start is waited for, seconds.")
+    ] = 120.0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print only the JSON result.")] = False,
+) -> None:
+    """A standby taking over from a leader killed on a long log, and the API's cold start.
+
+    Writes a history of as many rows as --days of a --ranks job writes (steps, backup
+    catalogs, liveness summaries, each rank's recovery events at eight incidents a day) and
+    the view snapshot a leader would have recorded; then --ranks simulated members train
+    against a leader with a standby beside it; the leader is killed (SIGKILL) and a member
+    crashes at once. Prints takeover_decision_s (the kill to the standby's decision
+    committed), standby_startup_s and what it started from, api_first_answer_s. Uses
+    ELASTIC_NATS_URL / ELASTIC_DATABASE_URL when set; otherwise embedded NATS and PostgreSQL.
+    """
+    from controlplane.bench.takeover import BenchTakeoverError, run_takeover_bench
+
+    if history_rows is not None and 0 < history_rows < 4:
+        raise typer.BadParameter(f"{history_rows}: 0 or at least 4", param_hint="--history-rows")
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    try:
+        result = run_takeover_bench(
+            ranks=ranks, days=days, history_rows=history_rows, api_wait_s=api_wait,
+            progress=not as_json,
+        )  # fmt: skip
+    except BenchTakeoverError as exc:
+        raise _fail(str(exc), 1) from exc
+    typer.echo(json.dumps(result))
+
+
 @bench_app.command("api")
 def bench_api(
     *,
