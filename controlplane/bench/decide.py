@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import nats
+import nats.js.errors
 import psycopg
 import sqlalchemy as sa
 from nats.aio.client import Client
@@ -200,8 +201,12 @@ async def _until_caught_up(nc: Any, settings: Settings, behind: int, timeout_s: 
     while streak < 3:
         if time.monotonic() - started > timeout_s:
             raise TimeoutError(f"the ingest did not catch up within {timeout_s:g}s")
-        info = await js.consumer_info(settings.stream, settings.ingest_durable)
-        streak = streak + 1 if unacknowledged(info) < behind else 0
+        try:
+            info = await js.consumer_info(settings.stream, settings.ingest_durable)
+        except nats.js.errors.NotFoundError:  # not created yet, or being re-created
+            streak = 0
+        else:
+            streak = streak + 1 if unacknowledged(info) < behind else 0
         await asyncio.sleep(0.1)
     return time.monotonic() - started
 
