@@ -1004,7 +1004,7 @@ class _Fold:
                 world=tuple(map(sys.intern, p.world)),
                 restore_step=p.restore_step,
                 restore_from=p.restore_from,
-                plan=tuple(p.plan),
+                plan=tuple(map(sys.intern, p.plan)),
                 digests=tuple(p.digests),
                 rendezvous=p.rendezvous,
                 reason=p.reason,

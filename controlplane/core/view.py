@@ -287,10 +287,11 @@ class Decision:
     resumed: dict[str, Mark] = field(default_factory=dict)
     first_step_position: int | None = None
     first_step_at: datetime | None = None
-    #: Its incident closed: the per-member marks above, the plan and the digests were
-    #: dropped (nothing reads them once the incident is over) and what a timeline reads of
-    #: them kept instead (``all_acked``, ``all_restored``). A month-long job then holds a few
-    #: marks per closed decision, not three per rank of its world.
+    #: Its incident closed: the per-member marks above were dropped (nothing waits for them
+    #: once the incident is over) and what a timeline reads of them kept instead
+    #: (``all_acked``, ``all_restored``). A month-long job then holds a few marks per closed
+    #: decision, not three per rank of its world (the plan and digests, what the decision
+    #: sent, stay).
     compacted: bool = False
     all_acked: Mark | None = None
     all_restored: Mark | None = None
@@ -309,7 +310,6 @@ class Decision:
             return
         self.all_acked, self.all_restored = self.acked_by_all(), self.restored_by_all()
         self.acked, self.restored, self.resumed = {}, {}, {}
-        self.plan, self.digests = (), ()
         self.compacted = True
 
 

@@ -307,7 +307,8 @@ def test_incident_lifecycle():
     )  # fmt: skip
     last_ack = max(s.position for s in log if s.event.type == "command.acked")
     last_restore = max(s.position for s in log if s.event.type == "restore.completed")
-    assert decision.compacted and not (decision.acked or decision.restored or decision.plan)
+    assert decision.compacted and not (decision.acked or decision.restored or decision.resumed)
+    assert decision.plan == open_decision.plan  # what the decision sent stays
     assert decision.acked_by_all() == open_decision.acked_by_all()
     assert decision.restored_by_all() == open_decision.restored_by_all()
     assert decision.acked_by_all() is not None and decision.acked_by_all().position == last_ack  # type: ignore[union-attr]
