@@ -38,8 +38,9 @@ class Stack:
             "database": "embedded" if "postgres" in kinds else "external",
         }
 
-    def serve(self, **env: str) -> subprocess.Popen[bytes]:
-        """Start ``elasticctl serve`` against these services (``env`` adds ELASTIC_* settings)."""
+    def serve(self, log: Path | None = None, /, **env: str) -> subprocess.Popen[bytes]:
+        """Start ``elasticctl serve`` against these services (``env`` adds ELASTIC_* settings;
+        ``log``: its standard error goes to that file)."""
         environment = {
             **os.environ,
             NATS_URL_ENV: self.nats_url,
@@ -47,7 +48,11 @@ class Stack:
             "ELASTIC_LOG_LEVEL": "WARNING",
             **env,
         }
-        return subprocess.Popen([sys.executable, "-m", "controlplane", "serve"], env=environment)
+        command = [sys.executable, "-m", "controlplane", "serve"]
+        if log is None:
+            return subprocess.Popen(command, env=environment)
+        with log.open("wb") as out:
+            return subprocess.Popen(command, env=environment, stderr=out, stdout=subprocess.DEVNULL)
 
 
 @contextmanager

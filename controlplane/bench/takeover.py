@@ -35,7 +35,6 @@ import math
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -51,6 +50,7 @@ import nats
 import psycopg
 
 from controlplane.bench import loadgen
+from controlplane.bench.api import _start_api
 from controlplane.bench.decide import _commit_times, _layout, _until_caught_up
 from controlplane.bench.members import SimulatedJob
 from controlplane.bench.scale import _Fleet
@@ -60,7 +60,8 @@ from controlplane.core.fold import fold
 from controlplane.core.records import StoredEvent
 from controlplane.core.snapshot import encode_view, fold_version
 from controlplane.core.view import JobView
-from controlplane.settings import DATABASE_URL_ENV, Settings, libpq_url
+from controlplane.devstack import free_port
+from controlplane.settings import Settings, libpq_url
 from controlplane.store.postgres import PostgresEventStore, encode_row
 from schemas.commands import Reallocate
 from schemas.common import CONTROLPLANE_SOURCE
@@ -221,19 +222,7 @@ def write_history(database_url: str, rows: int, days: float, *, progress: bool) 
 
 def _serve(services: Stack, log: Path, **env: str) -> subprocess.Popen[bytes]:
     """``elasticctl serve`` with its log (INFO) in ``log``."""
-    environment = {
-        **os.environ,
-        "ELASTIC_NATS_URL": services.nats_url,
-        DATABASE_URL_ENV: services.database_url,
-        "ELASTIC_LOG_LEVEL": "INFO",
-        "ELASTIC_RENDEZVOUS_PORT": "0",
-        **env,
-    }
-    with log.open("wb") as out:
-        return subprocess.Popen(
-            [sys.executable, "-m", "controlplane", "serve"], env=environment, stderr=out,
-            stdout=subprocess.DEVNULL,
-        )  # fmt: skip
+    return services.serve(log, ELASTIC_LOG_LEVEL="INFO", ELASTIC_RENDEZVOUS_PORT="0", **env)
 
 
 _FOLDED = re.compile(
@@ -351,12 +340,9 @@ async def _scenario(
 def _api_first_answer(database_url: str, job_id: str, wait_s: float) -> float | None:
     """Seconds from starting ``elasticctl api`` to its first 200 for the job (None: none in
     ``wait_s``)."""
-    port = _free_port()
-    env = {**os.environ, DATABASE_URL_ENV: database_url, "ELASTIC_LOG_LEVEL": "WARNING"}
-    env.pop("ELASTIC_API_TOKENS", None)
+    port = free_port()
     started = time.monotonic()
-    command = [sys.executable, "-m", "controlplane", "api", "--host", "127.0.0.1"]
-    api = subprocess.Popen([*command, "--port", str(port)], env=env)
+    api = _start_api(database_url, port)
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=wait_s) as client:
             while time.monotonic() - started < wait_s:
@@ -378,12 +364,6 @@ def _api_first_answer(database_url: str, job_id: str, wait_s: float) -> float | 
         except subprocess.TimeoutExpired:  # still folding the log in its warm-up thread
             api.kill()
             api.wait(30)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run_takeover_bench(
