@@ -101,9 +101,10 @@ class ControlPlane:
 
     def _apply(self, result: AppendResult) -> None:
         if result.stored:
-            self.views = fold_jobs(self.views, result.stored)
             if self.snapshotter is not None:
-                self.snapshotter.applied(result)
+                self.views = self.snapshotter.fold(self.views, result)
+            else:
+                self.views = fold_jobs(self.views, result.stored)
             if self.metrics is not None:
                 self.metrics.observe(result.stored)
 

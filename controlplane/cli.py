@@ -542,10 +542,11 @@ def bench_takeover(
 
     Writes a history of as many rows as --days of a --ranks job writes (steps, backup
     catalogs, liveness summaries, each rank's recovery events at eight incidents a day) and
-    the view snapshot a leader would have recorded; then --ranks simulated members train
-    against a leader with a standby beside it; the leader is killed (SIGKILL) and a member
-    crashes at once. Prints takeover_decision_s (the kill to the standby's decision
-    committed), standby_startup_s and what it started from, api_first_answer_s. Uses
+    what a leader would have recorded of it (the view snapshot, the steps chunks); then
+    --ranks simulated members train against a leader with a standby beside it; the leader is
+    killed (SIGKILL) and a member crashes at once. Prints takeover_decision_s (the kill to the
+    standby's decision committed), standby_startup_s and what it started from,
+    api_first_answer_s (a cold start of the API) and api_history_loss_s. Uses
     ELASTIC_NATS_URL / ELASTIC_DATABASE_URL when set; otherwise embedded NATS and PostgreSQL.
     """
     from controlplane.bench.takeover import BenchTakeoverError, run_takeover_bench

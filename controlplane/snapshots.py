@@ -29,11 +29,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from controlplane.core.fold import fold_jobs
+from controlplane.core.fold import fold_jobs, fold_jobs_counting
 from controlplane.core.snapshot import SnapshotUnreadable, decode_view, encode_view, fold_version
+from controlplane.core.steps import JobSteps, encode_steps
 from controlplane.core.view import JobView
 from controlplane.errors import StoreUnavailable
-from controlplane.store.port import AppendResult, EventStore
+from controlplane.store.port import AppendResult, EventStore, ViewSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,8 @@ class Loaded:
     passed_over: str | None = None
     #: job -> the last position of its view as the snapshot holds it.
     snapshotted: dict[str, int] = field(default_factory=dict)
+    #: job -> what the events folded after the snapshot counted (``core.steps``).
+    steps: dict[str, JobSteps] = field(default_factory=dict)
 
 
 def load(store: EventStore, *, use_snapshot: bool = True) -> Loaded:
@@ -66,18 +69,7 @@ def load(store: EventStore, *, use_snapshot: bool = True) -> Loaded:
     loaded = Loaded(views, 0)
     snapshot = store.load_snapshot() if use_snapshot else None
     if snapshot is not None:
-        reason = None
-        if snapshot.fold_version != fold_version():
-            reason = f"written by {snapshot.fold_version}, this release folds {fold_version()}"
-        elif snapshot.position > store.last_position():
-            reason = (
-                f"at position {snapshot.position}, beyond the log's end ({store.last_position()})"
-            )
-        else:
-            try:
-                views = {job: decode_view(body) for job, body in snapshot.bodies.items()}
-            except SnapshotUnreadable as exc:
-                reason = str(exc)
+        views, reason = decoded(snapshot, store.last_position())
         if reason is None:
             loaded = Loaded(
                 views, snapshot.position, snapshot=snapshot.position,
@@ -91,12 +83,25 @@ def load(store: EventStore, *, use_snapshot: bool = True) -> Loaded:
         batch = store.read(after=loaded.position, limit=_BATCH)
         if not batch:
             break
-        views = fold_jobs(views, batch)
+        views = fold_jobs_counting(views, batch, loaded.steps)
         loaded.position = batch[-1].position
         loaded.tail += len(batch)
     loaded.views = views
     loaded.seconds = time.perf_counter() - started
     return loaded
+
+
+def decoded(snapshot: ViewSnapshot, last_position: int) -> tuple[dict[str, JobView], str | None]:
+    """The views ``snapshot`` holds, or why a reader of a log ending at ``last_position``
+    must pass it over (another fold's, beyond the log's end, unreadable)."""
+    if snapshot.fold_version != fold_version():
+        return {}, f"written by {snapshot.fold_version}, this release folds {fold_version()}"
+    if snapshot.position > last_position:
+        return {}, f"at position {snapshot.position}, beyond the log's end ({last_position})"
+    try:
+        return {job: decode_view(body) for job, body in snapshot.bodies.items()}, None
+    except SnapshotUnreadable as exc:
+        return {}, str(exc)
 
 
 class Snapshotter:
@@ -110,6 +115,8 @@ class Snapshotter:
         #: The snapshot's position in the store, and each job's view position in it.
         self.position: int | None = loaded.snapshot
         self._saved: dict[str, int] = dict(loaded.snapshotted)
+        #: What the events folded since the snapshot counted, per job (recorded with the next).
+        self.steps: dict[str, JobSteps] = loaded.steps
         self.taken = 0
         #: Jobs the last snapshot wrote (the others' views had not moved).
         self.written = 0
@@ -130,6 +137,24 @@ class Snapshotter:
             log.warning("no more view snapshots this session: %s (another writer?)", why)
         self.through = None
 
+    def fold(self, views: Mapping[str, JobView], result: AppendResult) -> dict[str, JobView]:
+        """The leader's fold of what it appended: ``views`` with ``result`` folded in, its
+        positions followed and its steps counted toward the next snapshot."""
+        self.applied(result)
+        if self.through is None:
+            return fold_jobs(views, result.stored)
+        return fold_jobs_counting(views, result.stored, self.steps)
+
+    def _restore(self, counted: dict[str, JobSteps]) -> None:
+        """Put back steps a snapshot did not record, before those counted since."""
+        for job, later in self.steps.items():
+            known = counted.get(job)
+            if known is None:
+                counted[job] = later
+            else:
+                known.extend(later)
+        self.steps = counted
+
     def due(self) -> bool:
         through = self.through
         return through is not None and (self.position is None or through > self.position)
@@ -146,11 +171,19 @@ class Snapshotter:
             for job, view in views.items()
             if whole or self._saved.get(job) != view.last_position
         }
+        # The steps counted through ``through``; what is folded while this is written counts
+        # toward the next snapshot.
+        counted, self.steps = self.steps, {}
+        chunks = {job: encode_steps(steps) for job, steps in counted.items() if steps.seen}
         encoded = time.perf_counter()
-        saved = await asyncio.to_thread(
-            self._store.save_snapshot, through, fold_version(), changed,
-            taken_at=datetime.now(UTC), whole=whole,
-        )  # fmt: skip
+        try:
+            saved = await asyncio.to_thread(
+                self._store.save_snapshot, through, fold_version(), changed,
+                taken_at=datetime.now(UTC), whole=whole, steps=chunks,
+            )  # fmt: skip
+        except BaseException:
+            self._restore(counted)
+            raise
         if not saved:
             self.lost_track("the store holds a later snapshot")
             return False

@@ -172,6 +172,8 @@ class Api:
             async_head=self.pages.head if self.pages is not None else None,
             # The API's own process (``elasticctl api``), not one it shares with a caller.
             freeze_heap=owned is not None,
+            snapshot=lambda: store.load_snapshot(steps=True),
+            started=self.metrics.started,
         )
         self._rendered: dict[Hashable, Rendered] = {}
         #: Requests the hot routes answered (``controlplane.api.hot``).
@@ -381,7 +383,7 @@ def _view_routes(api: Api, router: APIRouter) -> None:
         def make() -> Rendered:
             with api.views.locked():  # the loss table is the tail's to mutate
                 return api.rendered(
-                    entry, "loss", lambda view: render.loss_curve(view, entry.losses), False
+                    entry, "loss", lambda view: render.loss_curve(view, entry.loss_points()), False
                 )
 
         rendered = entry.cached("loss", entry.view.last_position)

@@ -1,8 +1,9 @@
 """Prometheus metrics of the log and the job views, for the API's ``/metrics`` and the control
 plane's exporter (``ELASTIC_METRICS_PORT``).
 
-- ``elastic_events_ingested_total``: events folded by this process (the API folds the log
-  from position 0, so its count is the log's; the control plane counts what it committed);
+- ``elastic_events_ingested_total``: events folded by this process (the API counts the
+  events of the view snapshot it starts from too, so its count is the log's; the control
+  plane counts what it committed);
 - ``elastic_log_position``: the last log position folded;
 - ``elastic_ingest_lag_seconds``: ``recorded_at - emitted_at`` of the newest member event
   folded (how long the newest event took from its producer into the log);
@@ -128,6 +129,11 @@ class LogMetrics:
             registry=self.registry,
         )
         self.registry.register(_ViewCollector(views))
+
+    def started(self, views: Sequence[JobView], position: int) -> None:
+        """The views start from a snapshot at ``position``: count the events it holds."""
+        self._events.inc(sum(view.events for view in views))
+        self._position.set(position)
 
     def observe(self, events: Sequence[StoredEvent]) -> None:
         """Count a batch folded (O(1) unless its tail is all control-plane events)."""

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable
 from datetime import datetime
 
 from controlplane.core.decide import natural_key
@@ -28,26 +27,6 @@ from schemas.api import (
     StateChangeOut,
     TimelinePoint,
 )
-
-
-@dataclass(slots=True)
-class StepLoss:
-    """The losses reported at one step by the newest generation that reported it."""
-
-    generation: int
-    total: float
-    count: int
-    #: When the last of those reports was recorded.
-    at: datetime
-
-    def add(self, generation: int, loss: float, at: datetime) -> None:
-        """Count one report; a newer generation replaces what older ones reported."""
-        if generation > self.generation:
-            self.generation, self.total, self.count, self.at = generation, loss, 1, at
-        elif generation == self.generation:
-            self.total += loss
-            self.count += 1
-            self.at = max(self.at, at)
 
 
 def _summary_fields(view: JobView) -> dict[str, object]:
@@ -243,14 +222,12 @@ def cluster(view: JobView) -> Cluster:
     )  # fmt: skip
 
 
-def loss_curve(view: JobView, losses: Mapping[int, StepLoss]) -> LossCurve:
-    """``GET /jobs/{job}/loss``: the mean loss by step and the step each fault opened at
-    (growth incidents are no faults)."""
+def loss_curve(view: JobView, points: Iterable[tuple[int, float, datetime]]) -> LossCurve:
+    """``GET /jobs/{job}/loss``: the mean loss by step (``points``: (step, loss, time of its
+    last report) in step order) and the step each fault opened at (growth incidents are no
+    faults)."""
     return LossCurve(
-        points=[
-            LossPoint(step=step, loss=s.total / s.count, at=s.at)
-            for step, s in sorted(losses.items())
-        ],
+        points=[LossPoint(step=step, loss=loss, at=at) for step, loss, at in points],
         faults={
             i.incident_id: i.step_at_fault for i in view.incidents.values() if i.kind == "fault"
         },

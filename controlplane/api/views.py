@@ -1,6 +1,9 @@
 """Job views kept in memory for the API, caught up by tailing the log by position.
 
-The log is folded once (at start-up, in the background) and then incrementally: a request
+The views start from the leader's newest view snapshot (``controlplane.snapshots``: every
+job's view through one log position, and the steps its events counted, ``core.steps``) when
+the store holds one this release can read, else from the log's first event; the log after
+that is folded once (at start-up, in the background) and then incrementally: a request
 that finds the views checked longer ago than ``refresh_s`` reads what was appended since the
 last position folded (positions are gap-free and in commit order, so tailing never skips an
 event) and folds it. No request folds the whole log. Folded views are never mutated
@@ -11,7 +14,7 @@ Rendered responses are cached per job and per view version (the job's last posit
 from __future__ import annotations
 
 import asyncio
-import bisect
+import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable, Hashable, Iterator, Mapping, Sequence
@@ -22,16 +25,29 @@ from datetime import datetime
 from anyio import to_thread
 
 from controlplane import gctune
-from controlplane.api.render import StepLoss
-from controlplane.core.fold import fold_noting
+from controlplane.core.fold import by_job, fold_noting
 from controlplane.core.records import StoredEvent
+from controlplane.core.steps import (
+    JobSteps,
+    StepHistory,
+    StepsUnreadable,
+    loss_points,
+    start_after,
+)
 from controlplane.core.view import JobView
-from controlplane.store.port import EventStore
+from controlplane.snapshots import decoded
+from controlplane.store.port import EventStore, ViewSnapshot
 
 #: Reads the log: (after, limit) -> up to ``limit`` events of every job after that position.
 Reader = Callable[[int, int], list[StoredEvent]]
 #: Called with each batch folded (metrics).
 Observer = Callable[[Sequence[StoredEvent]], None]
+#: Reads the view snapshot with its steps chunks (``ViewSnapshots.load_snapshot``).
+SnapshotReader = Callable[[], ViewSnapshot | None]
+#: Called with the views a start from a snapshot found, and the snapshot's position.
+Started = Callable[[Sequence[JobView], int], None]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,45 +61,27 @@ class Rendered:
     final: bool = False
 
 
-#: One position in this many of a job's events is kept with its time (see ``JobEntry.after``).
-TIME_MARK_EVERY = 1024
-
-
 @dataclass(slots=True)
 class JobEntry:
-    """One job: its folded view, its loss by step, and responses rendered from them."""
+    """One job: its folded view, its steps (loss by step, time marks), and responses
+    rendered from them."""
 
     view: JobView
-    losses: dict[int, StepLoss] = field(default_factory=dict)
+    #: What the events folded here counted (``core.steps``).
+    steps: JobSteps = field(default_factory=JobSteps)
+    #: What the events before those counted, from the view snapshot started from (None:
+    #: every event of the job was folded here).
+    history: StepHistory | None = None
     rendered: dict[Hashable, Rendered] = field(default_factory=dict)
-    #: Every TIME_MARK_EVERY-th event of the job: its recorded time and position.
-    mark_times: list[datetime] = field(default_factory=list)
-    mark_positions: list[int] = field(default_factory=list)
-    #: Every event folded so far was recorded no earlier than the one before it.
-    monotone: bool = True
-    _seen: int = 0
-    _last_at: datetime | None = None
-
-    def count_times(self, events: list[StoredEvent]) -> None:
-        """Keep the time marks and check that recorded times follow positions."""
-        for stored in events:
-            at = stored.recorded_at
-            if self._last_at is not None and at < self._last_at:
-                self.monotone = False
-            self._last_at = at
-            if self._seen % TIME_MARK_EVERY == 0:
-                self.mark_times.append(at)
-                self.mark_positions.append(stored.position)
-            self._seen += 1
 
     def after(self, since: datetime) -> int:
         """A position whose events and all before it were recorded before ``since`` (0 when
-        none is known): where a scan for events recorded since then may start. Exact, as it
-        relies on the order of times only where it was seen to hold."""
-        if not self.monotone:
-            return 0
-        i = bisect.bisect_left(self.mark_times, since) - 1
-        return self.mark_positions[i] if i >= 0 else 0
+        none is known): where a scan for events recorded since then may start."""
+        return start_after(self.history, self.steps, since)
+
+    def loss_points(self) -> Iterator[tuple[int, float, datetime]]:
+        """(step, mean loss, time of its last report) by step (``core.steps.loss_points``)."""
+        return loss_points(self.history, self.steps)
 
     def cached(self, key: Hashable, version: int) -> Rendered | None:
         """The body rendered for ``key`` from this version of the view, if any."""
@@ -109,8 +107,15 @@ class LiveViews:
         observe: Observer | None = None,
         async_head: Callable[[], Awaitable[int]] | None = None,
         freeze_heap: bool = False,
+        snapshot: SnapshotReader | None = None,
+        started: Started | None = None,
     ) -> None:
         self._reader = reader
+        #: Where the warm-up starts from (None: the log's first event).
+        self._snapshot = snapshot
+        self._started = started
+        #: The snapshot's position the views started from (None: the whole log was folded).
+        self.started_from: int | None = None
         self._head = head
         #: The head read without a thread (the common case: nothing new to fold).
         self._async_head = async_head
@@ -201,6 +206,8 @@ class LiveViews:
 
     def _warm(self) -> None:
         try:
+            if self._snapshot is not None:
+                self.start_from_snapshot()
             self.catch_up(force=True)
         except Exception:  # a request retries, and reports the error
             self._checked = -float("inf")
@@ -213,13 +220,42 @@ class LiveViews:
         with self._lock:
             yield
 
+    def start_from_snapshot(self) -> bool:
+        """Start from the store's view snapshot and its steps (before anything is folded);
+        False when there is none or it is passed over (the whole log is folded then)."""
+        assert self._snapshot is not None
+        with self._lock:
+            if self._position:
+                raise RuntimeError("a start from a snapshot comes before any fold")
+            snapshot = self._snapshot()
+            if snapshot is None:
+                return False
+            views, reason = decoded(snapshot, self._head())
+            histories: dict[str, StepHistory] = {}
+            if reason is None:
+                try:
+                    histories = {job: StepHistory.of(snapshot.steps.get(job, ())) for job in views}
+                except StepsUnreadable as exc:
+                    reason = str(exc)
+            if reason is not None:
+                log.warning("view snapshot passed over (%s): folding the whole log", reason)
+                return False
+
+            def first_position(job: str) -> int:  # a job's first event is its first mark
+                marks = histories[job].mark_positions
+                return marks[0] if marks else views[job].last_position
+
+            order = sorted(views, key=first_position)
+            self._jobs = {job: JobEntry(views[job], history=histories[job]) for job in order}
+            self._position = self.started_from = snapshot.position
+            if self._started is not None:
+                self._started([views[job] for job in order], snapshot.position)
+            return True
+
     def _apply(self, events: list[StoredEvent]) -> None:
-        by_job: dict[str, list[StoredEvent]] = {}
-        for stored in events:
-            by_job.setdefault(stored.event.job_id, []).append(stored)
         jobs = self._jobs
         added: dict[str, JobEntry] = {}
-        for job_id, batch in by_job.items():
+        for job_id, batch in by_job(events).items():
             entry = jobs.get(job_id)
             # The fold says which events it did not believe: their steps and losses count
             # nowhere (a forged step of 10^15 is in the log, not on the loss curve).
@@ -228,25 +264,9 @@ class LiveViews:
                 entry = added[job_id] = JobEntry(view)
             else:
                 entry.view = view
-            _count_losses(entry.losses, batch, ignored)
-            entry.count_times(batch)
+            entry.steps.count(batch, ignored)
         if added:
             self._jobs = {**jobs, **added}
         self._position = events[-1].position
         if self._observe is not None:
             self._observe(events)
-
-
-def _count_losses(
-    losses: dict[int, StepLoss], events: list[StoredEvent], ignored: frozenset[int] = frozenset()
-) -> None:
-    for stored in events:
-        event = stored.event
-        if event.type != "train.step" or (ignored and stored.position in ignored):
-            continue
-        step, loss = event.payload.step, event.payload.loss
-        known = losses.get(step)
-        if known is None:
-            losses[step] = StepLoss(event.generation, loss, 1, stored.recorded_at)
-        else:
-            known.add(event.generation, loss, stored.recorded_at)

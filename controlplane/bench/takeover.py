@@ -4,10 +4,12 @@ The log first gets a *history*: as many rows as ``days`` of a job of ``ranks`` r
 this design (``history_rows_per_day``: one ``train.step`` a step at a step a second, a
 ``backup.catalog`` per 1,024 ranks every ten steps, an interval ``liveness.summary`` every
 ten seconds, and each rank's ack, restore and resume at eight incidents a day, Llama 3's
-rate on 16,384 GPUs), written as the rows of one finished job (its ``train.step`` records:
-valid events, the cheapest kind to generate, so the log holds that many rows, not that many
-bytes). The history's views are folded once and recorded as the leader would have recorded
-them (a whole view snapshot at the history's end, ``controlplane.snapshots``).
+rate on 16,384 GPUs), written as the rows of one finished job: its ``train.step`` records at
+a step a second, and for the other rows the control plane's liveness summaries of its member
+(valid events of the cheapest kinds to generate, so the log holds that many rows, not that
+many bytes). The history's views are folded once and recorded as the leader would have
+recorded them (``controlplane.snapshots``): a whole view snapshot at the history's end, and
+a steps chunk (``core.steps``) for each snapshot interval of the history.
 
 Then a job of ``ranks`` simulated members (as ``bench scale`` runs them: relayed heartbeats,
 a step a second, backups) trains against a leader (``elasticctl serve``, its own process,
@@ -22,7 +24,9 @@ launcher's ``member.exited``). What the report says:
 - ``standby_startup_s``, ``standby_started_from``, ``standby_tail_events``: what the
   standby's start-up folded, as it logs it;
 - ``api_first_answer_s``: a cold start of ``elasticctl api`` to its first answer for the job
-  (``GET /api/v1/jobs/{job}``), None when none came within ``api_wait_s``;
+  (``GET /api/v1/jobs/{job}``), None when none came within ``api_wait_s``; then
+  ``api_history_loss_s`` and ``api_history_loss_points``: its answer with the history job's
+  loss curve (made of the snapshot's steps chunks);
 - ``history_rows``, ``log_rows``, ``log_bytes``: the log the standby found.
 """
 
@@ -56,16 +60,25 @@ from controlplane.bench.members import SimulatedJob
 from controlplane.bench.scale import _Fleet
 from controlplane.bench.stack import Stack, stack
 from controlplane.bus import ensure_stream
-from controlplane.core.fold import fold
+from controlplane.core.fold import fold_noting
 from controlplane.core.records import StoredEvent
 from controlplane.core.snapshot import encode_view, fold_version
+from controlplane.core.steps import JobSteps, encode_steps
 from controlplane.core.view import JobView
 from controlplane.devstack import free_port
 from controlplane.settings import Settings, libpq_url
 from controlplane.store.postgres import PostgresEventStore, encode_row
 from schemas.commands import Reallocate
-from schemas.common import CONTROLPLANE_SOURCE
-from schemas.events import EVENT_ADAPTER, EnvelopeBase, TrainStep, TrainStepEvent
+from schemas.common import CONTROLPLANE_SOURCE, Phase
+from schemas.events import (
+    EVENT_ADAPTER,
+    EnvelopeBase,
+    LivenessEntry,
+    LivenessSummary,
+    LivenessSummaryEvent,
+    TrainStep,
+    TrainStepEvent,
+)
 from schemas.ids import new_event_id
 from schemas.subjects import command_subject
 
@@ -73,6 +86,8 @@ from schemas.subjects import command_subject
 INCIDENTS_PER_DAY = 8
 #: The history job's rows before its steps (registration, join, first generation).
 _HEAD_ROWS = 3
+#: Seconds between the leader's view snapshots of the history (the service's default).
+SNAPSHOT_INTERVAL_S: float = Settings.model_fields["snapshot_interval_s"].default
 #: History rows written per COPY.
 _CHUNK = 50_000
 
@@ -118,26 +133,43 @@ def _history_events(job_id: str, start: datetime) -> list[EnvelopeBase]:
     ]  # fmt: skip
 
 
-def _steps(job_id: str, first: int, count: int, start: datetime) -> list[EnvelopeBase]:
-    """``count`` of the history member's steps from ``first`` on, a second apart (built
-    without validating again: the same shape every time)."""
+def _rows(
+    job_id: str, first: int, count: int, start: datetime, *, steps_per_row: float, spacing: float
+) -> list[EnvelopeBase]:
+    """History rows ``first`` to ``first + count`` (counted from the first after the head):
+    the member's steps at a step a second, one every ``1 / steps_per_row`` rows, and the
+    control plane's liveness summaries of it between them (built without validating again:
+    the same shapes every time)."""
     out: list[EnvelopeBase] = []
-    for step in range(first, first + count):
-        payload = TrainStep.model_construct(step=step, loss=1.0, step_seconds=1.0, samples=8)
+    for row in range(first, first + count):
+        step = math.floor((row + 1) * steps_per_row)
+        if step > math.floor(row * steps_per_row):
+            payload = TrainStep.model_construct(step=step, loss=1.0, step_seconds=1.0, samples=8)
+            out.append(
+                TrainStepEvent.model_construct(
+                    event_id=new_event_id(), job_id=job_id, type="train.step", v=1,
+                    source="hist-n0/h0", incarnation="hist", seq=step + 2, generation=1,
+                    emitted_at=start + timedelta(seconds=step), payload=payload,
+                )
+            )  # fmt: skip
+            continue
+        at = start + timedelta(seconds=row * spacing)
+        entry = LivenessEntry.model_construct(
+            member="h0", node="hist-n0", incarnation="hist", generation=1, last_at=at,
+            assumed=False, first_at=at - timedelta(seconds=10), beats=40, max_gap_s=0.3,
+            max_gap_at=at, phase=Phase.TRAIN, step=step, max_step_s=1.0,
+        )  # fmt: skip
+        summary = LivenessSummary.model_construct(
+            reason="interval", since=at - timedelta(seconds=10), at=at, part=1, parts=1,
+            members=[entry], columns=None, regular=None,
+        )  # fmt: skip
         out.append(
-            TrainStepEvent.model_construct(
-                event_id=new_event_id(),
-                job_id=job_id,
-                type="train.step",
-                v=1,
-                source="hist-n0/h0",
-                incarnation="hist",
-                seq=step + 2,
-                generation=1,
-                emitted_at=start + timedelta(seconds=step),
-                payload=payload,
+            LivenessSummaryEvent.model_construct(
+                event_id=new_event_id(), job_id=job_id, type="liveness.summary", v=1,
+                source=CONTROLPLANE_SOURCE, incarnation="hist", seq=row + 4, generation=1,
+                emitted_at=at, payload=summary,
             )
-        )
+        )  # fmt: skip
     return out
 
 
@@ -149,19 +181,26 @@ def _completed(job_id: str, step: int, start: datetime) -> EnvelopeBase:
     }))  # fmt: skip
 
 
-def write_history(database_url: str, rows: int, days: float, *, progress: bool) -> int:
-    """Write ``rows`` rows of a finished job spread over ``days`` before now, and record the
-    view snapshot a leader would have recorded at their end; return the log's last position."""
+def write_history(database_url: str, rows: int, days: float, *, progress: bool) -> tuple[int, str]:
+    """Write ``rows`` rows of a finished job spread over ``days`` before now, and record what
+    a leader would have recorded of them: the view snapshot at their end, and the steps of
+    each snapshot interval (``SNAPSHOT_INTERVAL_S``) as its chunk. Return the log's last
+    position and the job's id."""
     job_id = f"history-{uuid.uuid4().hex[:8]}"
     start = datetime.now(UTC) - timedelta(days=days)
     head = _history_events(job_id, start)
-    spacing = max(1e-3, days * 86_400 / max(1, rows))
+    seconds = days * 86_400
+    spacing = max(1e-3, seconds / max(1, rows))
+    steps_per_row = min(1.0, seconds / max(1, rows - len(head) - 1))
     view: JobView | None = None
     position = 0
     copy_sql = (
         "COPY events (position, recorded_at, event_id, job_id, type, v, source, incarnation,"
         " seq, generation, emitted_at, payload) FROM STDIN"
     )
+    #: (position, chunk) of every snapshot interval, and what the current one counted.
+    chunks: list[tuple[int, bytes]] = []
+    counting, window = JobSteps(), 0
     with (
         psycopg.connect(libpq_url(database_url), autocommit=False) as conn,
         ThreadPoolExecutor(1) as copier,
@@ -175,16 +214,18 @@ def write_history(database_url: str, rows: int, days: float, *, progress: bool) 
         row = conn.execute("SELECT position FROM log_head WHERE id = 1 FOR UPDATE").fetchone()
         position = int(row[0]) if row else 0
         first = position + 1
-        step = 1
+        made = 0  # history rows made after the head
         events: list[EnvelopeBase] = head
         written = 0
         while written < rows:
             if not events:
                 count = min(_CHUNK, rows - written - 1)
-                events = _steps(job_id, step, count, start)
-                step += count
+                events = _rows(
+                    job_id, made, count, start, steps_per_row=steps_per_row, spacing=spacing
+                )
+                made += count
                 if written + len(events) == rows - 1:  # the last row: the job completed
-                    events.append(_completed(job_id, step - 1, start))
+                    events.append(_completed(job_id, math.floor(made * steps_per_row), start))
             stored = []
             data = bytearray()
             for event in events:
@@ -195,7 +236,18 @@ def write_history(database_url: str, rows: int, days: float, *, progress: bool) 
             if pending is not None:  # the server writes one chunk while the next is built
                 pending.result()
             pending = copier.submit(write, bytes(data))
-            view = fold(view, stored)
+            view, ignored = fold_noting(view, stored)
+            # The leader's snapshots of the history, one an interval: their steps chunks.
+            cut = 0
+            for k, one in enumerate(stored):
+                at_window = int((one.recorded_at - start).total_seconds() // SNAPSHOT_INTERVAL_S)
+                if at_window != window:
+                    counting.count(stored[cut:k], ignored)
+                    if counting.seen:
+                        chunks.append((stored[k - 1].position if k else position - len(stored),
+                                       encode_steps(counting)))  # fmt: skip
+                    counting, window, cut = JobSteps(), at_window, k
+            counting.count(stored[cut:], ignored)
             written += len(events)
             events = []
             if progress and written > len(head) and written % (_CHUNK * 20) < _CHUNK:
@@ -213,11 +265,20 @@ def write_history(database_url: str, rows: int, days: float, *, progress: bool) 
     try:
         store.save_snapshot(
             position, fold_version(), {job_id: (view.last_position, encode_view(view))},
-            taken_at=datetime.now(UTC), whole=True,
+            taken_at=datetime.now(UTC), whole=True, steps={job_id: encode_steps(counting)},
         )  # fmt: skip
     finally:
         store.close()
-    return position
+    # The earlier intervals' chunks, as the leader's snapshots before the last wrote them.
+    with psycopg.connect(libpq_url(database_url), autocommit=False) as conn:
+        with conn.cursor().copy(
+            "COPY snapshot_steps (job_id, position, body) FROM STDIN (FORMAT BINARY)"
+        ) as copy:
+            copy.set_types(["text", "int8", "bytea"])
+            for chunk_at, body in chunks:
+                copy.write_row((job_id, chunk_at, body))
+        conn.commit()
+    return position, job_id
 
 
 def _serve(services: Stack, log: Path, **env: str) -> subprocess.Popen[bytes]:
@@ -337,12 +398,15 @@ async def _scenario(
                 process.wait(30)
 
 
-def _api_first_answer(database_url: str, job_id: str, wait_s: float) -> float | None:
-    """Seconds from starting ``elasticctl api`` to its first 200 for the job (None: none in
-    ``wait_s``)."""
+def _api_cold_start(
+    database_url: str, job_id: str, history_job: str | None, wait_s: float
+) -> dict[str, Any]:
+    """A cold start of ``elasticctl api``: seconds to its first 200 for the job (None: none in
+    ``wait_s``), then to the history job's loss curve, and the curve's points."""
     port = free_port()
     started = time.monotonic()
     api = _start_api(database_url, port)
+    out: dict[str, Any] = {"api_first_answer_s": None}
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=wait_s) as client:
             while time.monotonic() - started < wait_s:
@@ -354,9 +418,16 @@ def _api_first_answer(database_url: str, job_id: str, wait_s: float) -> float | 
                     time.sleep(0.05)
                     continue
                 if response.status_code == 200:
-                    return time.monotonic() - started
+                    out["api_first_answer_s"] = round(time.monotonic() - started, 3)
+                    break
                 time.sleep(0.05)
-        return None
+            if history_job is not None and out["api_first_answer_s"] is not None:
+                asked = time.monotonic()
+                response = client.get(f"/api/v1/jobs/{history_job}/loss")
+                response.raise_for_status()
+                out["api_history_loss_s"] = round(time.monotonic() - asked, 3)
+                out["api_history_loss_points"] = len(response.json()["points"])
+        return out
     finally:
         api.terminate()
         try:
@@ -390,8 +461,10 @@ def run_takeover_bench(
         began = time.monotonic()
         if progress:
             _progress(f"history: {rows:,} rows ({days:g} days of a {ranks:,}-rank job)")
-        history_end = (
-            write_history(services.database_url, rows, days, progress=progress) if rows else 0
+        history_end, history_job = (
+            write_history(services.database_url, rows, days, progress=progress)
+            if rows
+            else (0, None)
         )
         written_s = time.monotonic() - began
         out = asyncio.run(
@@ -415,7 +488,7 @@ def run_takeover_bench(
             store.close()
         if progress:
             _progress("a cold start of the API")
-        api_s = _api_first_answer(services.database_url, out["job_id"], api_wait_s)
+        api = _api_cold_start(services.database_url, out["job_id"], history_job, api_wait_s)
     killed = out["killed"]
     return {
         "ranks": ranks,
@@ -430,7 +503,7 @@ def run_takeover_bench(
         "standby_started_from": started_from,
         "standby_tail_events": tail,
         "history_end_position": history_end,
-        "api_first_answer_s": round(api_s, 3) if api_s is not None else None,
+        **api,
         "api_wait_s": api_wait_s,
         "logs": str(logs),
         "cpus": os.cpu_count(),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import operator
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from dataclasses import fields
 from typing import Any, TypeVar
 
@@ -19,6 +19,7 @@ from controlplane.core.catalog import is_catalog, unpacked
 from controlplane.core.detect import PEER_FAULTS
 from controlplane.core.records import StoredEvent
 from controlplane.core.statemachine import TERMINAL, can_transition
+from controlplane.core.steps import JobSteps
 from controlplane.core.view import (
     DEFAULT_POLICY,
     KEEP_COMPLETE_BACKUPS,
@@ -108,14 +109,36 @@ def fold_noting(
     return result, frozenset(folder.ignored)
 
 
+def by_job(events: Iterable[StoredEvent]) -> dict[str, list[StoredEvent]]:
+    """``events`` grouped by job, each job's in log order (jobs in order of first event)."""
+    out: dict[str, list[StoredEvent]] = {}
+    for stored in events:
+        out.setdefault(stored.event.job_id, []).append(stored)
+    return out
+
+
 def fold_jobs(views: Mapping[str, JobView], events: Iterable[StoredEvent]) -> dict[str, JobView]:
     """Fold events of any jobs into a copy of ``views`` (job_id -> view)."""
-    by_job: dict[str, list[StoredEvent]] = {}
-    for stored in events:
-        by_job.setdefault(stored.event.job_id, []).append(stored)
     out = dict(views)
-    for job_id, batch in by_job.items():
+    for job_id, batch in by_job(events).items():
         out[job_id] = fold(out.get(job_id), batch)
+    return out
+
+
+def fold_jobs_counting(
+    views: Mapping[str, JobView],
+    events: Iterable[StoredEvent],
+    steps: MutableMapping[str, JobSteps],
+) -> dict[str, JobView]:
+    """``fold_jobs``, and each job's events counted into ``steps`` (``core.steps``: its
+    losses by step, from the events the fold believed; a job's entry made when missing)."""
+    out = dict(views)
+    for job_id, batch in by_job(events).items():
+        out[job_id], ignored = fold_noting(out.get(job_id), batch)
+        counted = steps.get(job_id)
+        if counted is None:
+            counted = steps[job_id] = JobSteps()
+        counted.count(batch, ignored)
     return out
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import UTC, datetime
@@ -174,6 +175,7 @@ class InMemoryEventStore:
         *,
         taken_at: datetime,
         whole: bool,
+        steps: Mapping[str, bytes] | None = None,
     ) -> bool:
         with self._lock:
             old = self._snapshot
@@ -183,9 +185,15 @@ class InMemoryEventStore:
                 raise ValueError("a partial snapshot needs a whole one of the same fold before it")
             kept = {} if whole or old is None else dict(old.bodies)
             kept.update((job, body) for job, (_, body) in bodies.items())
-            self._snapshot = ViewSnapshot(position, fold_version, taken_at, kept)
+            chunks = {} if whole or old is None else {j: list(c) for j, c in old.steps.items()}
+            for job, chunk in (steps or {}).items():
+                chunks.setdefault(job, []).append(chunk)
+            self._snapshot = ViewSnapshot(position, fold_version, taken_at, kept, chunks)
             return True
 
-    def load_snapshot(self) -> ViewSnapshot | None:
+    def load_snapshot(self, *, steps: bool = False) -> ViewSnapshot | None:
         with self._lock:
-            return self._snapshot
+            snapshot = self._snapshot
+        if snapshot is None or steps:
+            return snapshot
+        return dataclasses.replace(snapshot, steps={})

@@ -132,6 +132,8 @@ class ViewSnapshot:
     taken_at: datetime
     #: job -> encoded view.
     bodies: dict[str, bytes]
+    #: job -> its steps chunks through ``position`` in log order (``core.steps``), when asked.
+    steps: dict[str, list[bytes]] = field(default_factory=dict)
 
 
 class ViewSnapshots(Protocol):
@@ -146,16 +148,19 @@ class ViewSnapshots(Protocol):
         *,
         taken_at: datetime,
         whole: bool,
+        steps: Mapping[str, bytes] | None = None,
     ) -> bool:
         """Record the views in ``bodies`` (job -> (its view's last position, encoded view))
-        and that the snapshot is whole through ``position``. ``whole``: ``bodies`` has every
-        job, and rows of others are dropped; else the jobs not in it keep their rows (their
-        views did not change). Nothing is written, and False returned, when the snapshot
-        recorded already is of a later position (a writer that lost the lead)."""
+        and that the snapshot is whole through ``position``, with ``steps`` (job -> a chunk of
+        what the events since the previous snapshot counted, ``core.steps``) at ``position``.
+        ``whole``: ``bodies`` has every job and ``steps`` counts every event, and rows of
+        others are dropped; else the jobs not in it keep their rows (their views did not
+        change). Nothing is written, and False returned, when the snapshot recorded already
+        is of a later position (a writer that lost the lead)."""
         ...
 
-    def load_snapshot(self) -> ViewSnapshot | None:
-        """The snapshot recorded (None: none yet)."""
+    def load_snapshot(self, *, steps: bool = False) -> ViewSnapshot | None:
+        """The snapshot recorded (None: none yet), with its steps chunks if ``steps``."""
         ...
 
 

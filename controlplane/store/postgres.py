@@ -37,7 +37,7 @@ from controlplane.store.port import AppendResult, JobHead, StoredDeadLetter, Vie
 from controlplane.store.tables import dead_letters as dead_letters_table
 from controlplane.store.tables import events as events_table
 from controlplane.store.tables import seq_gaps as seq_gaps_table
-from controlplane.store.tables import snapshot_head, view_snapshots
+from controlplane.store.tables import snapshot_head, snapshot_steps, view_snapshots
 from schemas.events import EVENT_ADAPTER, EnvelopeBase
 
 #: The head row's ``xmin`` names the last transaction that wrote to the log or the cursors
@@ -318,6 +318,7 @@ class PostgresEventStore:
         *,
         taken_at: datetime,
         whole: bool,
+        steps: Mapping[str, bytes] | None = None,
     ) -> bool:
         """See ``ViewSnapshots.save_snapshot``: one transaction, writers one at a time."""
         head = snapshot_head.c
@@ -332,6 +333,12 @@ class PostgresEventStore:
                 raise ValueError("a partial snapshot needs a whole one of the same fold before it")
             if whole:
                 conn.execute(view_snapshots.delete())
+                conn.execute(snapshot_steps.delete())
+            if steps:
+                conn.execute(
+                    snapshot_steps.insert(),
+                    [{"job_id": j, "position": position, "body": b} for j, b in steps.items()],
+                )
             if bodies:
                 rows = [
                     {"job_id": job, "position": at, "body": body}
@@ -350,19 +357,30 @@ class PostgresEventStore:
             conn.execute(insert.on_conflict_do_update(index_elements=[head.id], set_=values))
         return True
 
-    def load_snapshot(self) -> ViewSnapshot | None:
+    def load_snapshot(self, *, steps: bool = False) -> ViewSnapshot | None:
         # One statement, so one snapshot of the database: the head and the rows it vouches for.
         query = sa.text(
             "SELECT h.position, h.fold_version, h.taken_at, s.job_id, s.body"
             " FROM snapshot_head h LEFT JOIN view_snapshots s ON true WHERE h.id = 1"
         )
+        chunks: dict[str, list[bytes]] = {}
         with translated(), self.engine.connect() as conn:
+            if steps:  # the chunks the head vouches for: both read in one snapshot
+                conn.execution_options(isolation_level="REPEATABLE READ")
             rows = conn.execute(query).all()
+            if rows and steps:
+                c = snapshot_steps.c
+                for job, body in conn.execute(
+                    sa.select(c.job_id, c.body)
+                    .where(c.position <= rows[0][0])
+                    .order_by(c.job_id, c.position)
+                ):
+                    chunks.setdefault(job, []).append(bytes(body))
         if not rows:
             return None
         position, fold_version, taken_at = rows[0][:3]
         bodies = {job: bytes(body) for *_, job, body in rows if job is not None}
-        return ViewSnapshot(int(position), fold_version, taken_at, bodies)
+        return ViewSnapshot(int(position), fold_version, taken_at, bodies, chunks)
 
     def job_ids(self) -> list[str]:
         t = events_table

@@ -99,6 +99,17 @@ view_snapshots = Table(
     Column("body", LargeBinary, nullable=False),
 )
 
+#: What each snapshot's events counted beside the views, per job whose view moved
+#: (``controlplane.core.steps``: losses by step, time marks): one chunk per job per snapshot,
+#: at the snapshot's position; in order, a job's chunks make what counting its events makes.
+snapshot_steps = Table(
+    "snapshot_steps",
+    metadata,
+    Column("job_id", Text, primary_key=True),
+    Column("position", BigInteger, primary_key=True),
+    Column("body", LargeBinary, nullable=False),
+)
+
 #: One row (or none: no snapshot yet): the log position through which ``view_snapshots`` holds
 #: every event, and the fold that wrote them (``fold_version``).
 snapshot_head = Table(

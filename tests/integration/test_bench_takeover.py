@@ -11,7 +11,9 @@ pytestmark = pytest.mark.services
 
 
 def test_bench_takeover_starts_the_standby_from_a_snapshot_and_times_its_decision():
-    out = run_takeover_bench(ranks=16, days=0.0, history_rows=5000, api_wait_s=60, progress=False)
+    # 864 s of history: a step a second between liveness summaries, in chunks of 120 s.
+    out = run_takeover_bench(ranks=16, days=0.01, history_rows=5000, api_wait_s=60,
+                             progress=False)  # fmt: skip
     assert out["history_rows"] == 5000 and out["log_rows"] > 5000
     assert out["history_end_position"] == 5000
     # The standby started from the leader's snapshot of the running job, past the history.
@@ -22,6 +24,8 @@ def test_bench_takeover_starts_the_standby_from_a_snapshot_and_times_its_decisio
     # Its decision on the crash came, and it was committed after the kill.
     assert 0 < out["takeover_decision_s"] <= out["takeover_command_s"] < 60
     assert out["api_first_answer_s"] is not None and 0 < out["api_first_answer_s"] < 60
+    # The history's loss curve, a step a second: from the chunks, not from a fold of the log.
+    assert out["api_history_loss_points"] == 864
     assert out["log_bytes"] > 0
 
 

@@ -9,6 +9,7 @@ from datetime import UTC, datetime
 import pytest
 
 from controlplane import snapshots
+from controlplane.api.views import LiveViews, store_reader
 from controlplane.store.postgres import PostgresEventStore
 from controlplane.synth import SyntheticJob
 from tests.integration.helpers import publish, running_controlplane, valid_messages, wait_until
@@ -37,6 +38,28 @@ def test_the_store_keeps_the_later_snapshot_and_the_rows_a_partial_one_leaves(
     assert pg_store.save_snapshot(13, "v2", {"c": (13, b"c13")}, taken_at=NOW, whole=True)
     snapshot = pg_store.load_snapshot()
     assert snapshot is not None and snapshot.bodies == {"c": b"c13"}
+
+
+def test_the_steps_chunks_come_in_log_order_and_a_whole_snapshot_drops_them(
+    pg_store: PostgresEventStore,
+):
+    def chunks() -> dict[str, list[bytes]]:
+        snapshot = pg_store.load_snapshot(steps=True)
+        assert snapshot is not None
+        return snapshot.steps
+
+    pg_store.save_snapshot(9, "v1", {"a": (9, b"a9")}, taken_at=NOW, whole=True,
+                           steps={"a": b"a-9", "b": b"b-9"})  # fmt: skip
+    pg_store.save_snapshot(20, "v1", {}, taken_at=NOW, whole=False, steps={"a": b"a-20"})
+    pg_store.save_snapshot(110, "v1", {}, taken_at=NOW, whole=False, steps={"a": b"a-110"})
+    assert chunks() == {"a": [b"a-9", b"a-20", b"a-110"], "b": [b"b-9"]}
+    snapshot = pg_store.load_snapshot()  # not asked for
+    assert snapshot is not None and snapshot.steps == {}
+    # A writer that lost the lead writes no chunk.
+    assert not pg_store.save_snapshot(50, "v1", {}, taken_at=NOW, whole=False, steps={"a": b"x"})
+    pg_store.save_snapshot(120, "v2", {"a": (120, b"a120")}, taken_at=NOW, whole=True,
+                           steps={"a": b"all"})  # fmt: skip
+    assert chunks() == {"a": [b"all"]}
 
 
 async def test_a_restarted_leader_starts_from_its_predecessors_snapshot(
@@ -68,6 +91,16 @@ async def test_a_restarted_leader_starts_from_its_predecessors_snapshot(
     assert whole.snapshot is None and whole.tail == pg_store.last_position()
     assert live == whole.views
     assert snapshots.load(pg_store).views == whole.views
+    # The API starts from the same snapshot and its steps: the loss curve of the whole log.
+    api = LiveViews(store_reader(pg_store), pg_store.last_position,
+                    snapshot=lambda: pg_store.load_snapshot(steps=True))  # fmt: skip
+    assert api.start_from_snapshot() and api.started_from == pg_store.load_snapshot().position
+    api.catch_up(force=True)
+    folded = LiveViews(store_reader(pg_store), pg_store.last_position)
+    folded.catch_up(force=True)
+    assert api.views() == folded.views() == list(whole.views.values())
+    points = list(api.jobs["job-snap"].loss_points())
+    assert points and points == list(folded.jobs["job-snap"].loss_points())
 
 
 def _members(store: PostgresEventStore) -> int:

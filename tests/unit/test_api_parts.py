@@ -11,8 +11,8 @@ import pytest
 from controlplane.api import examples
 from controlplane.api.app import EventType, create_app
 from controlplane.api.auth import Denied, TokenAuth, TokenSpecError, parse_tokens
-from controlplane.api.render import StepLoss
 from controlplane.api.views import LiveViews, store_reader
+from controlplane.core.steps import StepLoss
 from controlplane.settings import Settings
 from controlplane.store.memory import InMemoryEventStore
 from schemas.api import (
@@ -168,15 +168,15 @@ async def test_event_pages_from_any_store_filter_like_postgres():
 
 
 def test_a_scan_since_a_time_starts_where_the_views_saw_it_begin():
-    from controlplane.api import views as views_module
     from controlplane.api.views import JobEntry
     from controlplane.core.records import StoredEvent
+    from controlplane.core.steps import TIME_MARK_EVERY
 
     log = two_incidents()
     entry = JobEntry(view=final_view_of(log))
-    entry.count_times(log)
-    every = views_module.TIME_MARK_EVERY
-    assert entry.mark_positions == [s.position for s in log[::every]]
+    entry.steps.count(log)
+    every = TIME_MARK_EVERY
+    assert entry.steps.mark_positions == [s.position for s in log[::every]]
     late = log[-1].recorded_at
     start = entry.after(late)
     assert 0 < start < log[-1].position
@@ -184,8 +184,8 @@ def test_a_scan_since_a_time_starts_where_the_views_saw_it_begin():
     assert entry.after(log[0].recorded_at) == 0
     # A time recorded out of order: no shortcut any more.
     back = StoredEvent(log[-1].position + 1, log[0].recorded_at, log[-1].event)
-    entry.count_times([back])
-    assert not entry.monotone and entry.after(late) == 0
+    entry.steps.count([back])
+    assert not entry.steps.monotone and entry.after(late) == 0
 
 
 def final_view_of(log):
