@@ -159,6 +159,8 @@ class LiveViews:
             if not force and self.is_fresh():
                 return self._position
             started = time.monotonic()
+            if self._snapshot is not None and not self._position:
+                self._start_from_snapshot()  # the first fold, whoever asks for it
             head = self._head()
             while self._position < head and not self._closing:
                 events = self._reader(self._position, self._batch)
@@ -206,8 +208,6 @@ class LiveViews:
 
     def _warm(self) -> None:
         try:
-            if self._snapshot is not None:
-                self.start_from_snapshot()
             self.catch_up(force=True)
         except Exception:  # a request retries, and reports the error
             self._checked = -float("inf")
@@ -221,36 +221,47 @@ class LiveViews:
             yield
 
     def start_from_snapshot(self) -> bool:
-        """Start from the store's view snapshot and its steps (before anything is folded);
-        False when there is none or it is passed over (the whole log is folded then)."""
-        assert self._snapshot is not None
+        """Start from the store's view snapshot and its steps, before anything is folded (the
+        first catch-up does it by itself); False when there is none or it is passed over (the
+        whole log is folded then)."""
         with self._lock:
-            if self._position:
+            if self._position or self._snapshot is None:
                 raise RuntimeError("a start from a snapshot comes before any fold")
-            snapshot = self._snapshot()
-            if snapshot is None:
-                return False
-            views, reason = decoded(snapshot, self._head())
-            histories: dict[str, StepHistory] = {}
-            if reason is None:
-                try:
-                    histories = {job: StepHistory.of(snapshot.steps.get(job, ())) for job in views}
-                except StepsUnreadable as exc:
-                    reason = str(exc)
-            if reason is not None:
-                log.warning("view snapshot passed over (%s): folding the whole log", reason)
-                return False
+            return self._start_from_snapshot()
 
-            def first_position(job: str) -> int:  # a job's first event is its first mark
-                marks = histories[job].mark_positions
-                return marks[0] if marks else views[job].last_position
+    def _start_from_snapshot(self) -> bool:
+        assert self._snapshot is not None
+        snapshot = self._snapshot()
+        # Tried once: a snapshot passed over is not read again (a store error is raised, and
+        # the next catch-up tries again).
+        self._snapshot = None
+        if snapshot is None:
+            return False
+        views, reason = decoded(snapshot, self._head())
+        histories: dict[str, StepHistory] = {}
+        if reason is None:
+            try:
+                histories = {job: StepHistory.of(snapshot.steps.get(job, ())) for job in views}
+            except StepsUnreadable as exc:
+                reason = str(exc)
+        if reason is not None:
+            log.warning("view snapshot passed over (%s): folding the whole log", reason)
+            return False
 
-            order = sorted(views, key=first_position)
-            self._jobs = {job: JobEntry(views[job], history=histories[job]) for job in order}
-            self._position = self.started_from = snapshot.position
-            if self._started is not None:
-                self._started([views[job] for job in order], snapshot.position)
-            return True
+        def first_position(job: str) -> int:  # a job's first event is its first mark
+            marks = histories[job].mark_positions
+            return marks[0] if marks else views[job].last_position
+
+        order = sorted(views, key=first_position)
+        self._jobs = {job: JobEntry(views[job], history=histories[job]) for job in order}
+        self._position = self.started_from = snapshot.position
+        if self._started is not None:
+            self._started([views[job] for job in order], snapshot.position)
+        log.info(
+            "started from the view snapshot at position %d: %d job(s), %d step(s) of history",
+            snapshot.position, len(views), sum(len(h) for h in histories.values()),
+        )  # fmt: skip
+        return True
 
     def _apply(self, events: list[StoredEvent]) -> None:
         jobs = self._jobs

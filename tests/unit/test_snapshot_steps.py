@@ -147,6 +147,17 @@ def test_the_api_started_from_a_snapshot_serves_what_the_whole_log_folds_to(cuts
     assert f"elastic_events_ingested_total {float(len(log))}" in exposition
 
 
+def test_the_first_catch_up_starts_from_the_snapshot_whoever_asks():
+    store, log = _snapshotted_store([50])
+    views = LiveViews(store_reader(store), store.last_position,
+                      snapshot=lambda: store.load_snapshot(steps=True))  # fmt: skip
+    assert views.catch_up(force=True) == log[-1].position  # a request before the warm-up
+    assert views.started_from == store.load_snapshot().position
+    assert views.views() == list(fold_jobs({}, log).values())
+    with pytest.raises(RuntimeError):
+        views.start_from_snapshot()
+
+
 def test_the_api_passes_over_a_snapshot_with_unreadable_steps():
     store, log = _snapshotted_store([50])
     snapshot = store.load_snapshot(steps=True)
