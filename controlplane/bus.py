@@ -227,7 +227,7 @@ async def ensure_stream(js: JetStreamContext, settings: Settings) -> None:
 
 async def ensure_command_stream(js: JetStreamContext, settings: Settings) -> None:
     """Create the commands stream (the last few commands per subject are kept, so a member
-    that subscribes late still gets the command in force)."""
+    that subscribes late, or was away, reads the command in force by its subject)."""
     await _ensure(
         js,
         StreamConfig(
@@ -237,6 +237,8 @@ async def ensure_command_stream(js: JetStreamContext, settings: Settings) -> Non
             max_msgs_per_subject=settings.command_history,
             max_age=settings.stream_max_age_s,
             duplicate_window=settings.stream_duplicate_window_s,
+            # Members read the command in force by its subject (JetStream's direct get).
+            allow_direct=True,
         ),
     )
 

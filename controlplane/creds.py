@@ -12,11 +12,12 @@ deterministically, an Ed25519 NKey seed for
   ``elastic.evt.<job>.<node>.launcher.>``, and their heartbeats on the NATS core subjects
   ``elastic.hb.<job>.<node>.*`` except ``elastic.hb.<job>.<node>.launcher``.
 
-Both node identities read only their own job's commands, through an ordered consumer of the
-commands stream created on the filtered subject ``$JS.API.CONSUMER.CREATE.<stream>.<name>.
-elastic.cmd.<job>.<target>`` (the server checks that the filter in the request is the one in
-the subject), and receive replies only on an inbox of their own, ``_INBOX_<public key>``: they
-cannot subscribe to ``_INBOX.>``, to events, or to another identity's inbox.
+Both node identities read only their own job's commands: they subscribe to
+``elastic.cmd.<job>.>`` (NATS core: commands as they are published) and read the command in
+force from the commands stream by its subject (``$JS.API.DIRECT.GET.<stream>.elastic.cmd.
+<job>.<target>``: the subject read is in the request's own), and receive replies only on an
+inbox of their own, ``_INBOX_<public key>``: they cannot subscribe to ``_INBOX.>``, to events,
+to another job's commands or to another identity's inbox.
 
 Beside the seeds it writes each job's secret (``<job>/job-secret``) and the command-verifying key
 (``<job>/command-key``), which the launcher hands its members (ELASTIC_JOB_SECRET,
@@ -109,12 +110,11 @@ def node_permissions(
     publish: dict[str, list[str]] = {
         "allow": [
             f"{events}.>" if kind == LAUNCHER else f"{events}.*.>",
-            # Following the job's commands with an ordered consumer: find the stream, create
-            # (and re-create) consumers filtered to this job only, answer flow control. Not
+            # The job's commands in force: find the stream, read the last command of a
+            # subject of this job only (direct get names the subject in its own). Not
             # STREAM.INFO: its per-subject counts would name every job's members.
             "$JS.API.STREAM.NAMES",
-            f"$JS.API.CONSUMER.CREATE.{command_stream}.*.{COMMAND_PREFIX}.{job_id}.>",
-            f"$JS.FC.{command_stream}.>",
+            f"$JS.API.DIRECT.GET.{command_stream}.{COMMAND_PREFIX}.{job_id}.>",
         ]
     }
     beats = f"{HEARTBEAT_PREFIX}.{job_id}.{node}"
@@ -125,7 +125,9 @@ def node_permissions(
         # Its members' heartbeats (NATS core, not stored), as its members only.
         publish["allow"].append(f"{beats}.*")
         publish["deny"] = [f"{events}.{LAUNCHER_MEMBER}.>", f"{beats}.{LAUNCHER_MEMBER}"]
-    return {"publish": publish, "subscribe": {"allow": [f"{inbox_prefix(public)}.>"]}}
+    # Commands as they are published (NATS core), this job's only; replies on its own inbox.
+    subscribe = [f"{inbox_prefix(public)}.>", f"{COMMAND_PREFIX}.{job_id}.>"]
+    return {"publish": publish, "subscribe": {"allow": subscribe}}
 
 
 # --------------------------------------------------------------------------- files

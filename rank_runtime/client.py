@@ -8,9 +8,13 @@ and never blocks or crashes the training loop. A second thread sends heartbeats 
 so a slow step does not silence them, while a stopped process (SIGSTOP) stops them with it.
 Heartbeats go to NATS core subjects (``elastic.hb.<job>.<node>.<member>``), not JetStream:
 the control plane keeps them in memory (soft state), and one sent while disconnected is lost.
-Commands (``elastic.cmd.<job>.all`` and ``.<member>``) arrive on a JetStream ordered consumer
-that starts with the last command of each subject, so a member that connects late still sees
-the command in force.
+Commands (``elastic.cmd.<job>.all`` and ``.<member>``) arrive on NATS core subscriptions to
+those subjects (the control plane publishes them into the commands stream, and every
+subscriber gets them as they are published); on subscribing, and again after every
+reconnection, the member reads the last command of each subject from the stream (JetStream's
+direct get), so a member that connects late, or was away while one was published, still sees
+the command in force. The control plane sends a command again while it is owed, and a
+command seen twice is applied once.
 """
 
 from __future__ import annotations
@@ -36,7 +40,6 @@ import nats.errors
 import nats.js.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.js.api import DeliverPolicy
 from pydantic import BaseModel, ValidationError
 
 from rank_runtime.identity import Identity
@@ -50,7 +53,7 @@ from schemas.commands import COMMAND_ADAPTER, Reallocate, Start, Stop
 from schemas.common import Phase
 from schemas.events import EVENT_ADAPTER
 from schemas.ids import new_event_id
-from schemas.nats import auth_options, filtered_jetstream
+from schemas.nats import auth_options
 from schemas.subjects import (
     BROADCAST,
     MSG_ID_HEADER,
@@ -116,6 +119,8 @@ class EventClient:
     ) -> None:
         self.identity = identity
         self._follow_commands = commands
+        #: Whether the commands in force were read since the last (re)connection.
+        self._commands_current = False
         #: Verifies the control plane's signature on every command (None: nothing verified).
         self.verifier = (
             command_verifier(os.environ.get(COMMAND_KEY_ENV))
@@ -351,21 +356,25 @@ class EventClient:
             return None
 
     async def _on_command(self, msg: Msg) -> None:
+        self._take_command(msg.subject, msg.data, msg.headers)
+
+    def _take_command(self, subject: str, data: bytes, headers: dict[str, str] | None) -> None:
+        """One command as published (verified, validated, applied once)."""
         if self.verifier is not None:
-            signature = (msg.headers or {}).get(SIGNATURE_HEADER)
+            signature = (headers or {}).get(SIGNATURE_HEADER)
             if not signature:
-                self._refuse(msg, "unsigned")
+                self._refuse(subject, data, "unsigned")
                 return
-            if not self.verifier.verify(command_message(msg.subject, msg.data), signature):
-                self._refuse(msg, "signature does not verify")
+            if not self.verifier.verify(command_message(subject, data), signature):
+                self._refuse(subject, data, "signature does not verify")
                 return
         try:
-            command = COMMAND_ADAPTER.validate_json(msg.data)
+            command = COMMAND_ADAPTER.validate_json(data)
         except ValidationError as exc:
-            log.warning("ignoring a malformed command on %s: %s", msg.subject, exc)
+            log.warning("ignoring a malformed command on %s: %s", subject, exc)
             return
         if command.job_id != self.identity.job_id:
-            self._refuse(msg, f"a command of job {command.job_id}")
+            self._refuse(subject, data, f"a command of job {command.job_id}")
             return
         if not isinstance(command, Stop):
             # A genuine command of an older generation (replayed, or re-sent late) is
@@ -382,12 +391,12 @@ class EventClient:
         self.stats.commands += 1
         self._commands.put(command)
 
-    def _refuse(self, msg: Msg, reason: str) -> None:
+    def _refuse(self, subject: str, data: bytes, reason: str) -> None:
         """Drop a command that did not verify, log it, and report it (``command.refused``,
         at most ``_REFUSALS_PER_MINUTE`` a minute; the rest are counted into the next)."""
         self.stats.refused += 1
-        command_id = _claimed_id(msg.data)
-        log.warning("refused a command on %s (%s)%s", msg.subject, reason,
+        command_id = _claimed_id(data)
+        log.warning("refused a command on %s (%s)%s", subject, reason,
                     f", claiming to be {command_id}" if command_id else "")  # fmt: skip
         now = time.monotonic()
         times = self._refusal_times
@@ -397,7 +406,7 @@ class EventClient:
             self._unreported += 1
             return
         times.append(now)
-        payload: dict[str, Any] = {"subject": msg.subject[:256], "reason": reason[:256],
+        payload: dict[str, Any] = {"subject": subject[:256], "reason": reason[:256],
                                    "suppressed": self._unreported}  # fmt: skip
         if command_id:
             payload["command_id"] = command_id
@@ -415,7 +424,7 @@ class EventClient:
         self._loop = loop
         try:
             loop.run_until_complete(self._main())
-            # The client's own tasks (ordered consumers' checks) end with the loop.
+            # The client's own tasks (nats-py's) end with the loop.
             tasks = asyncio.all_tasks(loop)
             for task in tasks:
                 task.cancel()
@@ -444,10 +453,11 @@ class EventClient:
             return
         self._nc = nc
         try:
-            subscribed = not self._follow_commands
+            if self._follow_commands:
+                await self._subscribe(nc)
             while not self._closing.is_set():
-                if not subscribed:
-                    subscribed = await self._subscribe(nc)
+                if self._follow_commands and not self._commands_current:
+                    self._commands_current = await self._read_commands(nc)
                 await self._send(nc)
                 if self._closing.is_set():
                     break
@@ -477,6 +487,8 @@ class EventClient:
         async def reconnected() -> None:
             self._connected.set()
             self.stats.connects += 1
+            # What was published while away: read the command in force again.
+            self._commands_current = False
             self._poke()
 
         async def error(exc: Exception) -> None:
@@ -497,21 +509,33 @@ class EventClient:
         self.stats.connects += 1
         return nc
 
-    async def _subscribe(self, nc: Client) -> bool:
-        """Follow this job's commands; False while the command stream does not exist yet."""
-        identity = self.identity
-        # Consumers named and filtered: what a node credential may create (controlplane/creds.py).
-        js = filtered_jetstream(nc)
+    async def _subscribe(self, nc: Client) -> None:
+        """Follow this job's commands from now on (NATS core; nats-py subscribes again after
+        a reconnection by itself)."""
+        for subject in self._command_subjects():
+            await nc.subscribe(subject, cb=self._on_command)
+
+    def _command_subjects(self) -> list[str]:
+        job_id, member = self.identity.job_id, self.identity.member
+        return [command_subject(job_id, BROADCAST), command_subject(job_id, member)]
+
+    async def _read_commands(self, nc: Client) -> bool:
+        """Read the last command of each of this member's command subjects from the commands
+        stream (the one in force when it was published before the subscription, or while
+        the connection was away); False while the stream cannot be read yet (it does not
+        exist, the server does not answer): the next round tries again."""
+        js = nc.jetstream(timeout=2.0)
         try:
-            for target in (BROADCAST, identity.member):
-                await js.subscribe(
-                    command_subject(identity.job_id, target),
-                    cb=self._on_command,
-                    ordered_consumer=True,
-                    deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
-                )
+            subjects = self._command_subjects()
+            stream = await js.find_stream_name_by_subject(subjects[0])
+            for subject in subjects:
+                try:
+                    last = await js.get_last_msg(stream, subject, direct=True)
+                except nats.js.errors.NotFoundError:
+                    continue  # no command on this subject yet
+                self._take_command(last.subject or subject, last.data or b"", last.headers)
         except (nats.js.errors.NotFoundError, nats.errors.Error, TimeoutError) as exc:
-            log.debug("no command stream yet (%s); trying again", exc)
+            log.debug("cannot read the commands in force yet (%s); trying again", exc)
             return False
         return True
 

@@ -571,14 +571,22 @@ def test_nats_identities_cover_the_subjects(tmp_path: Path) -> None:
         f"$JS.ACK.{settings.stream}.{settings.ingest_durable}.1.1.1.1.0",
     ):
         assert allowed(cp["publish"], api), api
-    # A node follows its job's commands through consumers filtered to that job only.
+    # A node follows its job's commands: NATS core subscriptions to that job's command
+    # subjects, and the command in force read by its subject (direct get), that job's only.
     for perms in (member, launcher):
         for target in (BROADCAST, "w0"):
-            api = f"$JS.API.CONSUMER.CREATE.{settings.command_stream}.c1.{command_subject(JOB, target)}"
+            api = f"$JS.API.DIRECT.GET.{settings.command_stream}.{command_subject(JOB, target)}"
             assert allowed(perms["publish"], api), api
+            assert allowed(perms["subscribe"], command_subject(JOB, target))
+        for subject in (command_subject("job-2"), command_subject("job-2", "w0"), "elastic.cmd.>"):
+            assert not allowed(perms["subscribe"], subject), subject
         for api in (
+            f"$JS.API.DIRECT.GET.{settings.command_stream}",  # by sequence: any job's
+            f"$JS.API.DIRECT.GET.{settings.command_stream}.{command_subject('job-2')}",
+            f"$JS.API.DIRECT.GET.{settings.stream}.{EVENTS_WILDCARD}",
+            f"$JS.API.STREAM.MSG.GET.{settings.command_stream}",
             f"$JS.API.CONSUMER.CREATE.{settings.command_stream}",
-            f"$JS.API.CONSUMER.CREATE.{settings.command_stream}.c1.{command_subject('job-2')}",
+            f"$JS.API.CONSUMER.CREATE.{settings.command_stream}.c1.{command_subject(JOB)}",
             f"$JS.API.CONSUMER.CREATE.{settings.stream}",
             f"$JS.API.CONSUMER.CREATE.{settings.stream}.c1.{EVENTS_WILDCARD}",
             f"$JS.API.CONSUMER.DELETE.{settings.command_stream}.c1",
@@ -592,8 +600,12 @@ def test_nats_identities_cover_the_subjects(tmp_path: Path) -> None:
     for entry in users.values():
         sub = entry["permissions"]["subscribe"]
         pattern, *others = sub["allow"]
-        # ... and only the control plane hears heartbeats (NATS core, never stored).
-        assert others == (["elastic.hb.>"] if entry["permissions"] is cp else []), others
+        # ... and only the control plane hears heartbeats (NATS core, never stored); a node
+        # hears its own job's commands.
+        if entry["permissions"] is cp:
+            assert others == ["elastic.hb.>"], others
+        else:
+            assert others == [f"elastic.cmd.{JOB}.>"], others
         assert pattern.startswith("_INBOX_") and pattern.endswith(".>")
         inboxes.add(pattern)
         for subject in (
