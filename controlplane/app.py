@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import signal
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from nats.aio.client import Client
 from nats.js import JetStreamContext
@@ -16,22 +15,19 @@ from nats.js import JetStreamContext
 from controlplane import bus, gctune, snapshots
 from controlplane.backoff import Backoff
 from controlplane.core.decide import Context
-from controlplane.core.fold import fold, fold_jobs
 from controlplane.core.liveness import Beats, LivenessTable, take_beats
-from controlplane.core.records import DeadLetter
-from controlplane.core.statemachine import TERMINAL
 from controlplane.core.view import JobView
 from controlplane.decider import CommandPublisher, Decider, utcnow
 from controlplane.errors import BusUnavailable, StoreUnavailable
-from controlplane.ingest import Ingest, QuietTurn
+from controlplane.ingest import Fetcher
 from controlplane.lock import AdvisoryLock
 from controlplane.rendezvous import RendezvousHost, RendezvousLimits, server_tls
+from controlplane.service import Session, Views
 from controlplane.settings import Settings, master_secret
 from controlplane.store.migrate import check_schema
-from controlplane.store.port import AppendResult, EventStore, JobHead
-from controlplane.store.postgres import AsyncAppender, PostgresEventStore
+from controlplane.store.port import EventStore
+from controlplane.store.postgres import PostgresEventStore
 from schemas.auth import CommandSigner
-from schemas.events import EnvelopeBase
 
 if TYPE_CHECKING:
     from controlplane.api.metrics import LogMetrics, MetricsExporter
@@ -52,8 +48,10 @@ class ControlPlane:
     def __init__(self, settings: Settings, store: PostgresEventStore | None = None) -> None:
         self.settings = settings
         self._store = store
-        self.views: dict[str, JobView] = {}
-        self.ingest: Ingest | None = None
+        #: Every job's view, folded from what this process commits (their one owner).
+        self.folded = Views()
+        #: The current session (its loop and stats), while this process ingests.
+        self.ingest: Session | None = None
         self.decider: Decider | None = None
         #: The heartbeats heard this session (soft state) and the listener that hears them.
         self.liveness: LivenessTable | None = None
@@ -84,6 +82,11 @@ class ControlPlane:
             else None
         )
 
+    @property
+    def views(self) -> dict[str, JobView]:
+        """Every job's view as this process folded it (replaced at every fold)."""
+        return self.folded.current
+
     def _started_generation(self, job_id: str, generation: int) -> bool:
         """Whether ``generation`` of ``job_id`` was recorded (the rendezvous store admits
         no other; called from the store's thread, reading the current views)."""
@@ -98,35 +101,6 @@ class ControlPlane:
             return take_beats(table, self.views.get(beats.job_id), beats, at)
 
         return take
-
-    def _apply(self, result: AppendResult) -> None:
-        if result.stored:
-            if self.snapshotter is not None:
-                self.views = self.snapshotter.fold(self.views, result)
-            else:
-                self.views = fold_jobs(self.views, result.stored)
-            if self.metrics is not None:
-                self.metrics.observe(result.stored)
-
-    def _settled(self) -> bool:
-        """No job is recovering (none has an open incident)."""
-        return not any(
-            v.open_incident is not None and v.state not in TERMINAL for v in self.views.values()
-        )
-
-    async def _refresh(self, store: PostgresEventStore, job_id: str) -> None:
-        """Fold what the log holds for ``job_id`` beyond the view (another writer's events)."""
-        view = self.views.get(job_id)
-        after = view.last_position if view is not None else 0
-        try:
-            events = await asyncio.to_thread(store.read, job_id=job_id, after=after)
-        except StoreUnavailable as exc:
-            log.warning("could not refresh %s: %s", job_id, exc)
-            return
-        if events:
-            self.views = {**self.views, job_id: fold(view, events)}
-            if self.snapshotter is not None:
-                self.snapshotter.lost_track(f"{len(events)} event(s) of {job_id} another wrote")
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until ``stop`` is set. Raises ``SchemaNotMigrated`` on an unmigrated database."""
@@ -148,7 +122,6 @@ class ControlPlane:
                 try:
                     # Fold what the log holds now: another process may have ingested before.
                     loaded = self.loaded = await asyncio.to_thread(snapshots.load, store)
-                    self.views = loaded.views
                     gctune.freeze()  # the folded views are no garbage: keep them out of collections
                 except StoreUnavailable as exc:
                     log.warning("waiting for PostgreSQL: %s", exc)
@@ -157,14 +130,18 @@ class ControlPlane:
                     continue
                 backoff.reset()
                 log.info(
-                    "folded %d job(s) in %.2f s: %s, and %d event(s) after it", len(self.views),
+                    "folded %d job(s) in %.2f s: %s, and %d event(s) after it", len(loaded.views),
                     loaded.seconds, "the whole log" if loaded.snapshot is None else
                     f"the view snapshot at position {loaded.snapshot}", loaded.tail,
                 )  # fmt: skip
-                if settings.snapshot_interval_s > 0:
-                    self.snapshotter = snapshots.Snapshotter(
-                        store, loaded, settings.snapshot_interval_s
-                    )
+                self.snapshotter = (
+                    snapshots.Snapshotter(store, loaded, settings.snapshot_interval_s)
+                    if settings.snapshot_interval_s > 0
+                    else None
+                )
+                self.folded = Views(
+                    loaded.views, snapshotter=self.snapshotter, metrics=self.metrics
+                )
                 self.sessions += 1
                 await self._ingest_while_held(store, lock, stop)
                 await lock.release()
@@ -178,29 +155,12 @@ class ControlPlane:
     async def _ingest_while_held(
         self, store: PostgresEventStore, lock: AdvisoryLock, stop: asyncio.Event
     ) -> None:
-        """Ingest until ``stop`` or until the lock is lost (its connection ended)."""
+        """Connect, then run the service loop (``service.Session``) until ``stop`` or until
+        the lock is lost (its connection ended)."""
         settings = self.settings
-        lost = asyncio.Event()
-
-        async def watch() -> None:
-            while not stop.is_set():
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), settings.lock_retry_s)
-                if not await lock.held():
-                    log.warning("lost the ingest lock; stopping ingest until it is ours again")
-                    lost.set()
-                    return
-
-        either = asyncio.Event()
-        relay = [asyncio.ensure_future(e.wait()) for e in (stop, lost)]
-        for waiter in relay:
-            waiter.add_done_callback(lambda _: either.set())
-        watcher = asyncio.ensure_future(watch())
-        nc = await _connect(settings, either)
+        nc = await _connect(settings, stop)
         appender = store.appender()
         publisher: CommandPublisher | None = None
-        ticker: asyncio.Future[None] | None = None
-        snapshotting: asyncio.Future[None] | None = None
         try:
             if nc is None:
                 return
@@ -216,41 +176,46 @@ class ControlPlane:
             table = self.liveness = LivenessTable(started_at=utcnow())
             heartbeats = self.heartbeats = bus.HeartbeatListener(nc, self._heartbeat_taker(table))
             await heartbeats.start()
+            await _ensure_commands(js, settings, stop)
+            folded = self.folded
+            session: Session | None = None
+
+            async def refresh(job_id: str) -> None:
+                assert session is not None
+                await session.refresh(job_id)
+
             decider = self.decider = Decider(
-                views=lambda: self.views,
-                apply=self._apply,
-                refresh=lambda job_id: self._refresh(store, job_id),
+                views=lambda: folded.current,
+                apply=folded.apply,
+                refresh=refresh,
                 appender=appender,
                 publisher=publisher,
                 context=Context(rendezvous=base),
                 liveness=table,
                 hear=heartbeats.catch_up,
             )
-            await _ensure_commands(js, settings, either)
-            self.ingest = Ingest(
-                _WakingAppender(appender, decider),
-                bus.EventConsumer(nc, settings),
-                batch=settings.ingest_batch,
-                fetch_wait_s=settings.ingest_fetch_timeout_s,
-                retry_max_s=settings.retry_max_s,
-                # The decider is asked for its turn by ``_WakingAppender``, as the commit returns.
-                on_commit=self._apply,
-                quiet=QuietTurn(
-                    decider.wanted, gctune.without_gc(decider.turn, decider.stats, self._settled)
+            session = self.ingest = Session(
+                views=folded,
+                store=store,
+                appender=appender,
+                fetcher=Fetcher(
+                    appender,
+                    bus.EventConsumer(nc, settings),
+                    batch=settings.ingest_batch,
+                    fetch_wait_s=settings.ingest_fetch_timeout_s,
+                    retry_max_s=settings.retry_max_s,
                 ),
+                decider=decider,
+                # The collector held off during a turn, its work done after (gctune).
+                turn=gctune.without_gc(decider.turn, decider.stats, folded.settled),
+                decide_interval_s=settings.decide_interval_s,
+                retry_max_s=settings.retry_max_s,
+                lock_held=lock.held,
+                lock_retry_s=settings.lock_retry_s,
             )
-            ticker = asyncio.ensure_future(decider.tick(either, settings.decide_interval_s))
-            if self.snapshotter is not None:
-                snapshotting = asyncio.ensure_future(
-                    self.snapshotter.run(either, lambda: self.views, self._settled)
-                )
             log.info("ingesting from %s into PostgreSQL; deciding", settings.nats_url)
-            await self.ingest.run(either)
+            await session.run(stop)
         finally:
-            tasks: list[asyncio.Future[Any]] = [*relay, watcher]
-            tasks.extend(t for t in (ticker, snapshotting) if t is not None)
-            for pending in tasks:
-                pending.cancel()
             if self.heartbeats is not None:
                 await self.heartbeats.stop()
             if publisher is not None:
@@ -258,35 +223,6 @@ class ControlPlane:
             await appender.close()
             if nc is not None:
                 await nc.close()
-
-
-class _WakingAppender:
-    """The ingest's appender, asking the decider for a turn the moment a commit that stored
-    more than heartbeats returns (an exit, a fault report): the ingest then gives the turn
-    before it starts its next commit, instead of after it (which kept a crash waiting for a
-    whole commit of heartbeats, ~100 ms at 4,096 members). The decider appends through the
-    plain appender: its own decisions ask for nothing."""
-
-    def __init__(self, appender: AsyncAppender, decider: Decider) -> None:
-        self._appender = appender
-        self._decider = decider
-
-    async def append(
-        self,
-        events: Sequence[EnvelopeBase],
-        dead_letters: Sequence[DeadLetter] = (),
-        *,
-        expected: JobHead | None = None,
-        encoded: Sequence[bytes] | None = None,
-    ) -> AppendResult:
-        result = await self._appender.append(
-            events, dead_letters, expected=expected, encoded=encoded
-        )
-        self._decider.on_commit(result)
-        return result
-
-    def encode(self, events: Sequence[EnvelopeBase]) -> list[bytes] | None:
-        return self._appender.encode(events)
 
 
 async def _ensure_commands(js: JetStreamContext, settings: Settings, stop: asyncio.Event) -> None:

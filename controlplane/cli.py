@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -902,10 +902,12 @@ def storage(
 ) -> None:
     """What the log takes on disk, per job (ELASTIC_DATABASE_URL).
 
-    The events table with its indexes and TOAST, the dead letters, and for each job its
-    events, the bytes of its rows, its share of the table with its indexes (in proportion to
-    its rows), the time it spans, and the same by event type, largest first. Reads every
-    event once (a full scan).
+    The events table with its indexes and TOAST (every partition together, then each: the
+    kept events, and each span of observations retention may drop), the dead letters, and
+    for each job its events, the bytes of its rows (their out-of-line payloads included), of
+    which observations, its share of the table with its indexes (in proportion to its
+    rows), the time it spans, and the same by event type, largest first. Reads every event
+    once (a full scan).
     """
     from controlplane.errors import StoreError
     from controlplane.settings import Settings
@@ -928,11 +930,24 @@ def storage(
         "events_table_bytes": found.events_table_bytes,
         "events_index_bytes": found.events_index_bytes,
         "dead_letters_bytes": found.dead_letters_bytes,
+        "partitions": [
+            {
+                "name": p.name,
+                "expiring": p.expiring,
+                "positions": None if p.lo is None else [p.lo, p.hi],
+                "rows_estimate": p.rows,
+                "total_bytes": p.total_bytes,
+                "table_bytes": p.table_bytes,
+                "index_bytes": p.index_bytes,
+            }
+            for p in found.partitions
+        ],
         "jobs": [
             {
                 "job_id": j.job_id,
                 "events": j.events,
                 "row_bytes": j.row_bytes,
+                "expiring_bytes": j.expiring_bytes,
                 "share_bytes": found.share_bytes(j),
                 "first_at": j.first_at.isoformat(),
                 "last_at": j.last_at.isoformat(),
@@ -952,14 +967,109 @@ def storage(
         f" indexes {_mb(found.events_index_bytes)}); dead letters"
         f" {_mb(found.dead_letters_bytes)}"
     )
+    for p in found.partitions:
+        where = "kept" if p.lo is None or p.hi is None else f"positions {p.lo:,}..{p.hi - 1:,}"
+        typer.echo(f"  {p.name:<28} {where:<32} {_mb(p.total_bytes):>12}")
     for j in jobs:
         typer.echo(
-            f"{j.job_id}: {j.events:,} events, rows {_mb(j.row_bytes)},"
-            f" share {_mb(found.share_bytes(j))}, {j.first_at.isoformat()} .."
-            f" {j.last_at.isoformat()}"
+            f"{j.job_id}: {j.events:,} events, rows {_mb(j.row_bytes)} (observations"
+            f" {_mb(j.expiring_bytes)}), share {_mb(found.share_bytes(j))},"
+            f" {j.first_at.isoformat()} .. {j.last_at.isoformat()}"
         )
         for type_, (n, size) in sorted(j.by_type.items(), key=lambda kv: -kv[1][1]):
             typer.echo(f"  {type_:<22} {n:>12,} {_mb(size):>12}")
+
+
+@app.command()
+def retention(
+    *,
+    days: Annotated[
+        float | None,
+        typer.Option(
+            min=0.0,
+            help="Drop observations older than this many days (default: ELASTIC_RETENTION_DAYS;"
+            " 0 drops nothing).",
+        ),
+    ] = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Say what would be dropped; change nothing.")
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Drop old observations from the log (ELASTIC_DATABASE_URL): schedule it (daily).
+
+    Step records and interval liveness summaries are kept in spans of the log (partitions of
+    about a day each); a span whose every row is older than --days (ELASTIC_RETENTION_DAYS,
+    30) and that the log has moved past is dropped as a table: never a mass DELETE, and
+    readers and the ingest go on meanwhile. Decisions, faults, incidents, members' reports,
+    backup catalogs and the summaries a decision read are never dropped; neither are, from a
+    dropped span, each process's first and last step of each generation (a recovery's first
+    step is its timeline's end), a step every 2,500 steps, each job's last interval summary,
+    or what a fault cites. It also opens the next span ahead of the ingest. What a replay or
+    the API can show of a period after its observations went: docs/operations.md,
+    "Retention of observations".
+    """
+    from datetime import UTC, datetime, timedelta
+
+    from controlplane.errors import StoreError
+    from controlplane.settings import Settings
+    from controlplane.store.postgres import PostgresEventStore
+
+    settings = Settings()
+    keep = settings.retention_days if days is None else days
+    try:
+        store = PostgresEventStore.from_url(settings.database_url)
+        try:
+            opened = [] if dry_run else store.open_spans()
+            if keep > 0:
+                done = store.retain(datetime.now(UTC) - timedelta(days=keep), dry_run=dry_run)
+            else:
+                done = None
+            spans = store.spans() if done is None else done.kept
+        finally:
+            store.close()
+    except StoreError as exc:
+        raise _fail(str(exc), 1) from exc
+
+    def span(s: Any) -> dict[str, Any]:
+        return {
+            "name": s.name, "positions": [s.lo, s.hi], "rows": s.rows,
+            "total_bytes": s.total_bytes,
+            "newest_at": None if s.newest_at is None else s.newest_at.isoformat(),
+        }  # fmt: skip
+
+    dropped_bytes = 0 if done is None else sum(s.total_bytes for s in done.dropped)
+    report: dict[str, Any] = {
+        "retention_days": keep,
+        "older_than": None if done is None else done.older_than.isoformat(),
+        "dry_run": dry_run,
+        "dropped": [] if done is None else [span(s) for s in done.dropped],
+        "dropped_rows": 0 if done is None else sum(s.rows for s in done.dropped),
+        "dropped_bytes": dropped_bytes,
+        "pinned_rows": 0 if done is None else done.pinned,
+        "spans": [span(s) for s in spans],
+        "opened": [list(s) for s in opened],
+    }
+    if as_json:
+        typer.echo(json.dumps(report))
+        return
+    if done is None:
+        typer.echo("retention 0 days: nothing dropped")
+    else:
+        verb = "would drop" if dry_run else "dropped"
+        typer.echo(
+            f"{verb} {len(done.dropped)} span(s) older than {done.older_than.isoformat()}:"
+            f" {report['dropped_rows']:,} rows, {_mb(dropped_bytes)};"
+            f" {done.pinned:,} row(s) kept from them"
+        )
+    for s in spans:
+        newest = "empty" if s.newest_at is None else f"newest {s.newest_at.isoformat()}"
+        typer.echo(
+            f"  {s.name:<28} positions {s.lo:,}..{s.hi - 1:,}  {s.rows:>10,} rows"
+            f"  {_mb(s.total_bytes):>10}  {newest}"
+        )
+    for lo, hi in opened:
+        typer.echo(f"opened span for positions {lo:,}..{hi - 1:,}")
 
 
 def _mb(nbytes: int) -> str:

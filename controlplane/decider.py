@@ -1,20 +1,21 @@
 """The decider service: runs the pure ``decide`` over the live views, records, then publishes.
 
-Each turn (given by the ingest between two commits, see ``QuietTurn``) it reads the clock once,
-asks the core what is due for every job, appends each job's decisions as one batch with the
-job's last position as the expected head (a writer it did not see makes the append fail: the
-view is refreshed from the log and the next turn decides again), folds what was stored into the
-views, and only then hands the commands owed by the new views to the publisher (which builds
-only those due, and which the turn gives a moment to get them out). A turn is
-wanted after every commit that stored something that may make a decision due (not
+Each turn (given by the service loop between two commits, ``service.Session``) it reads the
+clock once, asks the core what is due for every job, appends each job's decisions as one
+batch with the job's last position as the expected head (a writer it did not see makes the
+append fail: the view is refreshed from the log and the next turn decides again), folds what
+was stored into the views, and only then hands the commands owed by the new views to the
+publisher (which builds only those due, and which the turn gives a moment to get them out).
+A turn is wanted after every commit that stored something that may make a decision due (not
 heartbeats, nor steps of a job without an open incident: ``core.decide.wakes``), and at the
 earliest deadline any job has (a heartbeat timeout, a recovery deadline), so a timeout is
 acted on when it expires, not at the next poll.
 
-Heartbeats are soft state (``core/liveness.py``): with a ``LivenessTable``, each turn moves the
-table onto the job's view before deciding, records a ``liveness.summary`` before any
-decision (and decides again on the view that folded it, so the log holds what the decision
-read), and one every ``liveness_summary_interval_s`` otherwise.
+Heartbeats are soft state (``core/liveness.py``): with a ``LivenessTable``, each turn asks
+whether anything is due of the job's probe (its view with the table's heartbeats; the view
+itself stays the log's), records a ``liveness.summary`` before any decision and decides on
+the view that folded it (so the log holds what the decision read, and a replay decides the
+same), and records one every ``liveness_summary_interval_s`` otherwise.
 """
 
 from __future__ import annotations
@@ -185,6 +186,8 @@ class Decider:
         self.wanted = asyncio.Event()
         self.wanted.set()  # the first turn republishes what the log says is owed
         self.next_wake: datetime | None = None
+        #: Job -> its next deadline, as this turn's probe of it found (absent: probe again).
+        self._deadlines: dict[str, datetime | None] = {}
         self.rescheduled = asyncio.Event()
         self.stats = DeciderStats()
 
@@ -200,44 +203,63 @@ class Decider:
                 return
 
     async def turn(self) -> None:
-        """Decide for every job, record, fold, publish (run inside a quiet turn).
+        """Decide for every job, record, fold, publish (between two commits of the loop).
 
-        A job's commands are handed to the publisher as soon as its decisions are recorded
-        and folded, before the next job is decided; what else is owed (a command to send
-        again, another job's) follows once every job is decided."""
+        With a liveness table, whether anything is due is asked of the job's *probe* (its
+        view with the table's heartbeats, ``LivenessTable.probe``), one round of ``decide``
+        deep; only when something is, the table is summarized into the log and ``decide``
+        runs, once, on the view that folded the summary: the log's own view, so what is
+        recorded is what a replay of the log decides. A job's commands are handed to the
+        publisher as soon as its decisions are recorded and folded, before the next job is
+        decided; what else is owed (a command to send again, another job's) follows once
+        every job is decided."""
         self.stats.turns += 1
         now = self._clock()
         liveness = self.liveness
+        self._deadlines.clear()
         for job_id, seen in list(self._views().items()):
             if seen.state in TERMINAL:
                 continue
             began, cpu = time.perf_counter(), time.thread_time()
             view = seen
-            if liveness is not None:
-                liveness.overlay(view)
-            decided = decide(view, now, self.context)
-            if decided and liveness is not None and self._hear is not None and _silences(decided):
-                # A silence may be this process's own: a stall (a long fold, a collection)
-                # keeps heartbeats queued unread, and every member then looks silent. Take in
-                # what reached NATS before now, then judge again: on the view the summary
-                # below folds (what is decided there is what is recorded; a summary with no
-                # decision behind it costs only its record).
-                await self._hear()
-                self.stats.hearings += 1
-                view = self._views().get(job_id, view)
-                liveness.overlay(view)
-            if liveness is not None:
-                if decided:
-                    # What the decision read of the heartbeats goes into the log first, so
-                    # that the view folded from the log decides the same.
-                    if not await self._summarize(job_id, view, now, "decision"):
-                        continue
-                    view = self._views()[job_id]
-                    decided = decide(view, now, self.context)
-                elif now >= liveness.summary_due(
-                    job_id, view.effective_policy.liveness_summary_interval_s
-                ):
-                    await self._summarize(job_id, view, now, "interval")
+            checked = summarized = began
+            if liveness is None:
+                decided = decide(view, now, self.context)
+            else:
+                probe = liveness.probe(view)
+                decided = decide(probe, now, self.context, rounds=1)
+                if decided and _silences(decided):
+                    # A silence may be this process's own: a stall (a long fold, a
+                    # collection) keeps heartbeats queued unread, and every member then
+                    # looks silent. Take in what reached NATS before now, then judge again.
+                    if self._hear is not None:
+                        await self._hear()
+                        self.stats.hearings += 1
+                        view = self._views().get(job_id, view)
+                        probe = liveness.probe(view)
+                        decided = decide(probe, now, self.context, rounds=1)
+                    silent = _silent(decided)
+                    if silent and not liveness.exact_for(view, probe, silent):
+                        # The quick probe errs only towards silence (an earlier process's
+                        # heartbeat): judge those on an exact one.
+                        probe = liveness.probe(view, exact=True)
+                        decided = decide(probe, now, self.context, rounds=1)
+                checked = time.perf_counter()
+                if not decided:
+                    self._deadlines[job_id] = next_deadline(probe)
+                    if now >= liveness.summary_due(
+                        job_id, view.effective_policy.liveness_summary_interval_s
+                    ):
+                        await self._summarize(job_id, view, now, "interval")
+                    continue
+                # What the decision reads of the heartbeats goes into the log first; the
+                # decision is taken on the view that folded it (a summary with no decision
+                # behind it costs only its record).
+                if not await self._summarize(job_id, view, now, "decision"):
+                    continue
+                summarized = time.perf_counter()
+                view = self._views()[job_id]
+                decided = decide(view, now, self.context)
             if not decided:
                 continue
             thought, cpu = time.perf_counter(), time.thread_time() - cpu
@@ -250,9 +272,11 @@ class Decider:
             level = logging.WARNING if done - began > SLOW_TURN_S else logging.INFO
             log.log(
                 level,
-                "decision for %s in %.0f ms: decide %.1f ms (%.1f ms of CPU), append %.1f ms,"
-                " fold %.1f ms, command %.1f ms (%d events)",
-                job_id, (done - began) * 1e3, (thought - began) * 1e3, cpu * 1e3,
+                "decision for %s in %.0f ms: check %.1f ms, summary %.1f ms, decide %.1f ms"
+                " (%.1f ms of CPU in all three), append %.1f ms, fold %.1f ms, command %.1f ms"
+                " (%d events)",
+                job_id, (done - began) * 1e3, (checked - began) * 1e3,
+                (summarized - checked) * 1e3, (thought - summarized) * 1e3, cpu * 1e3,
                 (appended - thought) * 1e3, (folded - appended) * 1e3, (done - folded) * 1e3,
                 len(decided),
             )  # fmt: skip
@@ -314,7 +338,7 @@ class Decider:
         assert self.liveness is not None
         parts = self.liveness.summarize(view, now, reason)
         if not parts:
-            self.liveness.summarized(job_id, now)
+            self.liveness.summarized(job_id, now, reason)
             return True
         seq = self._seq.get(job_id, 0)
         events = [
@@ -337,7 +361,7 @@ class Decider:
             return False
         self.stats.summaries += len(result.stored)
         self._apply(result)
-        self.liveness.summarized(job_id, now)
+        self.liveness.summarized(job_id, now, reason)
         return True
 
     def _offer(self, job_id: str) -> None:
@@ -361,15 +385,23 @@ class Decider:
         publisher.forget(keep)
 
     def _reschedule(self) -> None:
+        """The next wake: the earliest deadline of any job (on its probe: the table's
+        liveness; a job decided in this turn is probed again) and its next summary."""
         views = self._views()
-        deadlines = [d for v in views.values() if (d := next_deadline(v)) is not None]
         liveness = self.liveness
-        if liveness is not None:
-            deadlines.extend(
-                liveness.summary_due(job_id, v.effective_policy.liveness_summary_interval_s)
-                for job_id, v in views.items()
-                if v.state not in TERMINAL and v.members
-            )
+        deadlines: list[datetime] = []
+        for job_id, view in views.items():
+            if view.state in TERMINAL:
+                continue
+            if job_id in self._deadlines:
+                deadline = self._deadlines[job_id]
+            else:
+                deadline = next_deadline(liveness.probe(view) if liveness is not None else view)
+            if deadline is not None:
+                deadlines.append(deadline)
+            if liveness is not None and view.members:
+                interval = view.effective_policy.liveness_summary_interval_s
+                deadlines.append(liveness.summary_due(job_id, interval))
         self.next_wake = min(deadlines, default=None)
         self.rescheduled.set()
 
@@ -405,9 +437,17 @@ def _log_decision(stored: StoredEvent) -> None:
 def _silences(decided: Sequence[Decided]) -> bool:
     """Whether ``decided`` finds a member failed by its silence (a heartbeat timeout, or a
     peer's report that silence corroborates), not by an exit or its own report alone."""
-    return any(
-        d.type == "fault.detected"
+    return bool(_silent(decided))
+
+
+def _silent(decided: Sequence[Decided]) -> list[str]:
+    """The members ``decided`` finds failed by a heartbeat timeout or a peer's report (which
+    their silence may corroborate)."""
+    return [
+        member
+        for d in decided
+        if d.type == "fault.detected"
         and getattr(d.payload, "reason", None)
         in (FaultReason.HEARTBEAT_TIMEOUT, FaultReason.REPORTED)
-        for d in decided
-    )
+        for member in getattr(d.payload, "members", ())
+    ]

@@ -1,9 +1,8 @@
-"""The ingest loop: fetch from JetStream, validate, append to the store, ack only after commit.
-
-Two tasks form a short pipeline: the fetcher pulls and decodes the next batch while the writer
-commits the previous one (in a worker thread, the store is synchronous). The writer commits
-batches strictly in fetch order and acknowledges a batch (its last message, ack-all) only after
-its commit, so whatever the server forgets is durable in PostgreSQL.
+"""The ingest's parts: fetch from JetStream and validate (``Fetcher``), append a batch with
+what the store refuses isolated down to one message (``commit``). The service loop
+(``service.Session``) appends the batches in fetch order and acknowledges one (its last
+message, ack-all) only after its commit, so whatever the server forgets is durable in
+PostgreSQL; the fetcher decodes the next batch meanwhile.
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from controlplane.backoff import Backoff
@@ -247,19 +246,12 @@ def _merge(into: AppendResult, part: AppendResult) -> None:
     into.late += part.late
 
 
-@dataclass(slots=True)
-class QuietTurn:
-    """A turn the writer gives between two commits, when no commit is in flight and every
-    committed batch is folded: the decider appends there, so the view it decided on is the
-    log's (its optimistic check fails only if another process wrote)."""
-
-    #: Set by whoever wants a turn; the writer clears it before calling ``run``.
-    wanted: asyncio.Event
-    run: Callable[[], Awaitable[None]]
-
-
-class Ingest:
-    """Moves events from the bus into the store; survives NATS and PostgreSQL restarts."""
+class Fetcher:
+    """Pulls batches from JetStream, decodes and pre-encodes them for the store, and hands
+    them to the service loop (``service.Session``); survives NATS restarts. It decodes a batch
+    in slices, yielding to the event loop in between, so the loop's round trips to PostgreSQL
+    are answered promptly meanwhile; it pauses between slices while the decider has its turn
+    (``paused``)."""
 
     def __init__(
         self,
@@ -269,43 +261,27 @@ class Ingest:
         batch: int = 10_000,
         fetch_wait_s: float = 0.5,
         retry_max_s: float = 5.0,
-        on_commit: Callable[[AppendResult], None] | None = None,
-        quiet: QuietTurn | None = None,
     ) -> None:
         self._appender = appender
-        self._quiet = quiet
-        #: Cleared during a quiet turn: the fetcher stops decoding so the turn's round trips
-        #: to PostgreSQL are not queued behind decode slices on the event loop.
-        self._free = asyncio.Event()
-        self._free.set()
         self._consumer = consumer
         self._batch = batch
         self._fetch_wait_s = fetch_wait_s
         self._retry_max_s = retry_max_s
-        self._on_commit = on_commit
+        self._free = asyncio.Event()
+        self._free.set()
         self.stats = IngestStats()
 
-    async def run(self, stop: asyncio.Event) -> None:
-        """Run until ``stop`` is set; the batch being committed then is finished and acked."""
-        queue: asyncio.Queue[Batch] = asyncio.Queue(maxsize=2)
-        fetcher = asyncio.create_task(self._fetch_loop(queue, stop), name="ingest-fetch")
-        try:
-            await self._write_loop(queue, stop)
-        finally:
-            fetcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await fetcher
-
-    async def _fetch_loop(self, queue: asyncio.Queue[Batch], stop: asyncio.Event) -> None:
+    async def run(self, batches: asyncio.Queue[Batch], done: asyncio.Event) -> None:
+        """Fetch into ``batches`` until ``done`` is set."""
         backoff = Backoff(max_s=self._retry_max_s)
         idle_since = time.monotonic()
-        while not stop.is_set():
+        while not done.is_set():
             try:
                 msgs = await self._consumer.fetch(self._batch, self._fetch_wait_s)
             except BusUnavailable as exc:
                 self.stats.bus_retries += 1
                 log.warning("NATS unavailable (%s); retrying", exc)
-                await backoff.sleep(stop)
+                await backoff.sleep(done)
                 continue
             backoff.reset()
             if not msgs:
@@ -315,11 +291,22 @@ class Ingest:
                 continue
             idle_since = time.monotonic()
             for part in byte_bounded(msgs, _MAX_BATCH_BYTES):
-                await queue.put(await self._prepare(part))
+                await batches.put(await self._prepare(part))
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Decode nothing meanwhile (at most the slice under way finishes)."""
+        self._free.clear()
+        try:
+            yield
+        finally:
+            self._free.set()
+
+    async def ack(self, batch: Batch) -> bool:
+        """Acknowledge ``batch`` (appended) and everything delivered before it."""
+        return await self._consumer.ack_through(batch.last, batch.epoch)
 
     async def _prepare(self, msgs: list[Delivery]) -> Batch:
-        """Decode and pre-encode a fetch in slices, yielding to the loop in between, so the
-        writer's round trips to PostgreSQL are answered promptly meanwhile."""
         epoch = self._consumer.epoch
         events: list[EnvelopeBase] = []
         letters: list[DeadLetter] = []
@@ -376,85 +363,8 @@ class Ingest:
             log.warning("%d messages pending but none fetched; re-subscribing", pending)
             await self._consumer.reset()
 
-    async def _next_batch(self, queue: asyncio.Queue[Batch], stop: asyncio.Event) -> Batch | None:
-        """The next fetched batch (None once stopped); quiet turns are given while waiting."""
-        while True:
-            await self._give_turn()
-            get = asyncio.ensure_future(queue.get())
-            waits = {get, asyncio.ensure_future(stop.wait())}
-            if self._quiet is not None:
-                waits.add(asyncio.ensure_future(self._quiet.wanted.wait()))
-            done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            for waiter in pending:
-                waiter.cancel()
-            if get in done:
-                return get.result()
-            if stop.is_set():
-                return None
-
-    async def _give_turn(self) -> None:
-        quiet = self._quiet
-        if quiet is not None and quiet.wanted.is_set():
-            quiet.wanted.clear()
-            self._free.clear()
-            try:
-                await quiet.run()
-            except Exception:
-                log.exception("the quiet turn failed; ingest goes on")
-            finally:
-                self._free.set()
-
-    async def _commit(self, batch: Batch, stop: asyncio.Event) -> AppendResult | None:
-        """Commit ``batch``, retrying while PostgreSQL is down; None if stopped first."""
-        backoff = Backoff(max_s=self._retry_max_s)
-        while True:
-            try:
-                return await commit(
-                    self._appender, batch.events, batch.dead_letters, batch.encoded, batch.origins
-                )
-            except StoreUnavailable as exc:
-                self.stats.store_retries += 1
-                if stop.is_set():
-                    # Unacked, so the server redelivers it to whoever ingests next.
-                    log.warning("stopping with an uncommitted batch (%s)", exc)
-                    return None
-                log.warning("PostgreSQL unavailable (%s); retrying the batch", exc)
-                await backoff.sleep(stop)
-
-    async def _write_loop(self, queue: asyncio.Queue[Batch], stop: asyncio.Event) -> None:
-        # Commits run one at a time and in fetch order; the next one starts before this one's
-        # ack and fold, so PostgreSQL works while the loop does the bookkeeping.
-        batch = await self._next_batch(queue, stop)
-        if batch is None:
-            return
-        committing = asyncio.ensure_future(self._commit(batch, stop))
-        while True:
-            result = await committing
-            if result is None:
-                return
-            done = batch
-            # Pipeline the next commit, unless someone waits for a quiet turn.
-            turn = self._quiet is not None and self._quiet.wanted.is_set()
-            upcoming = None if stop.is_set() or queue.empty() or turn else queue.get_nowait()
-            if upcoming is not None:
-                batch = upcoming
-                committing = asyncio.ensure_future(self._commit(batch, stop))
-            try:
-                await self._consumer.ack_through(done.last, done.epoch)
-            except Exception as exc:
-                # Committed but not acked: the messages come again and are skipped as duplicates.
-                log.warning("ack failed (%s); the batch will be redelivered and de-duplicated", exc)
-            self._count(done, result)
-            if self._on_commit is not None:
-                self._on_commit(result)
-            if upcoming is None:
-                next_batch = await self._next_batch(queue, stop)
-                if next_batch is None:
-                    return
-                batch = next_batch
-                committing = asyncio.ensure_future(self._commit(batch, stop))
-
-    def _count(self, batch: Batch, result: AppendResult) -> None:
+    def count(self, batch: Batch, result: AppendResult) -> None:
+        """Count an appended batch (``stats``), and log its sequence gaps."""
         stats = self.stats
         stats.batches += 1
         stats.messages += batch.size

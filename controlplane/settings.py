@@ -72,6 +72,12 @@ class Settings(BaseSettings):
         description="How often the leader records the job views it holds while the log grows,"
         " so that a restart or a standby starts from them and folds only the log after (0: never)",
     )
+    retention_days: NonNegativeFloat = Field(
+        30.0,
+        description="`elasticctl retention` drops step records and interval liveness summaries"
+        " older than this many days, a span of the log at a time; decisions, faults, incidents,"
+        " backup catalogs and the summaries decisions read are kept (0: drop nothing)",
+    )
     rendezvous: bool = Field(
         True, description="Host the ranks' rendezvous store in the control plane"
     )

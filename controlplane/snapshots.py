@@ -13,10 +13,9 @@ process wrote in between (an import while it runs). The snapshotter follows the 
 leader folds; when they stop following each other, it takes no snapshot again in this
 session (a restart folds that writer's events from the log).
 
-The views a leader holds have its heartbeat table's liveness moved onto them
-(``LivenessTable.overlay``), so a snapshot may hold later heartbeat times than the log's
-summaries: soft state a new leader's table supersedes (it counts every member as heard at its
-own start), recorded in the summary before its first decision like any other.
+The views a leader holds are the log's fold (the heartbeats it hears stay in its liveness
+table, soft state), so a snapshot holds what folding the log gives; a new leader's table
+counts every member as heard at its own start.
 """
 
 from __future__ import annotations

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import base64
 import math
-import re
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, Literal, NamedTuple, Union
 from uuid import UUID
 
-from pydantic import Field, StringConstraints, TypeAdapter, model_validator
+from pydantic import Field, PrivateAttr, StringConstraints, TypeAdapter, model_validator
 
+from schemas.catalog import SHA256_HEX, CatalogColumns, PackError, decode, encode
 from schemas.common import (
     CONTROLPLANE_SOURCE,
     MAX_WORLD,
@@ -542,21 +542,21 @@ class BackupSnapshot(Strict):
 
 
 #: A checksum whose digest a ``backup.catalog`` keeps in base64.
-_SHA256_HEX = re.compile(r"sha256:[0-9a-f]{64}\Z")
-#: Backup reports one ``backup.catalog`` packs at most (a row of about 200 KB).
+_SHA256_HEX = SHA256_HEX
+#: Backup reports one ``backup.catalog`` packs at most (a packed row of about 70 KB).
 CATALOG_ENTRIES = 1024
 
 
 class BackupCatalog(Strict):
-    """``backup.catalog``: ``backup.snapshot`` reports of one step, from members of one
-    generation, that reached the log together: the store packs each such run into one
-    record, a column per field and one value per report, so a backup of a large job costs
-    a few rows instead of a row (and five index entries) per rank. Each report keeps what
-    binds it to its sender (``sources``, ``incarnations``, ``seqs``: the ingest checked them
-    against the subject and the sequence rules before packing); only its event_id and
-    emission time are not kept. The store records it, never a member (the decoder refuses
-    one from the bus); the fold and replay read each report as the ``backup.snapshot`` it
-    was (``controlplane.core.catalog.unpacked``)."""
+    """``backup.catalog`` version 1, as logs recorded before version 2 hold it (still read,
+    no longer written): ``backup.snapshot`` reports of one step, from members of one
+    generation, that reached the log together, packed by the store into one record, a JSON
+    list per field and one value per report. Each report keeps what binds it to its sender
+    (``sources``, ``incarnations``, ``seqs``: the ingest checked them against the subject and
+    the sequence rules before packing); only its event_id and emission time are not kept.
+    The store records it, never a member (the decoder refuses one from the bus); the fold and
+    replay read each report as the ``backup.snapshot`` it was
+    (``controlplane.core.catalog.unpacked``)."""
 
     step: Step
     sources: Annotated[list[Source], Field(min_length=1, max_length=CATALOG_ENTRIES)]
@@ -590,6 +590,19 @@ class BackupCatalog(Strict):
         assert self.checksums is not None
         return self.checksums[i]
 
+    @property
+    def count(self) -> int:
+        """The reports it packs."""
+        return len(self.sources)
+
+    def columns(self) -> CatalogColumns:
+        """Its reports as columns (``PackedCatalog.columns``: the same for either form)."""
+        checksums = self.checksums or [self.checksum(i) for i in range(len(self.sources))]
+        return CatalogColumns(
+            self.sources, self.incarnations, self.seqs, self.shards, self.nbytes, checksums,
+            self.seconds, self.holders,
+        )  # fmt: skip
+
     @model_validator(mode="after")
     def _aligned(self) -> BackupCatalog:
         count = len(self.sources)
@@ -604,6 +617,45 @@ class BackupCatalog(Strict):
                 )
         if any(s == CONTROLPLANE_SOURCE for s in self.sources):
             raise ValueError("a backup report comes from a member, not the control plane")
+        return self
+
+
+class PackedCatalog(Strict):
+    """``backup.catalog`` version 2, what the store records: the same reports and values as
+    version 1, the columns packed into one string (``schemas.catalog``: a sha256 digest kept
+    as its 32 bytes, the rest compressed, about 70 bytes a report where version 1 took about
+    170 on disk). Validating it decodes ``packed`` and checks every value as its report's
+    field is checked; ``columns`` gives them (decoded once)."""
+
+    step: Step
+    #: The reports it packs.
+    count: Annotated[int, Field(ge=1, le=CATALOG_ENTRIES)]
+    #: ``schemas.catalog.encode`` of the columns: zlib in unpadded base64url.
+    packed: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]+$", max_length=1 << 20)]
+    _columns: CatalogColumns | None = PrivateAttr(default=None)
+
+    @classmethod
+    def of(cls, step: int, columns: CatalogColumns) -> PackedCatalog:
+        """The catalog of ``columns`` (validated reports' values), built without validating
+        again: its columns are kept as given."""
+        body = cls.model_construct(step=step, count=len(columns), packed=encode(columns))
+        body.__pydantic_private__ = {"_columns": columns}
+        return body
+
+    def columns(self) -> CatalogColumns:
+        """Its reports as columns, each value as its member sent it."""
+        columns = self._columns
+        if columns is None:
+            columns = decode(self.packed, self.count)
+            self.__pydantic_private__ = {"_columns": columns}
+        return columns
+
+    @model_validator(mode="after")
+    def _decodes(self) -> PackedCatalog:
+        try:
+            self.__pydantic_private__ = {"_columns": decode(self.packed, self.count)}
+        except PackError as exc:
+            raise ValueError(str(exc)) from None
         return self
 
 
@@ -840,11 +892,19 @@ class BackupSnapshotEvent(EnvelopeBase):
 
 
 class BackupCatalogEvent(EnvelopeBase):
-    """``backup.catalog``, version 1 (recorded by the store, an observation)."""
+    """``backup.catalog`` (recorded by the store, an observation): version 2 packed
+    (``PackedCatalog``, what the store writes), version 1 in JSON lists (``BackupCatalog``,
+    logs recorded before)."""
 
     type: Literal["backup.catalog"]
-    v: Literal[1]
-    payload: BackupCatalog
+    v: Literal[1, 2]
+    payload: PackedCatalog | BackupCatalog
+
+    @model_validator(mode="after")
+    def _form_of_version(self) -> BackupCatalogEvent:
+        if (self.v == 2) != isinstance(self.payload, PackedCatalog):
+            raise ValueError(f"a backup.catalog of version {self.v} in the other version's form")
+        return self
 
 
 class BackupReplicatedEvent(EnvelopeBase):
@@ -1019,7 +1079,7 @@ CONTROLPLANE_EVENT_TYPES: dict[str, type[Strict]] = {
     "job.stopped": JobStopped,
     "job.completed": JobCompleted,
     "liveness.summary": LivenessSummary,
-    "backup.catalog": BackupCatalog,
+    "backup.catalog": PackedCatalog,
 }
 #: What the control plane records that it observed, not decided: replay folds them as inputs.
 OBSERVATION_TYPES = frozenset({"liveness.summary", "backup.catalog"})
@@ -1027,6 +1087,7 @@ OBSERVATION_TYPES = frozenset({"liveness.summary", "backup.catalog"})
 SCHEMA_VERSIONS: dict[str, frozenset[int]] = {
     t: frozenset({1}) for t in (*MEMBER_EVENT_TYPES, *CONTROLPLANE_EVENT_TYPES)
 }
+SCHEMA_VERSIONS["backup.catalog"] = frozenset({1, 2})
 
 Event = Annotated[
     Union[  # noqa: UP007 - a runtime union of generated classes

@@ -268,8 +268,10 @@ class Scenario:
 class SoftScenario(Scenario):
     """A scenario whose heartbeats are soft state, as the service keeps them: ``heartbeat``
     goes into the decider's in-memory table (no event), and ``decide`` runs as
-    ``controlplane.decider.Decider.turn`` does: the table moved onto the view, and before a
-    decision (or every ``liveness_summary_interval_s``) a ``liveness.summary`` recorded."""
+    ``controlplane.decider.Decider.turn`` does: whether anything is due asked of the view
+    with the table's heartbeats (``LivenessTable.probe``), and before a decision (or every
+    ``liveness_summary_interval_s``) a ``liveness.summary`` recorded, the decision then taken
+    on the view that folded it."""
 
     def __init__(self, job_id: str = "job1", **policy: Any) -> None:
         super().__init__(job_id, **policy)
@@ -310,12 +312,11 @@ class SoftScenario(Scenario):
                 for i, part in enumerate(parts)
             )
         )
-        self.table.summarized(self.job_id, self.now)
+        self.table.summarized(self.job_id, self.now, reason)
 
     def decide(self) -> list[Decided]:
         view = self.v
-        self.table.overlay(view)
-        if decide(view, self.now, self.context):
+        if decide(self.table.probe(view), self.now, self.context, rounds=1):
             self.summarize("decision")
             return super().decide()
         interval = view.effective_policy.liveness_summary_interval_s

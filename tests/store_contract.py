@@ -280,7 +280,8 @@ class EventStoreContract:
         assert [s.position for s in store.read()] == [1, 2, 3, 4]
         [catalog] = store.read(types=["backup.catalog"])
         assert catalog.event.source == "controlplane"
-        assert catalog.event.payload.sources == ["n0/m0", "n1/m1", "n2/m2", "n3/m3"]
+        assert catalog.event.v == 2 and catalog.event.payload.count == 4
+        assert catalog.event.payload.columns().sources == ["n0/m0", "n1/m1", "n2/m2", "n3/m3"]
         # Unpacked, every report is what its member sent, but for event_id and emitted_at.
         back = [s.event for s in unpacked(store.read(job_id="job1"))]
         assert [e.type for e in back] == ["backup.snapshot"] * 4 + ["train.step", "backup.snapshot"]

@@ -9,7 +9,7 @@ from datetime import datetime
 from controlplane.core.decide import natural_key
 from controlplane.core.detect import accusations
 from controlplane.core.timeline import PHASES, POINTS, timeline
-from controlplane.core.view import Decision, Incident, JobView, Member, StepBackup
+from controlplane.core.view import Decision, Heartbeat, Incident, JobView, Member, StepBackup
 from schemas.api import (
     BackupOut,
     Cluster,
@@ -27,6 +27,7 @@ from schemas.api import (
     StateChangeOut,
     TimelinePoint,
 )
+from schemas.common import Phase
 
 
 def _summary_fields(view: JobView) -> dict[str, object]:
@@ -143,8 +144,11 @@ def incident_timeline(incident: Incident) -> IncidentTimeline:
     )
 
 
-def member_out(member: Member, suspected_by: list[str] | None = None) -> MemberOut:
-    """A member as ``GET /jobs/{job}/cluster`` describes it."""
+def member_out(
+    member: Member, suspected_by: list[str] | None = None, heartbeat: Heartbeat | None = None
+) -> MemberOut:
+    """A member as ``GET /jobs/{job}/cluster`` describes it (``heartbeat``: its last, from
+    the view's ``heartbeats``)."""
     return MemberOut(
         member_id=member.member_id,
         node=member.node,
@@ -153,9 +157,9 @@ def member_out(member: Member, suspected_by: list[str] | None = None) -> MemberO
         role=member.role,
         status=member.status.value,
         rank=member.rank,
-        phase=member.phase,
+        phase=heartbeat.phase if heartbeat is not None else Phase.INIT,
         step=member.step,
-        last_heartbeat_at=member.last_heartbeat_at,
+        last_heartbeat_at=heartbeat.at if heartbeat is not None else None,
         joined_at=member.joined_at,
         failed_reason=member.failed_reason,
         announced=member.announced_position is not None,
@@ -207,7 +211,10 @@ def cluster(view: JobView) -> Cluster:
         rendezvous=view.rendezvous,
         placement=[list(holders) for holders in view.placement],
         placement_note=view.placement_note,
-        members=[member_out(m, suspects.get(m.member_id)) for m in view.members.values()],
+        members=[
+            member_out(m, suspects.get(m.member_id), view.heartbeats.get(m.member_id))
+            for m in view.members.values()
+        ],
         topology=_topology(view.members.values()),
         backups=[_backup(b, redundancy) for _, b in sorted(view.backups.items())],
         last_complete_backup=view.last_complete_backup,

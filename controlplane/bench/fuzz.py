@@ -50,7 +50,12 @@ from controlplane.decode import decode, storable
 from controlplane.errors import StoreRefused
 from controlplane.settings import DATABASE_URL_ENV, NATS_URL_ENV, libpq_url
 from controlplane.store.memory import refusal
-from controlplane.store.postgres import CATALOG_REPORTS, PostgresEventStore, encode_row
+from controlplane.store.postgres import (
+    CATALOG_PAYLOADS,
+    PostgresEventStore,
+    catalog_reports,
+    encode_row,
+)
 from schemas.common import MAX_EVENT_BYTES, JobState
 from schemas.events import CONTROLPLANE_EVENT_TYPES, MEMBER_EVENT_TYPES
 
@@ -549,7 +554,8 @@ def account(database_url: str, cases: Sequence[Case], seqs: dict[int, int | None
             ).fetchall()
         }
         # A backup report the store packed is in a catalog, by its source, incarnation, seq.
-        packed = {(str(r[0]), str(r[1]), int(r[2])) for r in conn.execute(CATALOG_REPORTS)}
+        payloads = conn.execute(CATALOG_PAYLOADS, {"job": None}).fetchall()
+        packed = set(catalog_reports(r[0] for r in payloads))
         letters = conn.execute(
             "SELECT stream_seq, event_id, reason FROM dead_letters WHERE stream_seq = ANY(%s)"
             " OR event_id = ANY(%s)",

@@ -27,7 +27,7 @@ from controlplane.bus import ensure_stream
 from controlplane.core.fold import fold
 from controlplane.publish import Outgoing
 from controlplane.settings import Settings, libpq_url
-from controlplane.store.postgres import MEMBER_EVENT_COUNTS, PostgresEventStore
+from controlplane.store.postgres import PostgresEventStore, count_member_events
 from controlplane.synth import SyntheticJob
 
 
@@ -39,9 +39,7 @@ def _count(database_url: str, job_id: str) -> tuple[int, int]:
     """(events, distinct events) the members of ``job_id`` have in the log (an event is
     its source, incarnation and seq, whether stored as a row or packed into a catalog)."""
     with psycopg.connect(libpq_url(database_url)) as conn:
-        row = conn.execute(MEMBER_EVENT_COUNTS, {"job": job_id}).fetchone()
-    assert row is not None
-    return int(row[0]), int(row[1])
+        return count_member_events(conn, job_id)
 
 
 async def _consumer_ready(url: str, settings: Settings, wait_s: float = 60.0) -> None:

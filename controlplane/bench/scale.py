@@ -22,12 +22,16 @@ even intervals, alternating a crash (the node's launcher reports ``member.exited
 - ``decide_p50_ms`` / ``_p99_ms``: the fault (a crash: the exit reported; a hang: its last
   heartbeat heard plus the timeout) to the commit of the decision, as ``bench decide`` times it;
 - ``db_bytes_per_rank_day``: how much every table of the database grew while the job trained
-  without faults (``pg_total_relation_size``: heap, TOAST and indexes, after the ingest caught
-  up), per rank, scaled to a day; ``db_bytes_per_rank_day_by_type`` splits it by event type,
-  as each type's payloads are stored (without the rows' headers, the envelope's columns and
-  the indexes, which the total has); ``db_payload_bytes_per_fault``: the payloads the
-  control plane recorded for each fault (its detection, decision, generation, incident),
-  for the whole job;
+  without faults (``pg_total_relation_size``: heap, TOAST and indexes), per rank, scaled to a
+  day: measured from one backup to the one ``steady_seconds`` later, each once the ingest had
+  stored it whole, over the time between the two backups (so the window holds exactly
+  ``steady_backups`` backups' rows, and the steps and summaries in between);
+  ``db_bytes_per_rank_day_by_relation`` splits that growth by relation (each table's heap,
+  its TOAST, each index; each partition of the log on its own);
+  ``db_bytes_per_rank_day_by_type`` by event type, as each type's payloads are stored in the
+  same window (without the rows' headers, the envelope's columns and the indexes, which the
+  total has); ``db_payload_bytes_per_fault``: the payloads the control plane recorded for
+  each fault (its detection, decision, generation, incident), for the whole job;
 - ``controlplane_cpu_cores``: the control plane process's CPU time over both phases, per
   second (the simulated members, NATS and PostgreSQL share the machine);
 - ``lost`` / ``duplicated``: durable events the members published (JetStream acknowledged
@@ -43,7 +47,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import os
+import random
 import statistics
 import sys
 import time
@@ -63,7 +69,12 @@ from controlplane.bench.stack import serving, stack
 from controlplane.bus import ensure_stream
 from controlplane.publish import Outgoing
 from controlplane.settings import Settings, libpq_url
-from controlplane.store.postgres import MEMBER_EVENT_COUNTS, PostgresEventStore
+from controlplane.store.postgres import (
+    CATALOG_PAYLOADS,
+    MEMBER_ROWS,
+    PostgresEventStore,
+    member_event_counts,
+)
 from schemas.commands import COMMAND_ADAPTER, Reallocate, Start
 from schemas.common import CONTROLPLANE_SOURCE
 from schemas.subjects import command_subject
@@ -89,15 +100,43 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def _database_bytes(conn: psycopg.AsyncConnection[Any]) -> int:
-    """Every table of the database's schema, with its TOAST and indexes."""
-    cursor = await conn.execute(
-        "SELECT coalesce(sum(pg_total_relation_size(c.oid)), 0) FROM pg_class c"
-        " JOIN pg_namespace n ON n.oid = c.relnamespace"
-        " WHERE c.relkind IN ('r', 'p', 'm') AND n.nspname = current_schema()"
-    )
-    row = await cursor.fetchone()
-    return int(row[0]) if row else 0
+#: Every relation of the schema's tables on its own: each table's heap (with its free space
+#: and visibility maps), its TOAST (with the TOAST's index) and each of its indexes; a
+#: partition is a table of its own. Together: the tables' ``pg_total_relation_size``.
+_RELATION_SIZES = """
+WITH t AS (
+    SELECT c.oid, c.relname, c.reltoastrelid FROM pg_class c
+      JOIN pg_namespace n ON n.oid = c.relnamespace
+     WHERE c.relkind IN ('r', 'm') AND n.nspname = current_schema()
+)
+SELECT relname, pg_relation_size(oid) + pg_relation_size(oid, 'fsm')
+       + pg_relation_size(oid, 'vm') FROM t
+UNION ALL
+SELECT relname || ' (toast)', pg_total_relation_size(reltoastrelid) FROM t
+ WHERE reltoastrelid <> 0
+UNION ALL
+SELECT i.indexrelid::regclass::text, pg_relation_size(i.indexrelid) FROM pg_index i
+  JOIN t ON t.oid = i.indrelid
+"""
+
+
+async def _whole_backup(
+    fleet: _Fleet, nc: Client, settings: Settings, db: psycopg.AsyncConnection[Any]
+) -> tuple[int, int]:
+    """Once every backup published so far is stored whole (the ingest has fewer than two
+    messages not committed, and no backup came meanwhile): how many, and the log's head."""
+    while True:
+        count = len(fleet.backup_times)
+        await _until_caught_up(nc, settings, 2, timeout_s=300.0)
+        if len(fleet.backup_times) == count:
+            row = await (await db.execute("SELECT position FROM log_head")).fetchone()
+            return count, int(row[0]) if row else 0
+
+
+async def _relation_sizes(conn: psycopg.AsyncConnection[Any]) -> dict[str, int]:
+    """Every relation of the database's schema and its size (``_RELATION_SIZES``)."""
+    cursor = await conn.execute(_RELATION_SIZES)
+    return {str(name): int(size) for name, size in await cursor.fetchall()}
 
 
 @dataclass
@@ -127,6 +166,9 @@ class _Fleet:
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
     #: A backup was published.
     backed_up: asyncio.Event = field(default_factory=asyncio.Event)
+    #: When each backup was published (Unix s), in order.
+    backup_times: list[float] = field(default_factory=list)
+    _rng: random.Random = field(default_factory=lambda: random.Random(7))
     #: Durable events published and acknowledged (each member's, its launcher's).
     published: int = 0
     refused: int = 0
@@ -251,13 +293,17 @@ class _Fleet:
 
     def _backup(self, step: int) -> list[Outgoing]:
         """Each rank's record of its backup, naming the holders that kept its copy (as the
-        runtime reports once its copies are sent)."""
+        runtime reports once its copies are sent), with what a real report has: its state's
+        sha256 (a digest of the job, step and shard here: as incompressible as a real one)
+        and the seconds its copy took (a float with every bit used, as a clock's difference)."""
         command = self.current
         placement = command.placement
+        prefix = f"{self.job.job_id}/{step}/".encode()
         return [
             self.job.envelope(owner, "backup.snapshot", {
                 "step": step, "shard": shard, "nbytes": 1 << 20,
-                "checksum": f"sha256:{step:032x}{shard:032x}", "seconds": 0.01,
+                "checksum": "sha256:" + hashlib.sha256(b"%s%d" % (prefix, shard)).hexdigest(),
+                "seconds": self._rng.uniform(0.005, 0.05),
                 "holders": list(placement[shard]) if shard < len(placement) else []})
             for shard, owner in enumerate(command.world)
         ]  # fmt: skip
@@ -278,7 +324,14 @@ class _Fleet:
             await self.send(lambda: self._step(lead, step))  # noqa: B023  (called at once)
             if step % self.backup_interval == 0:
                 await self.send(lambda: self._backup(step))  # noqa: B023
+                self.backup_times.append(time.time())
                 self.backed_up.set()
+
+    async def backups(self, count: int) -> None:
+        """Until ``count`` backups were published."""
+        while len(self.backup_times) < count:
+            self.backed_up.clear()
+            await self.backed_up.wait()
 
     async def resume(self, command: Reallocate) -> None:
         """The new generation's first step (its first rank's), from the restored step on."""
@@ -344,26 +397,31 @@ async def _scenario(
         tasks.append(asyncio.create_task(fleet.train(stop)))
         if progress:
             _progress(f"generation 1 runs {len(start.world)} ranks; waiting for its first backup")
-        await fleet.backed_up.wait()
-        await _until_caught_up(nc, settings, max(100, ranks // 4), timeout_s=300.0)
+        await fleet.backups(1)
         async with await psycopg.AsyncConnection.connect(
             libpq_url(database_url), autocommit=True
         ) as db:
-            # A day of training without faults: what the log grows by then.
-            steady0, cpu_start, s0 = await _database_bytes(db), _cpu_seconds(serve_pid), time.time()
+            # Training without faults, from one backup to another ``periods`` backups later,
+            # each measured once the ingest has stored it whole: the log's growth over whole
+            # backup intervals (the rows of exactly ``periods`` backups, and the steps and
+            # summaries in between), over the time between the two backups' publication.
+            periods = max(1, round(steady_s / backup_interval))
+            base, p0 = await _whole_backup(fleet, nc, settings, db)
+            steady0, cpu_start, s0 = await _relation_sizes(db), _cpu_seconds(serve_pid), time.time()
             published0, beats0 = fleet.published, fleet.beats_sent
             messages0 = fleet.messages_sent
             if progress:
-                _progress(f"measuring {steady_s:g}s without faults")
-            await asyncio.sleep(steady_s)
-            s1 = time.time()
-            await _until_caught_up(nc, settings, max(100, ranks // 8), timeout_s=300.0)
-            steady1 = await _database_bytes(db)
+                _progress(f"measuring {periods} backup intervals without faults")
+            await fleet.backups(base + periods)
+            last, p1 = await _whole_backup(fleet, nc, settings, db)
+            if last != base + periods:
+                raise BenchScaleError("the ingest fell a backup behind: no steady window")
+            steady1 = await _relation_sizes(db)
+            steady_window = fleet.backup_times[last - 1] - fleet.backup_times[base - 1]
             cursor = await db.execute(
                 "SELECT type, sum(pg_column_size(payload)) FROM events WHERE job_id = %s"
-                " AND recorded_at >= to_timestamp(%s) AND recorded_at < to_timestamp(%s)"
-                " GROUP BY type",
-                (job_id, s0, s1),
+                " AND position > %s AND position <= %s GROUP BY type",
+                (job_id, p0, p1),
             )
             by_type = {str(t): int(b) for t, b in await cursor.fetchall()}
             # Then the faults.
@@ -415,9 +473,10 @@ async def _scenario(
             )
             row = await cursor.fetchone()
             decided_bytes = int(row[0]) if row else 0
-            cursor = await db.execute(MEMBER_EVENT_COUNTS, {"job": job_id})
-            row = await cursor.fetchone()
-            stored, distinct = (int(row[0]), int(row[1])) if row else (0, 0)
+            own = await (await db.execute(MEMBER_ROWS, {"job": job_id})).fetchall()
+            cursor = await db.execute(CATALOG_PAYLOADS, {"job": job_id})
+            payloads = [r[0] for r in await cursor.fetchall()]
+            stored, distinct = member_event_counts(own, payloads)
     finally:
         stop.set()
         for task in tasks:
@@ -427,9 +486,14 @@ async def _scenario(
             await nc.close()
         await fleet.events.close()
         await fleet.beats.close()
-    window, steady = t1 - t0, s1 - s0
+    window, steady = t1 - t0, steady_window
     accepted = fleet.published - fleet.refused
-    steady_rate = (steady1 - steady0) / steady  # bytes a second without faults
+    grown = {
+        name: size - steady0.get(name, 0)
+        for name, size in steady1.items()
+        if size != steady0.get(name, 0)
+    }
+    steady_rate = sum(grown.values()) / steady  # bytes a second without faults
     return {
         "window": window,
         "stopped_at": t1,
@@ -437,8 +501,10 @@ async def _scenario(
         "steady_bytes_per_s": steady_rate,
         "decided_bytes": decided_bytes,
         "db_bytes_by_type": by_type,
+        "db_bytes_by_relation": grown,
         "cpu_seconds": cpu1 - cpu_start,
         "cpu_window": t1 - s0,
+        "steady_backups": periods,
         "events_per_s": (published1 - published0) / (t1 - s0),
         "heartbeats_per_s": (beats1 - beats0) / (t1 - s0),
         "heartbeat_messages_per_s": (messages1 - messages0) / (t1 - s0),
@@ -580,6 +646,11 @@ def run_scale_bench(
             t: round(b / ranks / out["steady_window"] * 86400)
             for t, b in sorted(out["db_bytes_by_type"].items(), key=lambda kv: -kv[1])
         },
+        # The same growth by relation: each table's heap, TOAST and indexes (and partitions).
+        "db_bytes_per_rank_day_by_relation": {
+            name: round(b / ranks / out["steady_window"] * 86400)
+            for name, b in sorted(out["db_bytes_by_relation"].items(), key=lambda kv: -kv[1])
+        },
         # What the control plane recorded per fault (its detection, decision, generation and
         # incident events: their payloads as stored), for the whole job.
         "db_payload_bytes_per_fault": round(out["decided_bytes"] / max(1, len(injected))),
@@ -600,6 +671,7 @@ def run_scale_bench(
         },
         "seconds": round(window, 1),
         "steady_seconds": round(out["steady_window"], 1),
+        "steady_backups": out["steady_backups"],
         "cpus": os.cpu_count(),
         **services.where,
     }

@@ -482,7 +482,8 @@ def run_takeover_bench(
             log_rows = store.last_position()
             with store.engine.connect() as conn:
                 log_bytes = conn.exec_driver_sql(
-                    "SELECT pg_total_relation_size('events')"
+                    "SELECT coalesce(sum(pg_total_relation_size(relid)), 0)"
+                    " FROM pg_partition_tree('events') WHERE isleaf"
                 ).scalar_one()
         finally:
             store.close()

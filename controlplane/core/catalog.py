@@ -4,7 +4,9 @@ Every rank reports each backup (``backup.snapshot``): at 16,384 ranks and a back
 seconds that was a row, with its envelope and five index entries, per rank per backup, most
 of the log's bytes. The reports of one backup reach the ingest together, so the store packs
 each *run* of them into one ``backup.catalog``: consecutive accepted reports of one job, one
-generation and one step, with no other event of that job between them. Nothing of the job's
+generation and one step, with no other event of that job between them (version 2: the
+columns packed into one string, ``schemas.catalog``; logs recorded before hold version 1,
+JSON lists, read the same way). Nothing of the job's
 order changes (a run holds only reports, and what came before or after each of them in the
 job still does), so folding the catalogs is folding the reports (a unit test folds both).
 
@@ -20,6 +22,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Final
 
 from controlplane.core.records import StoredEvent
+from schemas.catalog import CatalogColumns
 from schemas.common import CONTROLPLANE_SOURCE
 from schemas.events import (
     CATALOG_ENTRIES,
@@ -28,6 +31,7 @@ from schemas.events import (
     BackupSnapshot,
     BackupSnapshotEvent,
     EnvelopeBase,
+    PackedCatalog,
 )
 
 #: The event type packed, and the record it is packed into.
@@ -80,47 +84,44 @@ def pack(events: Sequence[EnvelopeBase]) -> list[tuple[EnvelopeBase, int]]:
 
 def catalog(reports: Sequence[EnvelopeBase]) -> BackupCatalogEvent:
     """One record of ``reports`` (validated ``backup.snapshot`` events of one job, generation
-    and step), built without validating again."""
+    and step), in the packed form (version 2), built without validating again."""
     first = reports[0]
     payloads: list[BackupSnapshot] = [r.payload for r in reports]
-    checksums = [p.checksum for p in payloads]
-    sha256 = BackupCatalog.sha256_of(checksums)
-    body = BackupCatalog.model_construct(
-        step=payloads[0].step,
+    columns = CatalogColumns(
         sources=[r.source for r in reports],
         incarnations=[r.incarnation for r in reports],
         seqs=[r.seq for r in reports],
         shards=[p.shard for p in payloads],
         nbytes=[p.nbytes for p in payloads],
-        checksums=None if sha256 is not None else checksums,
-        sha256=sha256,
+        checksums=[p.checksum for p in payloads],
         seconds=[p.seconds for p in payloads],
-        holders=[p.holders for p in payloads],
+        holders=[list(p.holders) for p in payloads],
     )
     return BackupCatalogEvent.model_construct(
         event_id=str(uuid.uuid5(_NAMESPACE, first.event_id)),
         job_id=first.job_id,
         type=CATALOG,
-        v=1,
+        v=2,
         source=CONTROLPLANE_SOURCE,
         incarnation=CATALOG_INCARNATION,
         seq=1,
         generation=first.generation,
         emitted_at=first.emitted_at,
-        payload=body,
+        payload=PackedCatalog.of(payloads[0].step, columns),
     )
 
 
 def reports(event: EnvelopeBase) -> Iterator[BackupSnapshotEvent]:
-    """The ``backup.snapshot`` reports a catalog holds, each as the event it was but for its
-    event_id (derived) and emission time (the catalog's)."""
-    body: BackupCatalog = event.payload
+    """The ``backup.snapshot`` reports a catalog holds (either version), each as the event it
+    was but for its event_id (derived) and emission time (the catalog's)."""
+    body: BackupCatalog | PackedCatalog = event.payload
     base = uuid.UUID(event.event_id)
-    checksums = body.checksums or [body.checksum(i) for i in range(len(body.sources))]
+    c = body.columns()
     columns = zip(
-        body.sources, body.incarnations, body.seqs, body.shards, body.nbytes, checksums,
-        body.seconds, body.holders, strict=True,
+        c.sources, c.incarnations, c.seqs, c.shards, c.nbytes, c.checksums, c.seconds,
+        c.holders, strict=True,
     )  # fmt: skip
+    step = body.step
     for i, (source, incarnation, seq, shard, nbytes, checksum, seconds, holders) in enumerate(
         columns
     ):
@@ -135,7 +136,7 @@ def reports(event: EnvelopeBase) -> Iterator[BackupSnapshotEvent]:
             generation=event.generation,
             emitted_at=event.emitted_at,
             payload=BackupSnapshot.model_construct(
-                step=body.step,
+                step=step,
                 shard=shard,
                 nbytes=nbytes,
                 checksum=checksum,

@@ -118,12 +118,18 @@ class Decided:
     payload: Strict
 
 
-def decide(view: JobView, now: datetime, context: Context = Context()) -> list[Decided]:
-    """Every decision due for ``view`` at ``now``, in the order they are to be recorded."""
+def decide(
+    view: JobView, now: datetime, context: Context = Context(), *, rounds: int = MAX_ROUNDS
+) -> list[Decided]:
+    """Every decision due for ``view`` at ``now``, in the order they are to be recorded.
+
+    ``rounds`` stops after that many rounds: ``rounds=1`` answers whether anything is due
+    (and which failures are found first) at the cost of a detection, without the plan a
+    fault's later rounds make (placement, restore) on a copy of the view."""
     out: list[Decided] = []
     current = view
     flagged = _Flagged()
-    for _ in range(MAX_ROUNDS):
+    for _ in range(min(rounds, MAX_ROUNDS)):
         round_ = _Round(current, now, context, flagged).run()
         if not round_:
             break
@@ -205,16 +211,20 @@ def next_deadline(view: JobView) -> datetime | None:
     # The oldest heartbeat per phase decides (one comparison per member, no arithmetic).
     oldest: dict[Phase, datetime] = {}
     members = view.members
+    heartbeats = view.heartbeats
+    active = MemberStatus.ACTIVE
     for member_id in view.world:
         member = members.get(member_id)
-        if member is None or member.status is not MemberStatus.ACTIVE:
+        if member is None or member.status is not active or member.detected_position is not None:
             continue
-        if member.detected_position is not None:
-            continue
-        last = member.last_heartbeat_at or member.joined_at
-        seen = oldest.get(member.phase)
+        heartbeat = heartbeats.get(member_id)
+        if heartbeat is None:
+            last, phase = member.joined_at, Phase.INIT
+        else:
+            last, phase = heartbeat.at, heartbeat.phase
+        seen = oldest.get(phase)
         if seen is None or last < seen:
-            oldest[member.phase] = last
+            oldest[phase] = last
     for phase, last in oldest.items():
         deadlines.append(last + timedelta(seconds=heartbeat_timeout(view, phase)))
     # A peer's report that waits for its suspect's silence to corroborate it.
@@ -323,9 +333,13 @@ class _Round:
 
     def _fresh(self, member: Member) -> bool:
         """Alive by its heartbeats at ``now`` (the test detect applies to the world)."""
-        last = member.last_heartbeat_at or member.joined_at
+        heartbeat = self.view.heartbeats.get(member.member_id)
+        if heartbeat is None:
+            last, phase = member.joined_at, Phase.INIT
+        else:
+            last, phase = heartbeat.at, heartbeat.phase
         silent = (self.now - last).total_seconds()
-        return silent <= heartbeat_timeout(self.view, member.phase)
+        return silent <= heartbeat_timeout(self.view, phase)
 
     def _usable(self, member: Member) -> bool:
         """A member outside the world that could join it: started by its launcher (which
@@ -732,7 +746,9 @@ class _Round:
         ]
         if not found:
             return {}
-        return silent_nodes(members, found, self.now, silence_limit(view))
+        return silent_nodes(
+            members, found, self.now, silence_limit(view), heartbeats=view.heartbeats
+        )
 
     def _mesh_plan(self, mesh: Mesh) -> _Plan | _Wait | str:
         """``_plan`` by replicas: spares take the lost ranks' coordinates; when they are too

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from controlplane.core.view import FaultReport, JobView, Member, MemberStatus
+from controlplane.core.view import FaultReport, Heartbeat, JobView, Member, MemberStatus
 from schemas.common import FaultKind, FaultReason, Phase
 
 #: Faults a member reports about itself: it cannot go on.
@@ -139,7 +139,7 @@ def report_deadline(view: JobView) -> datetime | None:
         suspect = view.members[suspect_id]
         # Only a member of the world opens an incident (a spare's failure is no decision).
         if suspect.status is MemberStatus.ACTIVE and suspect.rank is not None:
-            deadlines.append((suspect.last_heartbeat_at or suspect.joined_at) + limit)
+            deadlines.append(view.last_heard(suspect) + limit)
     return min(deadlines, default=None)
 
 
@@ -162,16 +162,12 @@ def _corroborated(
             f" ({', '.join(a.member_id for a in accusers[:8])})"[:4096],
             cited,
         )
-    last = suspect.last_heartbeat_at or suspect.joined_at
+    heartbeat = view.heartbeats.get(suspect.member_id)
+    last = heartbeat.at if heartbeat is not None else suspect.joined_at
     silent = (now - last).total_seconds()
     limit = silence_limit(view)
     if silent >= limit:
-        heard = (
-            suspect.member_id,
-            suspect.heartbeat_evidence if suspect.last_heartbeat_at else "member.joined",
-            suspect.last_heartbeat_position or suspect.joined_position,
-            last,
-        )
+        heard = _heard(suspect, heartbeat)
         return Finding(
             suspect.member_id,
             FaultReason.REPORTED,
@@ -189,6 +185,13 @@ def _report_position(member: Member) -> int:
 
 
 _Cited = tuple[str, str, int | None, datetime | None]
+
+
+def _heard(member: Member, heartbeat: Heartbeat | None) -> _Cited:
+    """The evidence of when ``member`` was last heard: its last heartbeat, else its join."""
+    if heartbeat is None:
+        return (member.member_id, "member.joined", member.joined_position, member.joined_at)
+    return (member.member_id, heartbeat.evidence, heartbeat.position, heartbeat.at)
 
 
 def _cite(member_id: str, report: FaultReport | None) -> _Cited:
@@ -212,25 +215,27 @@ def detect(view: JobView, now: datetime) -> list[Finding]:
     # members are what Python 3.11 specializes best (chains of ``map`` over attrgetters and
     # ``operator`` functions cost about twice as much at 4,096 members).
     latest_cutoff = max(cutoffs.values())
-    heard = next((m.last_heartbeat_at for m in members.values() if m.last_heartbeat_at), None)
-    latest_cutoff = _in_zone_of(latest_cutoff, heard)
+    heartbeats = view.heartbeats
+    heard = next(iter(heartbeats.values()), None)
+    latest_cutoff = _in_zone_of(latest_cutoff, heard.at if heard is not None else None)
     reporters: list[Member] = []
     exited: list[Member] = []
-    quiet: list[Member] = []  # never heard from, or not since the latest cutoff
+    # Never heard from, or not since the latest cutoff: (member, its last heartbeat).
+    quiet: list[tuple[Member, Heartbeat | None]] = []
     active, gone = MemberStatus.ACTIVE, MemberStatus.EXITED
-    for member in members.values():
+    for member_id, member in members.items():
         if member.last_fault is not None:
             reporters.append(member)
         if member.detected_position is not None:
             continue
         status = member.status
         if status is active:
-            last = member.last_heartbeat_at
-            if last is None or last < latest_cutoff:
-                quiet.append(member)
+            heartbeat = heartbeats.get(member_id)
+            if heartbeat is None or heartbeat.at < latest_cutoff:
+                quiet.append((member, heartbeat))
         elif status is gone:
             exited.append(member)
-    silent_members: list[tuple[Member, float, float]] = []
+    silent_members: list[tuple[Member, Heartbeat | None, float, float]] = []
     for member in exited:
         how = (
             f"killed by signal {member.exit_signal}"
@@ -243,11 +248,15 @@ def detect(view: JobView, now: datetime) -> list[Finding]:
             f"{member.member_id} {how}",
             ((member.member_id, "member.exited", member.exited_position, member.exited_at),),
         )
-    for member in quiet:
-        last = member.last_heartbeat_at or member.joined_at
-        if last < cutoffs[member.phase]:
+    for member, heartbeat in quiet:
+        if heartbeat is None:
+            last, phase = member.joined_at, Phase.INIT
+        else:
+            last, phase = heartbeat.at, heartbeat.phase
+        if last < cutoffs[phase]:
             silent = (now - last).total_seconds()
-            silent_members.append((member, silent, timeouts.get(member.phase, default_timeout)))
+            limit = timeouts.get(phase, default_timeout)
+            silent_members.append((member, heartbeat, silent, limit))
 
     for reporter in reporters:
         report = reporter.last_fault
@@ -270,22 +279,15 @@ def detect(view: JobView, now: datetime) -> list[Finding]:
             if finding is not None:
                 findings[suspect_id] = finding
 
-    for member, silent, limit in silent_members:
+    for member, heartbeat, silent, limit in silent_members:
         if member.member_id in findings:
             continue
-        last = member.last_heartbeat_at or member.joined_at
+        phase = heartbeat.phase if heartbeat is not None else Phase.INIT
         findings[member.member_id] = Finding(
             member.member_id,
             FaultReason.HEARTBEAT_TIMEOUT,
-            f"{member.member_id} silent for {silent:.1f}s in phase {member.phase.value}"
+            f"{member.member_id} silent for {silent:.1f}s in phase {phase.value}"
             f" (timeout {limit:g}s)",
-            (
-                (
-                    member.member_id,
-                    member.heartbeat_evidence if member.last_heartbeat_at else "member.joined",
-                    member.last_heartbeat_position or member.joined_position,
-                    last,
-                ),
-            ),
+            (_heard(member, heartbeat),),
         )
     return [findings[m] for m in sorted(findings)]

@@ -3,7 +3,9 @@
 Pure: no I/O, no clock (times come from the events' ``recorded_at``), the input view is never
 mutated. For speed the fold works on a private copy that it owns (a transient): the top-level
 containers are copied once per call and each member, backup step or incident is copied the first
-time this call changes it, so folding a batch costs O(batch + touched), not O(batch x view).
+time this call changes it, so folding a batch costs O(batch + touched), not O(batch x view). A
+member's heartbeats are kept beside it (``JobView.heartbeats``), so a liveness summary naming
+every member copies one dict, not every member.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from controlplane.core.view import (
     DiscountReason,
     FaultReport,
     GenerationRecord,
+    Heartbeat,
     Incident,
     JobView,
     Launched,
@@ -157,9 +160,11 @@ class _Fold:
         "_by_source",
         "_own_backups",
         "_own_discounts",
+        "_own_heartbeats",
         "_own_incidents",
         "_own_launched",
         "_own_members",
+        "_own_shards",
         "ignored",
         "view",
     )
@@ -177,10 +182,13 @@ class _Fold:
         #: source -> the owned member behind it; saves parsing the source on every event.
         self._by_source: dict[str, Member] = {}
         self._own_backups: set[int] = set()
+        #: Step -> the shards of that (owned) step this call copied or made.
+        self._own_shards: dict[int, set[int]] = {}
         self._own_incidents: set[str] = set()
         # Copied the first time this call changes them (most calls never do).
         self._own_launched = False
         self._own_discounts = False
+        self._own_heartbeats = False
         #: Positions of events this call did not believe (see ``fold_noting``).
         self.ignored: list[int] = []
 
@@ -196,17 +204,37 @@ class _Fold:
             self._own_members.add(member_id)
         return member
 
+    def _heartbeats(self) -> dict[str, Heartbeat]:
+        """The view's heartbeats, owned by this fold (copied on the first change: a dict of
+        tuples, copied in C, where a summary used to copy every member it named)."""
+        view = self.view
+        if not self._own_heartbeats:
+            view.heartbeats = dict(view.heartbeats)
+            self._own_heartbeats = True
+        return view.heartbeats
+
     def _backup(self, step: int) -> StepBackup | None:
+        """The record of backup ``step``, owned by this fold (its shards are not: see
+        ``_owned_shard``)."""
         backup = self.view.backups.get(step)
         if backup is not None and step not in self._own_backups:
             backup = _copy_backup(backup)
-            shards = backup.shards = dict(backup.shards)
-            for k, old in shards.items():
-                shard = shards[k] = _copy_shard(old)
-                shard.replicas = dict(old.replicas)
+            backup.shards = dict(backup.shards)
             self.view.backups[step] = backup
             self._own_backups.add(step)
         return backup
+
+    def _owned_shard(self, step: int, backup: StepBackup, shard_no: int) -> ShardBackup | None:
+        """Shard ``shard_no`` of ``backup`` (owned), owned by this fold: copied the first time
+        this call changes it. A backup of 16,384 ranks whose reports come in several batches
+        then copies each shard once, not every shard of the step per batch."""
+        shard = backup.shards.get(shard_no)
+        owned = self._own_shards.setdefault(step, set())
+        if shard is not None and shard_no not in owned:
+            shard = backup.shards[shard_no] = _copy_shard(shard)
+            shard.replicas = dict(shard.replicas)
+            owned.add(shard_no)
+        return shard
 
     def _incident(self, incident_id: str) -> Incident | None:
         incident = self.view.incidents.get(incident_id)
@@ -289,7 +317,6 @@ class _Fold:
             joined_position=stored.position,
             # A new process: outside the world until a generation names it.
             rank=None,
-            last_seen_at=stored.recorded_at,
             joined_step=self.view.last_step,
             announced_position=self._announcement(
                 member_id, p.node, p.role, p.pid, event.incarnation
@@ -297,6 +324,8 @@ class _Fold:
         )
         if p.policy is not None and self.view.requested_policy is None:
             self.view.requested_policy = p.policy
+        if member_id in self.view.heartbeats:
+            del self._heartbeats()[member_id]  # the new process is not heard yet
         self._own_members.add(member_id)
         # The member object was replaced (and may have moved node): drop cached lookups.
         self._by_source = {k: m for k, m in self._by_source.items() if m.member_id != member_id}
@@ -338,20 +367,30 @@ class _Fold:
             assert owned is not None
             owned.announced_position = stored.position
 
-    def _known_member(self, stored: StoredEvent, process: bool = False) -> Member | None:
-        """The member that sent ``stored`` (owned by this fold), its last_seen_at moved;
-        None (and the event discounted or noted) when it cannot be believed. With
-        ``process``, only from the member's current process (see ``_other_process``)."""
+    def _known_member(
+        self, stored: StoredEvent, process: bool = False, *, change: bool = True
+    ) -> Member | None:
+        """The member that sent ``stored`` (owned by this fold, with ``change``: the caller
+        changes it; without, the view's own, copied only if its generation moves: a backup
+        report from every rank then copies no member); None (and the event discounted or
+        noted) when it cannot be believed. With ``process``, only from the member's current
+        process (see ``_other_process``)."""
         source = stored.event.source
         member = self._by_source.get(source)
         if member is None:
             member_id = source.partition("/")[2]
-            member = self._member(member_id) if member_id else None
+            if not member_id:
+                member = None
+            elif change:
+                member = self._member(member_id)
+            else:
+                member = self.view.members.get(member_id)
             if member is None:
                 self._anomaly(stored, f"from {source}, which never joined")
                 self.ignored.append(stored.position)
                 return None
-            self._by_source[source] = member
+            if change:
+                self._by_source[source] = member
         if (
             process
             and stored.event.incarnation != member.incarnation
@@ -371,8 +410,11 @@ class _Fold:
                     f" issued is {self.view.generation}",
                 )
                 return None
+            if not change:
+                owned = self._member(member.member_id)
+                assert owned is not None
+                self._by_source[source] = member = owned
             member.generation = generation
-        member.last_seen_at = stored.recorded_at
         return member
 
     def _heartbeat(self, stored: StoredEvent, p: Any) -> None:
@@ -395,9 +437,9 @@ class _Fold:
             and self._step_lead(stored, member, step)
         ):
             return
-        member.last_heartbeat_at = stored.recorded_at
-        member.last_heartbeat_position = stored.position
-        member.phase = p.phase
+        self._heartbeats()[member.member_id] = Heartbeat(
+            stored.recorded_at, stored.position, "member.heartbeat", p.phase
+        )
         if step > member.step:  # noqa: PLR1730 (see _known_member)
             member.step = step
 
@@ -405,14 +447,22 @@ class _Fold:
         """A ``liveness.summary``: each member it lists (its current process) was last heard
         at ``last_at`` in ``phase``, unless the view heard it later, or it is a member left
         out of the world beating in an older generation. Applied whatever else the member's
-        status, so that a view the decider moved to the table's values before a
-        decision (``LivenessTable.overlay``, which moves active members only) and the view
-        folded from the log agree."""
+        status. Only ``JobView.heartbeats`` changes: no member is copied, so a summary naming
+        every member of a large job costs a dict copy and an entry per member."""
         if stored.event.source != CONTROLPLANE_SOURCE:
             return  # the decoder refuses it from members; a log may still hold anything
         members = self.view.members
         generation = self.view.generation
-        for member_id, incarnation, beat_generation, last_at, phase in p.last_heard():
+        heartbeats = self._heartbeats()
+        position = stored.position
+        listed = p.members
+        columns = p.columns
+        rows: Iterable[tuple[str, str | None, int, Any, Any]] = (
+            (e.member, e.incarnation, e.generation, e.last_at, e.phase) for e in listed
+        )
+        if columns is not None:
+            rows = itertools.chain(rows, columns.last_heard()) if listed else columns.last_heard()
+        for member_id, incarnation, beat_generation, last_at, phase in rows:
             current = members.get(member_id)
             if current is None:
                 continue
@@ -421,15 +471,25 @@ class _Fold:
                 continue
             if beat_generation < generation and current.status is not _ACTIVE:
                 continue  # a fenced member resumed: no sign of life in the current world
-            last = current.last_heartbeat_at
-            if last is not None and last_at < last:
+            heard = heartbeats.get(member_id)
+            if heard is not None and last_at < heard.at:
                 continue
-            member = self._member(member_id)
-            assert member is not None
-            member.last_heartbeat_at = last_at
-            member.last_heartbeat_position = stored.position
-            member.heartbeat_evidence = "liveness.summary"
-            member.phase = phase
+            heartbeats[member_id] = Heartbeat(last_at, position, "liveness.summary", phase)
+        regular = p.regular
+        if regular is None:
+            return
+        # Every member named regular was heard at one time in one phase: one entry for all.
+        vouched = regular.vouched(p.since, p.at)
+        mark = Heartbeat(vouched, position, "liveness.summary", regular.phase)
+        stale = regular.generation < generation
+        for member_id in regular.members:
+            current = members.get(member_id)
+            if current is None or (stale and current.status is not _ACTIVE):
+                continue
+            heard = heartbeats.get(member_id)
+            if heard is not None and vouched < heard.at:
+                continue
+            heartbeats[member_id] = mark
 
     def _stale(self, stored: StoredEvent, member: Member, generation: int) -> None:
         self._discount(
@@ -475,7 +535,7 @@ class _Fold:
                     decision.first_step_at = stored.recorded_at
 
     def _snapshot(self, stored: StoredEvent, p: Any) -> None:
-        owner = self._known_member(stored)
+        owner = self._known_member(stored, change=False)
         if owner is None or self._step_lead(stored, owner, p.step):
             return
         # A copy in another process's memory is not in the current one's.
@@ -515,7 +575,7 @@ class _Fold:
             del ignored[start:]
 
     def _replicated(self, stored: StoredEvent, p: Any) -> None:
-        member = self._known_member(stored)
+        member = self._known_member(stored, change=False)
         if member is None or self._step_lead(stored, member, p.step):
             return
         if stored.event.incarnation != member.incarnation and self._other_process(stored, member):
@@ -609,13 +669,15 @@ class _Fold:
             backup = StepBackup(step=step, generation=maker, num_shards=size)
             view.backups[step] = backup
             self._own_backups.add(step)
+            self._own_shards[step] = set()
         else:
             owned = self._backup(step)
             assert owned is not None
             backup = owned
-        shard = backup.shards.get(shard_no)
+        shard = self._owned_shard(step, backup, shard_no)
         if shard is None:
             shard = backup.shards[shard_no] = ShardBackup(shard=shard_no)
+            self._own_shards[step].add(shard_no)
         return shard
 
     @property
@@ -650,7 +712,7 @@ class _Fold:
             self._own_backups.discard(old)
 
     def _checkpoint(self, stored: StoredEvent, p: Any) -> None:
-        member = self._known_member(stored)
+        member = self._known_member(stored, change=False)
         if member is None or self._step_lead(stored, member, p.step):
             return
         view = self.view
@@ -756,7 +818,9 @@ class _Fold:
         backup = self._backup(step) if step is not None else None
         shard = backup.shards.get(shard_no) if backup is not None else None
         if shard is not None and source not in shard.refuted:
-            shard.refuted = (*shard.refuted, source)
+            owned = self._owned_shard(step, backup, shard_no)  # type: ignore[arg-type]
+            assert owned is not None
+            owned.refuted = (*shard.refuted, source)
 
     def _exited(self, stored: StoredEvent, p: Any) -> None:
         known = self.view.members.get(p.member)
@@ -811,7 +875,7 @@ class _Fold:
     def _acked(self, stored: StoredEvent, p: Any) -> None:
         command_id = str(p.command_id)
         view = self.view
-        member = self._known_member(stored, True)
+        member = self._known_member(stored, True, change=False)
         if member is None:
             return
         member_id = member.member_id
@@ -832,7 +896,7 @@ class _Fold:
                               f"{claimed}: {p.reason}{more}")  # fmt: skip
 
     def _restored(self, stored: StoredEvent, p: Any) -> None:
-        member = self._known_member(stored, True)
+        member = self._known_member(stored, True, change=False)
         decision = self._decision(stored, p.generation)
         if decision is not None and member is not None:
             decision.restored.setdefault(
@@ -840,13 +904,13 @@ class _Fold:
             )
 
     def _resumed(self, stored: StoredEvent, p: Any) -> None:
-        member = self._known_member(stored, True)
+        member = self._known_member(stored, True, change=False)
         decision = self._decision(stored, p.generation)
         if decision is not None and member is not None:
             decision.resumed.setdefault(member.member_id, Mark(stored.position, stored.recorded_at))
 
     def _train_completed(self, stored: StoredEvent, p: Any) -> None:
-        member = self._known_member(stored, True)
+        member = self._known_member(stored, True, change=False)
         if member is None or self._step_lead(stored, member, p.step):
             return
         view = self.view

@@ -11,32 +11,42 @@ rank per step is stored).
 The table is whole again within one timeout after a restart or a takeover: it starts empty,
 and every member active in the log counts as heard at the table's start (``assumed``), so a
 member is found silent one timeout after that at the earliest, and a live one is heard long
-before.
+before. The same holds after the heartbeats' connection came back (``resume``).
 
-The decider reads the table through the view: ``overlay`` moves each active member's
-``last_heartbeat_at`` (and phase) to what the table heard, in place, before ``decide`` runs.
+The decider reads the table through a *probe* (``probe``): the job's view with the table's
+liveness in its ``heartbeats`` (a copy: the view itself, the log's, is never changed), on
+which it asks ``decide`` whether anything is due and ``next_deadline`` when to look again.
 Before any decision is recorded, ``summarize`` turns the table into ``liveness.summary``
-events (every member of the job the table holds), appended first: their fold gives the
-view exactly the values the decision was taken on, so re-deciding from the log reproduces
-it. Between decisions a summary is recorded every ``liveness_summary_interval_s``: the log
-then knows each member's liveness at that resolution (the API's last heartbeat, a
-counterfactual timeout).
+events, appended first; the decision is then taken on the view that folded them, which is
+what a replay of the log folds: re-deciding from the log reproduces it. A summary names the
+members heard regularly through its window (``RegularMembers``: the fold gives each the
+window's end less a bound of two heartbeat intervals) and lists the others in full; a
+decision's summary names them too when that bound is shorter than every threshold a
+decision applies (each phase's timeout, the silence that corroborates a peer's report), so
+a named member is as alive on the folded view as it is in the table, and lists every member
+in full otherwise. Between decisions a summary is recorded every
+``liveness_summary_interval_s``: the log then knows each member's liveness at that
+resolution (the API's last heartbeat, a counterfactual timeout).
 
 The table keeps times on the millisecond (a heartbeat's arrival is rounded down to it), the
-resolution of a summary's columns: the fold of a summary gives the view exactly the times the
-table held, hence the values a decision read.
+resolution of a summary's columns, and counts them in whole milliseconds (a beat costs
+integer arithmetic, and a summary's columns are differences of them): the fold of a summary
+gives the view exactly the times the table held.
 
 Pure: times are arguments; nothing here reads a clock or does I/O.
 """
 
 from __future__ import annotations
 
+import operator
 from collections import Counter
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import NamedTuple
 
-from controlplane.core.view import JobView, MemberStatus
+from controlplane.core.detect import heartbeat_timeout, silence_limit
+from controlplane.core.view import Heartbeat, JobView, MemberStatus
 from schemas.common import Phase
 from schemas.events import (
     SUMMARY_COLUMN_MEMBERS,
@@ -49,6 +59,11 @@ from schemas.events import (
 #: An interval summary names a member only (``RegularMembers``) when no silence of its in
 #: the window was longer than this many heartbeat intervals.
 REGULAR_BEATS = 2
+#: The ``evidence`` of a probe's heartbeat: the table's, not yet in the log.
+TABLE = "liveness.table"
+_ACTIVE = MemberStatus.ACTIVE
+#: ``Heartbeat``'s constructor without its keyword-taking wrapper (one call per beat).
+_mark = tuple.__new__
 
 
 def on_the_ms(at: datetime) -> datetime:
@@ -77,6 +92,63 @@ class Beats(NamedTuple):
         return f"{self.node}/{self.members[i]}"
 
 
+@dataclass(slots=True)
+class Heard:
+    """What the table heard of one member (its process ``incarnation``); times in whole
+    milliseconds since the Unix epoch (``last_at`` is ``last_ms`` as a time)."""
+
+    node: str
+    incarnation: str
+    generation: int
+    phase: Phase
+    step: int
+    last_at: datetime
+    last_ms: int
+    #: Not heard since the table started (or since the heartbeats came back): counted as
+    #: heard then.
+    assumed: bool = False
+    #: The window the statistics below are of (``LivenessTable``'s count of the job's
+    #: summaries): older ones are reset on the member's next beat, not all at once.
+    window: int = 0
+    #: The current window: its first heartbeat, beats, largest gap and when that began.
+    first_ms: int | None = None
+    beats: int = 0
+    max_gap_ms: int = 0
+    max_gap_at_ms: int | None = None
+    max_step_ms: int = 0
+
+    def _open(self, window: int) -> None:
+        """Start ``window``'s statistics (a summary ended the previous one)."""
+        self.window = window
+        self.first_ms = None
+        self.beats = 0
+        self.max_gap_ms = 0
+        self.max_gap_at_ms = None
+        self.max_step_ms = 0
+
+    def _beat(self, at: datetime, ms: int, step: int, phase: Phase, step_ms: int) -> None:
+        """One more heartbeat of the same process, heard at ``at`` (``ms``), not before the
+        last one (the caller checks)."""
+        if self.assumed:
+            self.assumed = False  # the assumed time was no heartbeat: no gap from it
+        else:
+            gap = ms - self.last_ms
+            if gap > self.max_gap_ms:
+                self.max_gap_ms = gap
+                self.max_gap_at_ms = self.last_ms
+        self.last_at = at
+        self.last_ms = ms
+        if self.first_ms is None:
+            self.first_ms = ms
+        self.beats += 1
+        self.phase = phase
+        # Compared, not max(): every beat runs this, and the call costs more.
+        if step > self.step:  # noqa: PLR1730
+            self.step = step
+        if step_ms > self.max_step_ms:  # noqa: PLR1730
+            self.max_step_ms = step_ms
+
+
 def take_beats(table: LivenessTable, view: JobView | None, beats: Beats, at: datetime) -> list[str]:
     """Take the validated ``beats`` of one message that arrived at ``at`` (on the ms) into
     ``table``: each only from its member's current process (its joined incarnation, on the
@@ -86,54 +158,77 @@ def take_beats(table: LivenessTable, view: JobView | None, beats: Beats, at: dat
     if view is None:  # (every beat of a job not registered yet: one reason, counted per beat)
         return [f"never joined: {node}'s members of job {job_id}"] * len(beats.members)
     members, generation = view.members, view.generation
+    heard_by = table._member_table(job_id)
+    marks = table._marks_of(job_id)
+    window = table._window_count(job_id)
+    at = on_the_ms(at)
+    arrived_ms = ms_of(at)
+    stats = table.stats
     refused: list[str] = []
+    incarnations, generations, ages = beats.incarnation, beats.generation, beats.age_ms
+    steps, phases, step_mss = beats.step, beats.phase, beats.step_ms
     for i, member_id in enumerate(beats.members):
         member = members.get(member_id)
-        incarnation = beats.incarnation[i]
+        incarnation = incarnations[i]
         if member is None:
             refused.append(f"never joined: {beats.source(i)} of job {job_id}")
-        elif member.incarnation != incarnation:
+            continue
+        if member.incarnation != incarnation:
             refused.append(
                 f"stale_incarnation: {incarnation} of {beats.source(i)}, which joined"
                 f" as {member.incarnation}"
             )
-        elif member.node != node:
+            continue
+        if member.node != node:
             refused.append(f"forged node: {member_id} joined on {member.node}, not {node}")
-        elif beats.generation[i] < generation and member.status is not MemberStatus.ACTIVE:
+            continue
+        beat_generation = generations[i]
+        if beat_generation < generation and member.status is not _ACTIVE:
             # A fenced member resumed (SIGCONT), beating in the world it was left out of.
             refused.append(
                 f"stale_generation: {beats.source(i)} beats in generation"
-                f" {beats.generation[i]}, left out of generation {generation}"
+                f" {beat_generation}, left out of generation {generation}"
             )
-        else:
-            age = beats.age_ms[i]
-            table.observe(
-                job_id, member_id, node=node, incarnation=incarnation,
-                generation=beats.generation[i],
-                at=at - timedelta(milliseconds=age) if age else at,
-                step=beats.step[i], phase=beats.phase[i], step_seconds=beats.step_ms[i] / 1000,
+            continue
+        age = ages[i]
+        ms, when = (arrived_ms - age, at - timedelta(milliseconds=age)) if age else (arrived_ms, at)
+        heard = heard_by.get(member_id)
+        stats.heard += 1
+        phase = phases[i]
+        if heard is None or heard.incarnation != incarnation:
+            heard_by[member_id] = _first(
+                node, incarnation, beat_generation, phase, steps[i], when, ms, step_mss[i],
+                window,
             )  # fmt: skip
+        elif ms < heard.last_ms:
+            stats.reordered += 1
+            continue
+        else:
+            if heard.window != window:
+                heard._open(window)
+            heard.generation = beat_generation
+            heard._beat(when, ms, steps[i], phase, step_mss[i])
+        marks[member_id] = _mark(Heartbeat, (when, None, TABLE, phase))
     return refused
 
 
-@dataclass(slots=True)
-class Heard:
-    """What the table heard of one member (its process ``incarnation``)."""
-
-    node: str
-    incarnation: str
-    generation: int
-    phase: Phase
-    step: int
-    last_at: datetime
-    #: Not heard since the table started: counted as heard at its start.
-    assumed: bool = False
-    #: The current window: its first heartbeat, beats, largest gap and when that began.
-    first_at: datetime | None = None
-    beats: int = 0
-    max_gap_s: float = 0.0
-    max_gap_at: datetime | None = None
-    max_step_s: float = 0.0
+def _first(  # noqa: PLR0917  (one call per new process, positional as Heard's own)
+    node: str,
+    incarnation: str,
+    generation: int,
+    phase: Phase,
+    step: int,
+    at: datetime,
+    ms: int,
+    step_ms: int,
+    window: int,
+) -> Heard:
+    """The entry of a process heard for the first time (a new incarnation replaces the
+    old one's)."""
+    return Heard(
+        node, incarnation, generation, phase, step, at, ms, window=window, first_ms=ms, beats=1,
+        max_step_ms=step_ms,
+    )  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -149,9 +244,21 @@ class LivenessTable:
     def __init__(self, started_at: datetime) -> None:
         #: When this table started (the leader's start): active members count as heard then.
         self.started_at = on_the_ms(started_at)
+        #: Since when every heartbeat sent could be heard (the start, or the last time the
+        #: heartbeats' connection came back: ``resume``).
+        self.hearing_since = self.started_at
         self._jobs: dict[str, dict[str, Heard]] = {}
         #: Job -> when its current window began (its last summary, else the table's start).
         self._windows: dict[str, datetime] = {}
+        #: Job -> how many windows it had (a ``Heard``'s statistics are of its ``window``).
+        self._window_counts: dict[str, int] = {}
+        #: Job -> its members in name order (a summary's order), while no member came or went.
+        self._sorted: dict[str, list[str]] = {}
+        #: Job -> member -> its last heartbeat as a probe shows it (``Heard.last_at`` and
+        #: ``phase``, evidence ``TABLE``), kept with every beat: a probe merges them in C.
+        self._marks: dict[str, dict[str, Heartbeat]] = {}
+        #: Job -> the ``hearing_since`` its members were last adopted at (``_adopt``).
+        self._adopted: dict[str, datetime] = {}
         self.stats = LivenessStats()
 
     def heard(self, job_id: str, member_id: str) -> Heard | None:
@@ -159,6 +266,21 @@ class LivenessTable:
 
     def members(self, job_id: str) -> dict[str, Heard]:
         return self._jobs.get(job_id, {})
+
+    def _member_table(self, job_id: str) -> dict[str, Heard]:
+        members = self._jobs.get(job_id)
+        if members is None:
+            members = self._jobs[job_id] = {}
+        return members
+
+    def _window_count(self, job_id: str) -> int:
+        return self._window_counts.get(job_id, 0)
+
+    def _marks_of(self, job_id: str) -> dict[str, Heartbeat]:
+        marks = self._marks.get(job_id)
+        if marks is None:
+            marks = self._marks[job_id] = {}
+        return marks
 
     def observe(
         self,
@@ -176,70 +298,116 @@ class LivenessTable:
         """One heartbeat of ``member_id`` (process ``incarnation``) received at ``at``
         (``step_seconds``: the longest step it finished since its previous one)."""
         at = on_the_ms(at)
-        members = self._jobs.get(job_id)
-        if members is None:
-            members = self._jobs[job_id] = {}
+        ms = ms_of(at)
+        step_ms = round(step_seconds * 1000)
+        members = self._member_table(job_id)
+        window = self._window_count(job_id)
         heard = members.get(member_id)
         self.stats.heard += 1
         if heard is None or heard.incarnation != incarnation:
-            # A process heard for the first time (a new incarnation replaces the old one).
-            members[member_id] = Heard(
-                node, incarnation, generation, phase, step, at, first_at=at, beats=1,
-                max_step_s=step_seconds,
-            )  # fmt: skip
-            return
-        if at < heard.last_at:
+            members[member_id] = _first(
+                node, incarnation, generation, phase, step, at, ms, step_ms, window
+            )
+        elif ms < heard.last_ms:
             self.stats.reordered += 1
             return
-        if heard.assumed:
-            heard.assumed = False  # the assumed time was no heartbeat: no gap from it
         else:
-            gap = (at - heard.last_at).total_seconds()
-            if gap > heard.max_gap_s:
-                heard.max_gap_s = gap
-                heard.max_gap_at = heard.last_at
-        heard.last_at = at
-        if heard.first_at is None:
-            heard.first_at = at
-        heard.beats += 1
-        heard.generation = generation
-        heard.phase = phase
-        heard.step = max(heard.step, step)
-        heard.max_step_s = max(heard.max_step_s, step_seconds)
+            if heard.window != window:
+                heard._open(window)
+            heard.generation = generation
+            heard._beat(at, ms, step, phase, step_ms)
+        self._marks_of(job_id)[member_id] = Heartbeat(at, None, TABLE, phase)
 
-    def overlay(self, view: JobView) -> None:
-        """Move the active members of ``view`` to what the table heard of them (in place:
-        ``last_heartbeat_at`` when the table heard later, and the phase then reported).
+    def probe(self, view: JobView, *, exact: bool = False) -> JobView:
+        """``view`` with the table's liveness in its ``heartbeats`` (evidence ``TABLE``, no
+        position: it is not in the log). A new view; ``view`` is unchanged.
 
-        An active member the table never heard from, last heard in the log before the
-        table's start, counts as heard at the start (and is held in the table from then
-        on, so that the summary before a decision records it)."""
-        members = self._jobs.get(view.job_id)
-        if members is None:
-            members = self._jobs[view.job_id] = {}
-        started = self.started_at
-        active = MemberStatus.ACTIVE
-        for member_id, member in view.members.items():
-            if member.status is not active:
-                continue
-            heard = members.get(member_id)
-            if heard is None or heard.incarnation != member.incarnation:
-                last = member.last_heartbeat_at or member.joined_at
-                if last >= started:
+        A member the table heard has its last heartbeat as the table heard it: the table's
+        entries merged over the view's in C, what a turn with nothing due costs. That can
+        only make a member look *more* silent than it is (the table heard the member's
+        earlier process, a summary of another leader heard it later), so when the probe
+        finds something due, the decider asks again of an ``exact`` probe: only active
+        members of the view's processes take the table's time, and only when later than the
+        log's (an entry of an earlier process is dropped from the table).
+
+        An active member the table never heard from, last heard in the log before the table
+        could hear it (``hearing_since``), counts as heard then (and is held in the table
+        from then on, so that the summary before a decision records it: ``_adopt``)."""
+        job_id = view.job_id
+        self._adopt(view)
+        merged = dict(view.heartbeats)
+        marks = self._marks.get(job_id)
+        if marks and not exact:
+            merged.update(marks)
+        elif marks:
+            table = self._jobs[job_id]
+            for member_id, member in view.members.items():
+                if member.status is not _ACTIVE:
                     continue
-                heard = members[member_id] = Heard(
-                    member.node,
-                    member.incarnation,
-                    member.generation,
-                    member.phase,
-                    member.step,
-                    started,
-                    assumed=True,
-                )
-            current = member.last_heartbeat_at
-            if current is None or heard.last_at > current:
-                member.last_heartbeat_at = heard.last_at
-                member.phase = heard.phase
+                heard = table.get(member_id)
+                if heard is None:
+                    continue
+                if heard.incarnation != member.incarnation:
+                    del table[member_id], marks[member_id]
+                    self._sorted.pop(job_id, None)
+                    continue
+                current = merged.get(member_id)
+                if current is None or heard.last_at > current.at:
+                    merged[member_id] = marks[member_id]
+        return replace(view, heartbeats=merged)
+
+    def exact_for(self, view: JobView, probe: JobView, member_ids: Iterable[str]) -> bool:
+        """Whether the quick ``probe`` of ``view`` holds each of ``member_ids`` (active
+        members) as an exact one would: then what it found of them needs no exact probe."""
+        table = self._jobs.get(view.job_id, {})
+        marks = self._marks.get(view.job_id, {})
+        for member_id in member_ids:
+            member = view.members.get(member_id)
+            if member is None:
+                continue
+            current = view.heartbeats.get(member_id)
+            heard = table.get(member_id)
+            if (
+                heard is not None
+                and heard.incarnation == member.incarnation
+                and (current is None or heard.last_at > current.at)
+            ):
+                current = marks.get(member_id)
+            if probe.heartbeats.get(member_id) != current:
+                return False
+        return True
+
+    def _adopt(self, view: JobView) -> None:
+        """Hold every active member of ``view`` whose process the table never heard, last
+        heard in the log before ``hearing_since``, as heard then (``assumed``). A pass over
+        the members once per job and ``hearing_since`` (the start, each ``resume``): a
+        member that joins later joined after it."""
+        job_id, since = view.job_id, self.hearing_since
+        if self._adopted.get(job_id) == since:
+            return
+        self._adopted[job_id] = since
+        table = self._member_table(job_id)
+        marks = self._marks_of(job_id)
+        window = self._window_count(job_id)
+        heartbeats = view.heartbeats
+        since_ms = ms_of(since)
+        for member_id, member in view.members.items():
+            if member.status is not _ACTIVE:
+                continue
+            heard = table.get(member_id)
+            if heard is not None and heard.incarnation == member.incarnation:
+                continue
+            current = heartbeats.get(member_id)
+            last = current.at if current is not None else member.joined_at
+            if last >= since:
+                continue
+            phase = current.phase if current is not None else Phase.INIT
+            table[member_id] = Heard(
+                member.node, member.incarnation, member.generation, phase, member.step, since,
+                since_ms, assumed=True, window=window,
+            )  # fmt: skip
+            marks[member_id] = Heartbeat(since, None, TABLE, phase)
+            self._sorted.pop(job_id, None)
 
     def summary_due(self, job_id: str, interval_s: float) -> datetime:
         """When the job's next interval summary is due."""
@@ -247,24 +415,53 @@ class LivenessTable:
 
     def summarize(self, view: JobView, now: datetime, reason: str) -> list[LivenessSummary]:
         """The job's summary at ``now`` (split in parts of ``SUMMARY_COLUMN_MEMBERS``): every
-        member the table holds whose process is the view's, in columns; at an interval, the
-        members heard regularly named only (``regular``, see ``RegularMembers``). Empty when
-        there is none."""
-        members = self._jobs.get(view.job_id, {})
+        member the table holds whose process is the view's, in columns; the members heard
+        regularly named only (``regular``, see ``RegularMembers``) in an interval's summary,
+        and in a decision's when naming them is safe (``names_regular``). Empty when there
+        is none. Active members never heard count as heard at the start (as ``probe``)."""
+        job_id = view.job_id
+        self._adopt(view)
+        table = self._member_table(job_id)
+        members = view.members
+        names = self._sorted.get(job_id)
+        if names is None or len(names) != len(table):
+            names = self._sorted[job_id] = sorted(table)
+        window = self._window_count(job_id)
+        since = self._windows.get(job_id, self.started_at)
+        naming = reason == "interval" or names_regular(view)
+        bound_ms = round(REGULAR_BEATS * view.effective_policy.heartbeat_interval_s * 1000)
+        # Heard regularly: in the window since its start (within the bound), last within the
+        # bound of ``now``, no silence longer (the one across the window's start included).
+        end = now - timedelta(milliseconds=bound_ms)  # heard at or after it (to the ms above)
+        first_by = ms_of(since) + bound_ms
+        last_from = ms_of(end) + (1 if end.microsecond % 1000 else 0)
+        if not naming:
+            first_by = -1  # nobody is
+        steady: list[tuple[str, Heard]] = []
         listed: list[tuple[str, Heard]] = []
-        for member_id in sorted(members):
-            heard = members[member_id]
-            member = view.members.get(member_id)
-            if member is None or member.incarnation != heard.incarnation:
+        for member_id in names:  # one pass: a member's fields are read once
+            heard = table[member_id]
+            of_view = members.get(member_id)
+            if of_view is None or of_view.incarnation != heard.incarnation:
                 continue
-            listed.append((member_id, heard))
-        if not listed:
+            if heard.window != window:
+                heard._open(window)
+            first = heard.first_ms
+            if (
+                first is not None
+                and first <= first_by
+                and heard.last_ms >= last_from
+                and heard.max_gap_ms <= bound_ms
+                and not heard.assumed
+            ):
+                steady.append((member_id, heard))
+            else:
+                listed.append((member_id, heard))
+        if not steady and not listed:
             return []
-        since = self._windows.get(view.job_id, self.started_at)
         regular = None
-        if reason == "interval":
-            bound_s = REGULAR_BEATS * view.effective_policy.heartbeat_interval_s
-            regular, listed = _regular(listed, since, now, bound_s)
+        if steady:
+            regular, listed = _regular(steady, listed, bound_ms)
         epoch = ms_of(now)  # rounded down to the millisecond
         size = SUMMARY_COLUMN_MEMBERS
         chunks = [listed[i : i + size] for i in range(0, len(listed), size)] or [[]]
@@ -281,79 +478,109 @@ class LivenessTable:
             for i, chunk in enumerate(chunks, start=1)
         ]
 
-    def summarized(self, job_id: str, now: datetime) -> None:
-        """A summary of the job at ``now`` was recorded: a new window begins."""
-        self._windows[job_id] = now
-        for heard in self._jobs.get(job_id, {}).values():
-            heard.first_at = None
-            heard.beats = 0
-            heard.max_gap_s = 0.0
-            heard.max_gap_at = None
-            heard.max_step_s = 0.0
+    def summarized(self, job_id: str, now: datetime, reason: str = "interval") -> None:
+        """A summary of the job at ``now`` was recorded. An interval's ends the window: a
+        new one begins (each member's statistics restart on its next beat, or at the next
+        summary). A decision's reports the window so far and leaves it open: the next
+        summary covers its time again, so a decision soon after another one (a fault, then
+        its resolution a step later) still finds the members heard regularly over a window
+        of seconds and names them, where a fresh window of a fraction of an interval would
+        have every member not yet heard in it listed in full."""
+        if reason == "interval":
+            self._windows[job_id] = now
+            self._window_counts[job_id] = self._window_count(job_id) + 1
+
+    def resume(self, at: datetime) -> None:
+        """Heartbeats sent before ``at`` may have been lost unheard (the connection they come
+        on was away): every member counts as heard at ``at`` at the latest, as at the table's
+        start, so that no silence the control plane could not hear is judged."""
+        at = on_the_ms(at)
+        self.hearing_since = max(self.hearing_since, at)
+        ms = ms_of(at)
+        for job_id, members in self._jobs.items():
+            marks = self._marks_of(job_id)
+            for member_id, heard in members.items():
+                if heard.last_ms < ms:
+                    heard.last_at = at
+                    heard.last_ms = ms
+                    heard.assumed = True
+                    marks[member_id] = Heartbeat(at, None, TABLE, heard.phase)
 
     def forget(self, job_id: str, keep: set[str]) -> None:
         """Drop the job's members not in ``keep`` (they left the view)."""
         members = self._jobs.get(job_id)
         if members:
+            marks = self._marks_of(job_id)
             for member_id in [m for m in members if m not in keep]:
                 del members[member_id]
+                marks.pop(member_id, None)
+            self._sorted.pop(job_id, None)
+
+
+def names_regular(view: JobView) -> bool:
+    """Whether a decision's summary of ``view`` may name the members heard regularly: the
+    time the fold gives them (at most ``REGULAR_BEATS`` intervals before the summary) is
+    within every threshold a decision applies (each phase's heartbeat timeout, and the
+    silence that corroborates a peer's report or takes a node as gone), so that no member
+    the table heard regularly is silent on the view that folded the summary."""
+    bound = REGULAR_BEATS * view.effective_policy.heartbeat_interval_s
+    shortest = min(heartbeat_timeout(view, phase) for phase in Phase)
+    return bound < shortest and bound < silence_limit(view)
 
 
 def _regular(
-    listed: list[tuple[str, Heard]], since: datetime, now: datetime, bound_s: float
+    steady: list[tuple[str, Heard]], others: list[tuple[str, Heard]], bound_ms: int
 ) -> tuple[RegularMembers | None, list[tuple[str, Heard]]]:
-    """``listed`` split into the members heard regularly over ``[since, now]`` (see
-    ``RegularMembers``: in the window's most common generation and phase, every silence at
-    most ``bound_s``, the longest step within a quarter of the median's) and the others."""
-    bound = timedelta(milliseconds=round(bound_s * 1000))
-    start, end = since + bound, now - bound
-    steady = [
-        (m, h)
-        for m, h in listed
-        if not h.assumed
-        and h.first_at is not None
-        and h.first_at <= start
-        and h.last_at >= end
-        and h.max_gap_s <= bound.total_seconds()
-    ]
-    if not steady:
-        return None, listed
+    """The members heard ``steady``-ly named (``RegularMembers``: those in the window's most
+    common generation and phase whose longest step is within a quarter of the median's),
+    and everyone else to list in full (``others`` and the rest of ``steady``, in name
+    order as both are)."""
     common = Counter((h.generation, h.phase) for _, h in steady).most_common(1)[0][0]
-    steps = sorted(h.max_step_s for _, h in steady)
+    steps = sorted(h.max_step_ms for _, h in steady)
     slow = steps[len(steps) // 2] * 1.25
-    names = {m for m, h in steady if (h.generation, h.phase) == common and h.max_step_s <= slow}
-    if not names:
-        return None, listed
-    chosen = [h for m, h in listed if m in names]
+    generation, phase = common
+    chosen: list[tuple[str, Heard]] = []
+    rest: list[tuple[str, Heard]] = []
+    for pair in steady:  # (a loop: on Python 3.11 cheaper than two comprehensions)
+        h = pair[1]
+        if h.generation == generation and h.phase is phase and h.max_step_ms <= slow:
+            chosen.append(pair)
+        else:
+            rest.append(pair)
+    if not chosen:
+        return None, sorted([*others, *steady], key=_NAME)
     regular = RegularMembers(
-        members=sorted(names),
-        bound_ms=round(bound_s * 1000),
-        generation=common[0],
-        phase=common[1],
-        step_min=min(h.step for h in chosen),
-        step_max=max(h.step for h in chosen),
-        max_step_ms=round(max(h.max_step_s for h in chosen) * 1000),
+        members=[m for m, _ in chosen],  # in name order, as ``steady`` is
+        bound_ms=bound_ms,
+        generation=generation,
+        phase=phase,
+        step_min=min(h.step for _, h in chosen),
+        step_max=max(h.step for _, h in chosen),
+        max_step_ms=max(h.max_step_ms for _, h in chosen),
     )
-    return regular, [(m, h) for m, h in listed if m not in names]
+    if rest:
+        others = sorted([*others, *rest], key=_NAME)
+    return regular, others
+
+
+_NAME = operator.itemgetter(0)
 
 
 def _columns(epoch: int, listed: list[tuple[str, Heard]]) -> LivenessColumns:
     """``listed`` members' windows as columns, times in milliseconds from ``epoch``."""
-
-    def offset(at: datetime | None) -> int | None:
-        return None if at is None else ms_of(at) - epoch
-
     return LivenessColumns(
         epoch_ms=epoch,
         members=[m for m, _ in listed],
         generation=[h.generation for _, h in listed],
-        last_ms=[ms_of(h.last_at) - epoch for _, h in listed],
+        last_ms=[h.last_ms - epoch for _, h in listed],
         assumed=[i for i, (_, h) in enumerate(listed) if h.assumed],
-        first_ms=[offset(h.first_at) for _, h in listed],
+        first_ms=[None if h.first_ms is None else h.first_ms - epoch for _, h in listed],
         beats=[h.beats for _, h in listed],
-        max_gap_ms=[round(h.max_gap_s * 1000) for _, h in listed],
-        max_gap_at_ms=[offset(h.max_gap_at) for _, h in listed],
+        max_gap_ms=[h.max_gap_ms for _, h in listed],
+        max_gap_at_ms=[
+            None if h.max_gap_at_ms is None else h.max_gap_at_ms - epoch for _, h in listed
+        ],
         phase=[h.phase for _, h in listed],
         step=[h.step for _, h in listed],
-        max_step_ms=[round(h.max_step_s * 1000) for _, h in listed],
+        max_step_ms=[h.max_step_ms for _, h in listed],
     )

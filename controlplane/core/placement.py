@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import NamedTuple
 
-from controlplane.core.view import Member, MemberStatus
+from controlplane.core.view import Heartbeat, Member, MemberStatus
 
 #: Shortfalls spelled out in a placement note before the rest are only counted.
 _NOTE_DETAILS = 8
@@ -453,14 +453,20 @@ class SilentNode:
 
 
 def silent_nodes(
-    members: Mapping[str, Member], found: Iterable[str], now: datetime, bound_s: float
+    members: Mapping[str, Member],
+    found: Iterable[str],
+    now: datetime,
+    bound_s: float,
+    *,
+    heartbeats: Mapping[str, Heartbeat],
 ) -> dict[str, SilentNode]:
     """The nodes of ``found`` (members found silent by their heartbeat timeout) that have
-    another live member not heard from for more than ``bound_s`` seconds at ``now``.
+    another live member not heard from for more than ``bound_s`` seconds at ``now`` (its
+    last heartbeat in ``heartbeats``, else its join).
 
     Only members still active and not yet detected count as the node's other silent members
     (a member already failed is no candidate and no source anyway). Pure: a function of the
-    members, the time and the bound.
+    members, their heartbeats, the time and the bound.
     """
     by_node: dict[str, list[str]] = {}
     for member_id in found:
@@ -479,7 +485,8 @@ def silent_nodes(
             or member.detected_position is not None
         ):
             continue
-        last = member.last_heartbeat_at or member.joined_at
+        heartbeat = heartbeats.get(member_id)
+        last = heartbeat.at if heartbeat is not None else member.joined_at
         if last < cutoff:
             quiet.setdefault(member.node, []).append((member_id, (now - last).total_seconds()))
     return {

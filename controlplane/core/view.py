@@ -150,13 +150,6 @@ class Member:
     status: MemberStatus = MemberStatus.ACTIVE
     #: Rank in the current generation, None while outside the world (e.g. a spare).
     rank: int | None = None
-    last_seen_at: datetime | None = None
-    last_heartbeat_at: datetime | None = None
-    last_heartbeat_position: int | None = None
-    #: The event type at ``last_heartbeat_position``: ``member.heartbeat`` (a log of stored
-    #: heartbeats) or ``liveness.summary`` (heartbeats are soft state, core/liveness.py).
-    heartbeat_evidence: str = "member.heartbeat"
-    phase: Phase = Phase.INIT
     step: int = 0
     last_fault: FaultReport | None = None
     exit_code: int | None = None
@@ -177,6 +170,20 @@ class Member:
     #: Position of the ``reallocation.issued`` that dropped this member's replica (a mesh
     #: shrink) while it survived: a warm spare since, until a generation gives it a rank.
     demoted_position: int | None = None
+
+
+class Heartbeat(NamedTuple):
+    """A member's last heartbeat as the log shows it (``JobView.heartbeats``)."""
+
+    at: datetime
+    #: The event that shows it: a stored ``member.heartbeat``, or the ``liveness.summary``
+    #: that listed or named the member (heartbeats are soft state, core/liveness.py). None
+    #: only in a decider's probe of its in-memory table, never in a folded view.
+    position: int | None
+    #: The type of that event.
+    evidence: str
+    #: The phase the member reported then.
+    phase: Phase
 
 
 @dataclass(slots=True)
@@ -378,6 +385,11 @@ class JobView:
     placement: tuple[tuple[str, ...], ...] = ()
     placement_note: str = ""
     members: dict[str, Member] = field(default_factory=dict)
+    #: member -> its current process's last heartbeat, as the log shows it (absent: not
+    #: heard since it joined; its phase is then ``init``). Kept beside the members, not in
+    #: them: a summary moves thousands of members' heartbeats at once, and a fold then copies
+    #: this one mapping instead of every member it names.
+    heartbeats: dict[str, Heartbeat] = field(default_factory=dict)
     #: The newest step of the current timeline: the current generation's newest step, from its
     #: restore step on (a generation issued by a reallocation starts there).
     last_step: int = 0
@@ -409,6 +421,16 @@ class JobView:
     discount_counts: dict[str, int] = field(default_factory=dict)
     #: Every generation started, oldest first (see ``GenerationRecord``).
     lineage: tuple[GenerationRecord, ...] = ()
+
+    def last_heard(self, member: Member) -> datetime:
+        """When ``member`` was last heard: its last heartbeat, else its join."""
+        heartbeat = self.heartbeats.get(member.member_id)
+        return heartbeat.at if heartbeat is not None else member.joined_at
+
+    def phase(self, member_id: str) -> Phase:
+        """The phase ``member_id`` last reported (``init`` until it is heard)."""
+        heartbeat = self.heartbeats.get(member_id)
+        return heartbeat.phase if heartbeat is not None else Phase.INIT
 
     @property
     def effective_policy(self) -> JobPolicy:

@@ -53,7 +53,10 @@ def view_json(replayed: Replayed) -> dict[str, Any]:
         "events": replayed.events,
         "stopped_early": replayed.stopped,
         "policy": view.policy.model_dump(mode="json") if view.policy is not None else None,
-        "members": [member_out(m).model_dump(mode="json") for m in _members(view)],
+        "members": [
+            member_out(m, heartbeat=view.heartbeats.get(m.member_id)).model_dump(mode="json")
+            for m in _members(view)
+        ],
         "history": [h.model_dump(mode="json") for h in history_out(view)],
         "incidents": [incident_timeline(i).model_dump(mode="json") for i in incidents_of(view)],
         "anomalies": list(view.anomalies),
@@ -244,7 +247,7 @@ def print_view(console: Console, replayed: Replayed) -> None:
     for m in _members(view):
         members.add_row(
             m.member_id, m.node, m.rack, m.role.value, m.status.value,
-            "-" if m.rank is None else str(m.rank), m.phase.value, str(m.step),
+            "-" if m.rank is None else str(m.rank), view.phase(m.member_id).value, str(m.step),
         )  # fmt: skip
     console.print(members)
     if view.history:

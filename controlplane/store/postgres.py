@@ -8,9 +8,10 @@ rules, COPY the new rows, move the cursors and the head, record dead letters, co
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -23,6 +24,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from controlplane.core.catalog import CATALOG, pack, unpacked
 from controlplane.core.records import DeadLetter, StoredEvent
 from controlplane.core.sequence import Cursor, CursorKey, SeqGap, sequence
+from controlplane.core.view import MAX_STEP_LEAD
 from controlplane.decode import storable
 from controlplane.errors import (
     ConcurrencyError,
@@ -38,17 +40,32 @@ from controlplane.store.tables import dead_letters as dead_letters_table
 from controlplane.store.tables import events as events_table
 from controlplane.store.tables import seq_gaps as seq_gaps_table
 from controlplane.store.tables import snapshot_head, snapshot_steps, view_snapshots
-from schemas.events import EVENT_ADAPTER, EnvelopeBase
+from schemas.events import EVENT_ADAPTER, BackupCatalog, EnvelopeBase, PackedCatalog
 
 #: The head row's ``xmin`` names the last transaction that wrote to the log or the cursors
 #: (every one moves the head, see ``_append_steps``): a ``CursorCache``'s check.
 _LOCK_HEAD = "SELECT position, clock_timestamp(), xmin::text FROM log_head WHERE id = 1 FOR UPDATE"
-_JOB_HEAD = "SELECT coalesce(max(position), 0) FROM events WHERE job_id = %s"
+#: The job's newest position at or after the one the writer expects (0: none): the same
+#: test as the job's newest position, but pruned to the spans from there on, however many
+#: spans the log has.
+_JOB_HEAD = "SELECT coalesce(max(position), 0) FROM events WHERE job_id = %s AND position >= %s"
 _COPY_EVENTS = (
-    "COPY events (position, recorded_at, event_id, job_id, type, v, source, incarnation, seq,"
-    " generation, emitted_at, payload) FROM STDIN"
+    "COPY events (position, recorded_at, expiring, event_id, job_id, type, v, source,"
+    " incarnation, seq, generation, emitted_at, payload) FROM STDIN"
 )
 _KNOWN_IDS = "SELECT event_id::text FROM events WHERE event_id = ANY(%s::uuid[])"
+#: Ids of observations stored from position ``%s`` on (the span before the current one and
+#: this one): each span's own unique index sees only its own rows.
+_KNOWN_EXPIRING = (
+    "SELECT event_id::text FROM events_expiring WHERE event_id = ANY(%s::uuid[]) AND position >= %s"
+)
+#: The spans of ``events_expiring``: each partition's name and bounds.
+_SPANS = (
+    "SELECT c.relname, pg_get_expr(c.relpartbound, c.oid) FROM pg_inherits i"
+    " JOIN pg_class c ON c.oid = i.inhrelid"
+    " WHERE i.inhparent = 'events_expiring'::regclass AND NOT i.inhdetachpending"
+)
+_FIRST_AT = "SELECT recorded_at FROM events WHERE position >= %s ORDER BY position LIMIT 1"
 _MOVE_HEAD = "UPDATE log_head SET position = %s WHERE id = 1 RETURNING xmin::text"
 _SELECT_CURSORS = (
     "SELECT c.job_id, c.source, c.incarnation, c.last_seq, c.holes FROM source_cursors c"
@@ -161,15 +178,18 @@ def make_engine(database_url: str, *, pool_size: int = 4) -> Engine:
 
 
 class PostgresEventStore:
-    """The system of record. Construction does no I/O; the engine connects on first use."""
+    """The system of record. Construction does no I/O; the engine connects on first use.
+    ``spans``: how wide the partitions of observations it opens are (``SpanPolicy``)."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, *, spans: SpanPolicy | None = None) -> None:
         self.engine = engine
+        self.span_policy = spans or SpanPolicy()
+        self._spans = SpanCache(self.span_policy)
 
     @classmethod
-    def from_url(cls, database_url: str) -> PostgresEventStore:
+    def from_url(cls, database_url: str, *, spans: SpanPolicy | None = None) -> PostgresEventStore:
         """A store over a new engine for ``database_url``."""
-        return cls(make_engine(database_url))
+        return cls(make_engine(database_url), spans=spans)
 
     def close(self) -> None:
         """Close every pooled connection."""
@@ -190,10 +210,17 @@ class PostgresEventStore:
     ) -> AppendResult:
         if not events and not dead_letters:
             return AppendResult()
-        steps = _append_steps(events, dead_letters, expected, encoded)
-        with self._raw() as conn:
-            result = _run_sync(conn, steps)
-            conn.commit()  # committed by the last step already; nothing left to send
+        steps = _append_steps(events, dead_letters, expected, encoded, spans=self._spans)
+        return self._run(steps)
+
+    def _run(self, steps: _Steps) -> AppendResult:
+        try:
+            with self._raw() as conn:
+                result = _run_sync(conn, steps)
+                conn.commit()  # committed by the last step already; nothing left to send
+        except BaseException:
+            self._spans.spans = None  # a span opened in the failed transaction is not
+            raise
         return result
 
     def import_events(self, events: Sequence[StoredEvent]) -> AppendResult:
@@ -204,15 +231,16 @@ class PostgresEventStore:
         recorded_at: dict[str, datetime] = {}
         for stored in events:
             recorded_at.setdefault(stored.event.event_id, stored.recorded_at)
-        steps = _append_steps([s.event for s in events], (), None, None, recorded_at=recorded_at)
-        with self._raw() as conn:
-            result = _run_sync(conn, steps)
-            conn.commit()  # committed by the last step already; nothing left to send
-        return result
+        steps = _append_steps(
+            [s.event for s in events], (), None, None, recorded_at=recorded_at, spans=self._spans
+        )
+        return self._run(steps)
 
     def appender(self) -> AsyncAppender:
         """An asyncio appender over its own connection to the same database."""
-        return AsyncAppender(self.engine.url.render_as_string(hide_password=False))
+        return AsyncAppender(
+            self.engine.url.render_as_string(hide_password=False), spans=self.span_policy
+        )
 
     # ------------------------------------------------------------------ reads
 
@@ -284,29 +312,111 @@ class PostgresEventStore:
         return [SeqGap(r.job_id, r.source, r.incarnation, r.after_seq, r.next_seq) for r in rows]
 
     def storage(self) -> Storage:
-        """What the log takes on disk, and each job's part of it, by event type. A full scan
-        of the events (an operator's command, not a service's query)."""
+        """What the log takes on disk, each partition, and each job's part of it, by event
+        type. A full scan of the events (an operator's command, not a service's query)."""
         by_type = sa.text(
-            "SELECT job_id, type, count(*), sum(pg_column_size(e.*))::bigint,"
-            " min(recorded_at), max(recorded_at) FROM events e GROUP BY job_id, type"
-        )
-        sizes = sa.text(
-            "SELECT pg_total_relation_size('events'), pg_table_size('events'),"
-            " pg_indexes_size('events'), pg_total_relation_size('dead_letters')"
+            "SELECT job_id, type, expiring, count(*), sum(pg_column_size(e.*))::bigint,"
+            " min(recorded_at), max(recorded_at) FROM events e GROUP BY job_id, type, expiring"
         )
         with translated(), self.engine.connect() as conn:
             rows = conn.execute(by_type).all()
-            total, table, indexes, letters = conn.execute(sizes).one()
+            parts = _partition_sizes(conn)
+            letters = conn.execute(
+                sa.text("SELECT pg_total_relation_size('dead_letters')")
+            ).scalar_one()
         jobs: dict[str, JobStorage] = {}
-        for job, type_, count, row_bytes, first, last in rows:
+        for job, type_, expiring, count, row_bytes, first, last in rows:
             entry = jobs.get(job)
             if entry is None:
                 entry = jobs[job] = JobStorage(job, 0, 0, first, last, {})
             entry.events += int(count)
             entry.row_bytes += int(row_bytes)
+            if expiring:
+                entry.expiring_bytes += int(row_bytes)
             entry.first_at, entry.last_at = min(entry.first_at, first), max(entry.last_at, last)
-            entry.by_type[type_] = (int(count), int(row_bytes))
-        return Storage(int(total), int(table), int(indexes), int(letters), list(jobs.values()))
+            n, b = entry.by_type.get(type_, (0, 0))
+            entry.by_type[type_] = (n + int(count), b + int(row_bytes))
+        return Storage(
+            sum(p.total_bytes for p in parts),
+            sum(p.table_bytes for p in parts),
+            sum(p.index_bytes for p in parts),
+            int(letters),
+            list(jobs.values()),
+            parts,
+        )
+
+    # ------------------------------------------------------------------ retention
+
+    def spans(self) -> list[Span]:
+        """The spans of observations (``events_expiring``'s partitions), oldest first, each
+        with its rows and newest recording time (a scan of each: an operator's command)."""
+        with translated(), self.engine.connect() as conn:
+            return [
+                _span_of(conn, lo, hi, name)
+                for lo, hi, name in _parse_spans(conn.exec_driver_sql(_SPANS).all())
+            ]
+
+    def open_spans(self) -> list[tuple[int, int]]:
+        """Open the next span of observations once the log is past the middle of the last
+        one (so that an append seldom has to), under the ``log_head`` row lock; return the
+        spans opened."""
+        cache = SpanCache(self.span_policy)
+        known: list[tuple[int, int]] = []
+
+        def steps() -> _Steps:
+            results = yield _Batch((_Query(_LOCK_HEAD, fetch="one"),))
+            head, now, _ = results[0]
+            yield from _ensure_spans(head, head, now, cache)
+            known.extend(cache.spans or [])
+            if known:
+                lo, hi = known[-1]
+                if head >= lo + (hi - lo) // 2:  # past its middle: the next one now
+                    yield from _ensure_spans(head, hi, now, cache)
+            yield _Batch((), commit=True)
+            return AppendResult()
+
+        self._run(steps())
+        return [span for span in cache.spans or [] if span not in known]
+
+    def retain(self, older_than: datetime, *, dry_run: bool = False) -> Retention:
+        """Drop the spans of observations whose every row was recorded before
+        ``older_than``, and that the log has moved past: each is detached (concurrently:
+        readers and appends go on) and dropped, a table at a time, never a mass DELETE.
+        Before a span goes, what the kept log still needs of it moves to ``events_kept``
+        (``_PINS``: each process's first and last step record of each generation it ran, so
+        every incident keeps the first step that resolved it; a step record every
+        ``PIN_STEPS`` steps; each job's last interval summary; whatever a ``fault.detected``
+        cites). ``dry_run``: say what would go, change nothing. A retention interrupted
+        before (a span detached and not dropped) is finished first."""
+        dropped: list[Span] = []
+        pinned = 0
+        with translated():
+            if not dry_run:
+                _finish_interrupted(self.engine)
+            head = self.last_position()
+            with self.engine.connect() as conn:
+                spans = [
+                    _span_of(conn, lo, hi, name)
+                    for lo, hi, name in _parse_spans(conn.exec_driver_sql(_SPANS).all())
+                ]
+            due = [
+                span
+                for span in spans
+                if span.hi - 1 <= head and (span.newest_at is None or span.newest_at < older_than)
+            ]
+            for span in due:
+                with self.engine.begin() as conn:
+                    action = _PIN_COUNT if dry_run else _PIN_UPDATE
+                    statement = _PINS.format(
+                        leaf=_quoted(span.name), lo=span.lo, hi=span.hi, every=PIN_STEPS,
+                        action=action.format(lo=span.lo, hi=span.hi),
+                    )  # fmt: skip
+                    pinned += int(conn.exec_driver_sql(statement).scalar() or 0)
+                if not dry_run:
+                    _drop_span(self.engine, span.name)
+                dropped.append(span)
+        left = [s for s in spans if s not in dropped]
+        return Retention(older_than, dropped, pinned, left, dry_run)
 
     # ------------------------------------------------------------------ view snapshots
 
@@ -396,23 +506,44 @@ class JobStorage:
 
     job_id: str
     events: int
-    #: The job's rows as PostgreSQL stores them (``pg_column_size`` of each row; no indexes).
+    #: The job's rows as PostgreSQL stores them (``pg_column_size`` of each row, its
+    #: out-of-line payload included; no indexes).
     row_bytes: int
     first_at: datetime
     last_at: datetime
     #: Event type -> (events, row bytes).
     by_type: dict[str, tuple[int, int]]
+    #: Of ``row_bytes``, the observations a retention may drop (``events_expiring``).
+    expiring_bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PartitionSize:
+    """One partition of the log on disk: ``events_kept``, or a span of ``events_expiring``
+    (``lo``/``hi``: its positions, ``[lo, hi)``)."""
+
+    name: str
+    expiring: bool
+    lo: int | None
+    hi: int | None
+    #: The planner's estimate of its rows (``reltuples``; -1: never counted).
+    rows: int
+    total_bytes: int
+    table_bytes: int
+    index_bytes: int
 
 
 @dataclass(frozen=True, slots=True)
 class Storage:
-    """The log's size on disk: the events table with its indexes and TOAST, and each job."""
+    """The log's size on disk: the events table with its indexes and TOAST (every partition
+    together, and each), and each job."""
 
     events_total_bytes: int
     events_table_bytes: int
     events_index_bytes: int
     dead_letters_bytes: int
     jobs: list[JobStorage]
+    partitions: list[PartitionSize] = field(default_factory=list)
 
     def share_bytes(self, job: JobStorage) -> int:
         """The job's share of the events table with its indexes, in proportion to its rows
@@ -421,30 +552,206 @@ class Storage:
         return round(self.events_total_bytes * job.row_bytes / rows) if rows else 0
 
 
-#: (source, incarnation, seq) of every backup report the store packed into a catalog.
-CATALOG_REPORTS = """
-SELECT s.source, i.incarnation, q.seq::bigint
-  FROM events e
- CROSS JOIN LATERAL jsonb_array_elements_text(e.payload->'sources')
-       WITH ORDINALITY AS s(source, n)
-  JOIN LATERAL jsonb_array_elements_text(e.payload->'incarnations')
-       WITH ORDINALITY AS i(incarnation, n) USING (n)
-  JOIN LATERAL jsonb_array_elements_text(e.payload->'seqs') WITH ORDINALITY AS q(seq, n)
-       USING (n)
- WHERE e.type = 'backup.catalog' AND e.source = 'controlplane'
+#: Every partition of the log (the leaves of ``events``) and its size.
+_PARTITION_SIZES = """
+SELECT c.relname, p.relname = 'events_expiring', pg_get_expr(c.relpartbound, c.oid),
+       c.reltuples::bigint, pg_total_relation_size(c.oid), pg_table_size(c.oid),
+       pg_indexes_size(c.oid)
+  FROM pg_partition_tree('events') t
+  JOIN pg_class c ON c.oid = t.relid
+  JOIN pg_class p ON p.oid = t.parentrelid
+ WHERE t.isleaf
+ ORDER BY c.relname = 'events_kept' DESC, c.oid
 """
 
-#: (events, distinct (source, incarnation, seq)) the members of job ``%(job)s`` have in the
-#: log: rows of their own and the reports the store packed into catalogs (``core.catalog``),
-#: each report counted once. What a bench checks for lost and duplicated events.
-MEMBER_EVENT_COUNTS = f"""
-SELECT count(*), count(DISTINCT (source, incarnation, seq)) FROM (
-    SELECT source, incarnation, seq FROM events
-     WHERE job_id = %(job)s AND source <> 'controlplane'
-    UNION ALL
-    {CATALOG_REPORTS} AND e.job_id = %(job)s
-) AS reports
+
+def _partition_sizes(conn: sa.Connection) -> list[PartitionSize]:
+    out = []
+    for name, expiring, bound, rows, total, table, indexes in conn.exec_driver_sql(
+        _PARTITION_SIZES
+    ).all():
+        found = _BOUNDS.search(bound or "") if expiring else None
+        lo, hi = (int(found[1]), int(found[2])) if found is not None else (None, None)
+        out.append(PartitionSize(str(name), bool(expiring), lo, hi, int(rows), int(total),
+                                 int(table), int(indexes)))  # fmt: skip
+    return sorted(out, key=lambda p: (p.expiring, p.lo or 0))
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """A partition of observations: positions ``[lo, hi)``, its rows and size, and when its
+    newest row was recorded (None: it has none)."""
+
+    name: str
+    lo: int
+    hi: int
+    rows: int
+    total_bytes: int
+    newest_at: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class Retention:
+    """What ``PostgresEventStore.retain`` dropped (or, ``dry_run``, would drop)."""
+
+    older_than: datetime
+    dropped: list[Span]
+    #: Rows of the dropped spans moved to ``events_kept`` first (or that would be).
+    pinned: int
+    #: The spans left.
+    kept: list[Span]
+    dry_run: bool
+
+
+def _quoted(name: str) -> str:
+    if not re.fullmatch(r"events_expiring_\d+", name):
+        raise ValueError(f"not a span of the log: {name!r}")
+    return f'"{name}"'
+
+
+def _span_of(conn: sa.Connection, lo: int, hi: int, name: str) -> Span:
+    rows, newest, total = conn.exec_driver_sql(
+        f"SELECT count(*), max(recorded_at), pg_total_relation_size('{_quoted(name)}')"
+        f" FROM {_quoted(name)}"
+    ).one()
+    return Span(name, lo, hi, int(rows), int(total), newest)
+
+
+#: Steps a pinned step record stands for (see ``_PINS``): a quarter of the lead the fold
+#: allows a report over the job's newest step (``MAX_STEP_LEAD``).
+PIN_STEPS = MAX_STEP_LEAD // 4
+
+#: What of a span retention keeps (moving it to ``events_kept``), and the statement that does
+#: it (``action``): each process's first and last step record of each generation in the span
+#: (a generation's first step resolves its incident: the timeline's last point; the last is
+#: the member's and the job's step when it ended), the first step record of each job's
+#: generation in every ``PIN_STEPS`` steps (so a kept report of any step is never more than
+#: the fold's ``MAX_STEP_LEAD`` ahead of the newest step it folded), each job's last interval
+#: summary in the span (every part; the members' last heartbeats when the job ended), and
+#: whatever a kept ``fault.detected`` cites as evidence.
+_PINS = """
+WITH steps AS (
+    SELECT position, job_id, source, incarnation, generation,
+           (payload->>'step')::bigint / {every} AS bucket
+      FROM {leaf} WHERE type = 'train.step'
+), pinned AS (
+    SELECT position FROM (
+        SELECT DISTINCT ON (job_id, source, incarnation, generation) position FROM steps
+         ORDER BY job_id, source, incarnation, generation, position) AS first
+    UNION
+    SELECT position FROM (
+        SELECT DISTINCT ON (job_id, source, incarnation, generation) position FROM steps
+         ORDER BY job_id, source, incarnation, generation, position DESC) AS last
+    UNION
+    SELECT position FROM (
+        SELECT DISTINCT ON (job_id, generation, bucket) position FROM steps
+         ORDER BY job_id, generation, bucket, position) AS every
+    UNION
+    SELECT position FROM (
+        SELECT DISTINCT ON (job_id, payload->>'part') position FROM {leaf}
+         WHERE type = 'liveness.summary'
+         ORDER BY job_id, payload->>'part', position DESC) AS summaries
+    UNION
+    SELECT (evidence->>'position')::bigint FROM events_kept f
+     CROSS JOIN LATERAL jsonb_array_elements(f.payload->'evidence') AS evidence
+     WHERE f.type = 'fault.detected' AND f.position >= {lo}
+       AND jsonb_typeof(evidence->'position') = 'number'
+       AND (evidence->>'position')::bigint >= {lo} AND (evidence->>'position')::bigint < {hi}
+)
+{action}
 """
+#: Rows move to ``events_kept`` by an update of their class through the partitioned table;
+#: one whose event_id is there already (an id reused) is left to go with its span.
+_PIN_UPDATE = """
+, moved AS (
+    UPDATE events e SET expiring = false FROM pinned
+     WHERE e.expiring AND e.position >= {lo} AND e.position < {hi}
+       AND e.position = pinned.position
+       AND NOT EXISTS (SELECT 1 FROM events_kept k WHERE k.event_id = e.event_id)
+    RETURNING 1
+)
+SELECT count(*) FROM moved
+"""
+
+_PIN_COUNT = """
+SELECT count(*) FROM events e JOIN pinned ON e.position = pinned.position
+ WHERE e.expiring AND e.position >= {lo} AND e.position < {hi}
+   AND NOT EXISTS (SELECT 1 FROM events_kept k WHERE k.event_id = e.event_id)
+"""
+
+#: Spans left half done by a retention interrupted: detached but not dropped, or detaching.
+_LEFT_OVER = """
+SELECT c.relname, EXISTS (SELECT 1 FROM pg_inherits i WHERE i.inhrelid = c.oid)
+  FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+ WHERE n.nspname = current_schema() AND c.relkind = 'r'
+   AND c.relname ~ '^events_expiring_[0-9]+$'
+   AND NOT EXISTS (SELECT 1 FROM pg_inherits i WHERE i.inhrelid = c.oid AND NOT i.inhdetachpending)
+"""
+
+
+def _drop_span(engine: Engine, name: str) -> None:
+    """Detach span ``name`` concurrently (no lock that stops readers or appends; it waits for
+    the transactions that may read it), then drop it. Each statement on its own: a
+    concurrent detach cannot run inside a transaction."""
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.exec_driver_sql(
+            f"ALTER TABLE events_expiring DETACH PARTITION {_quoted(name)} CONCURRENTLY"
+        )
+        conn.exec_driver_sql(f"DROP TABLE {_quoted(name)}")
+
+
+def _finish_interrupted(engine: Engine) -> None:
+    """Finish what an interrupted retention left: a detach still pending is finalized, and a
+    detached span dropped."""
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        for name, pending in conn.exec_driver_sql(_LEFT_OVER).all():
+            if pending:
+                conn.exec_driver_sql(
+                    f"ALTER TABLE events_expiring DETACH PARTITION {_quoted(name)} FINALIZE"
+                )
+            conn.exec_driver_sql(f"DROP TABLE {_quoted(name)}")
+
+
+def catalog_reports(payloads: Iterable[Any]) -> Iterator[tuple[str, str, int]]:
+    """(source, incarnation, seq) of every report in ``payloads`` (stored ``backup.catalog``
+    payloads, either version, as the driver returns them)."""
+    for payload in payloads:
+        body = PackedCatalog.model_validate(payload, strict=False) if "packed" in payload else (
+            BackupCatalog.model_validate(payload, strict=False))  # fmt: skip
+        columns = body.columns()
+        yield from zip(columns.sources, columns.incarnations, columns.seqs, strict=True)
+
+
+#: The members' own rows of job ``%(job)s``: (source, incarnation, seq).
+MEMBER_ROWS = (
+    "SELECT source, incarnation, seq FROM events WHERE job_id = %(job)s"
+    " AND source <> 'controlplane'"
+)
+#: Every catalog the store recorded: its payload (of job ``%(job)s``; None: of every job).
+CATALOG_PAYLOADS = (
+    "SELECT payload FROM events WHERE type = 'backup.catalog' AND source = 'controlplane'"
+    " AND (%(job)s::text IS NULL OR job_id = %(job)s)"
+)
+
+
+def member_event_counts(
+    rows: Iterable[tuple[str, str, int]], payloads: Iterable[Any]
+) -> tuple[int, int]:
+    """(events, distinct (source, incarnation, seq)) the members of a job have in the log:
+    their own rows (``MEMBER_ROWS``) and the reports the store packed into catalogs
+    (``CATALOG_PAYLOADS``), each report counted once. What a bench checks for lost and
+    duplicated events."""
+    keys = [(str(s), str(i), int(q)) for s, i, q in rows]
+    keys.extend(catalog_reports(payloads))
+    return len(keys), len(set(keys))
+
+
+def count_member_events(conn: psycopg.Connection[Any], job_id: str) -> tuple[int, int]:
+    """``member_event_counts`` of job ``job_id`` read over ``conn``."""
+    params = {"job": job_id}
+    rows = conn.execute(MEMBER_ROWS, params).fetchall()
+    payloads = [r[0] for r in conn.execute(CATALOG_PAYLOADS, params).fetchall()]
+    return member_event_counts(rows, payloads)
 
 
 # ---------------------------------------------------------------------- the append transaction
@@ -521,15 +828,131 @@ def encode_row(event: EnvelopeBase, _to_json: Any = to_json) -> bytes:
 
 
 def _copy_data(
-    head: int, now: datetime, rows: Sequence[bytes], stamps: Sequence[datetime] | None = None
+    head: int,
+    now: datetime,
+    rows: Sequence[bytes],
+    flags: Sequence[bool],
+    stamps: Sequence[datetime] | None = None,
 ) -> bytes:
+    """COPY text of ``rows`` at the positions after ``head``, each with its class (``flags``:
+    ``is_expiring``) and its recording time (``now``, or ``stamps`` for an import)."""
+    marks = [b"t" if f else b"f" for f in flags]
     if stamps is not None:  # an import: each event keeps the time it was first recorded at
         return b"".join(
-            b"%d\t%s\t%s\n" % (p, t.isoformat().encode(), r)
-            for p, (t, r) in enumerate(zip(stamps, rows, strict=True), start=head + 1)
+            b"%d\t%s\t%s\t%s\n" % (p, t.isoformat().encode(), f, r)
+            for p, (t, f, r) in enumerate(zip(stamps, marks, rows, strict=True), start=head + 1)
         )
     stamp = now.isoformat().encode()
-    return b"".join(b"%d\t%s\t%s\n" % (p, stamp, r) for p, r in enumerate(rows, start=head + 1))
+    return b"".join(
+        b"%d\t%s\t%s\t%s\n" % (p, stamp, f, r)
+        for p, (f, r) in enumerate(zip(marks, rows, strict=True), start=head + 1)
+    )
+
+
+def is_expiring(event: EnvelopeBase) -> bool:
+    """Whether ``event`` is an observation a retention policy may drop (``events_expiring``):
+    a step record, or an interval liveness summary. Everything else is kept: decisions,
+    faults, incidents, members' reports, backup catalogs, and the summaries a decision read
+    (reason ``decision``)."""
+    kind = event.type
+    if kind == "train.step":
+        return True
+    return kind == "liveness.summary" and event.payload.reason == "interval"
+
+
+@dataclass(frozen=True, slots=True)
+class SpanPolicy:
+    """How wide the store makes each span of ``events_expiring`` it opens: as many positions
+    as the log took ``span_s`` to fill at the rate it grew over the span before (within
+    ``min_rows`` and ``max_rows``), so that a span is about ``span_s`` of the log and
+    retention drops observations ``span_s`` at a time."""
+
+    span_s: float = 86_400.0
+    min_rows: int = 1_000
+    max_rows: int = 100_000_000
+    #: A span filled faster than this is taken as filled in this long (a burst, an import).
+    min_elapsed_s: float = 60.0
+
+
+_BOUNDS = re.compile(r"FROM \('?(-?\d+)'?\) TO \('?(-?\d+)'?\)")
+
+
+def _parse_spans(rows: Iterable[Any]) -> list[tuple[int, int, str]]:
+    """(lo, hi, name) of each span (``_SPANS``' rows), in position order."""
+    out = []
+    for name, bound in rows:
+        found = _BOUNDS.search(bound or "")
+        if found is not None:
+            out.append((int(found[1]), int(found[2]), str(name)))
+    return sorted(out)
+
+
+class SpanCache:
+    """The spans of ``events_expiring`` a writer knows: which positions have a partition.
+    Spans are opened only under the ``log_head`` row lock (``_ensure_spans``), so what is kept
+    can only lag: a bound found too low is read again before a span is opened."""
+
+    def __init__(self, policy: SpanPolicy | None = None) -> None:
+        self.policy = policy or SpanPolicy()
+        #: (lo, hi) of every span, in order; None: not read yet.
+        self.spans: list[tuple[int, int]] | None = None
+
+    @property
+    def bound(self) -> int:
+        """The first position no span covers (0: none known)."""
+        return self.spans[-1][1] if self.spans else 0
+
+    def checked_from(self, position: int) -> int:
+        """Where the de-duplication of observations starts for a row at ``position``: the
+        start of the span before the one that holds it (its own unique index checks its own)."""
+        spans = self.spans or []
+        starts = [lo for lo, hi in spans if lo <= position]
+        return starts[-2] if len(starts) >= 2 else (starts[-1] if starts else 0)
+
+
+def _span_ddl(lo: int, hi: int) -> list[str]:
+    """The statements that open span [lo, hi): its table, its unique index on ``event_id``,
+    then attached (``ATTACH`` takes only a SHARE UPDATE EXCLUSIVE lock on the parent, so
+    readers and writers of the log go on; ``CREATE TABLE ... PARTITION OF`` would wait for
+    every reader)."""
+    name = f"events_expiring_{lo}"
+    return [
+        f"CREATE TABLE {name} (LIKE events_expiring INCLUDING DEFAULTS INCLUDING STORAGE)",
+        f"CREATE UNIQUE INDEX {name}_event_id ON {name} (event_id)",
+        f"ALTER TABLE events_expiring ATTACH PARTITION {name} FOR VALUES FROM ({lo}) TO ({hi})",
+    ]
+
+
+def _ensure_spans(
+    head: int, last: int, now: datetime, cache: SpanCache
+) -> Generator[_Step, Any, None]:
+    """Steps that open spans of ``events_expiring`` until position ``last`` has one: run
+    under the ``log_head`` row lock, so no other writer opens one meanwhile. Nothing is sent
+    while the cache says ``last`` is covered."""
+    if cache.spans is not None and last < cache.bound:
+        return
+    rows = yield _Query(_SPANS, fetch="all")
+    cache.spans = [(lo, hi) for lo, hi, _ in _parse_spans(rows)]
+    if last < cache.bound:
+        return
+    policy = cache.policy
+    width = policy.min_rows
+    if cache.spans:
+        lo = cache.spans[-1][0]
+        row = yield _Query(_FIRST_AT, (lo,), fetch="one")
+        if row is not None and head >= lo:
+            elapsed = max(policy.min_elapsed_s, (now - row[0]).total_seconds())
+            rate = (head + 1 - lo) / elapsed
+            width = round(min(policy.max_rows, max(policy.min_rows, rate * policy.span_s)))
+    # A lock the attach waits for (a retention detaching a span) fails the append after 2 s
+    # (class 55: unavailable, so the batch is tried again) instead of holding the log.
+    yield _Query("SET LOCAL lock_timeout = '2s'")
+    start = max(cache.bound, head + 1)
+    while start <= last:
+        for statement in _span_ddl(start, start + width):
+            yield _Query(statement)
+        cache.spans.append((start, start + width))
+        start += width
 
 
 class CursorCache:
@@ -582,10 +1005,13 @@ def _append_steps(
     *,
     recorded_at: Mapping[str, datetime] | None = None,
     cache: CursorCache | None = None,
+    spans: SpanCache,
 ) -> _Steps:
     """The append transaction; with ``recorded_at`` (event_id -> time) an import that keeps
     each event's original recording time instead of stamping the batch with ``now``; with
-    ``cache``, the cursors it holds are not read again while they are valid."""
+    ``cache``, the cursors it holds are not read again while they are valid; ``spans``: the
+    partitions of observations the writer knows (a new one is opened when the log reaches
+    the last one's end)."""
     batch = unique(events, encoded)
     keys = list({(e.job_id, e.source, e.incarnation) for e in batch.events})
     cached: dict[CursorKey, Cursor] = {}
@@ -598,7 +1024,7 @@ def _append_steps(
     # and the sources' cursors; and the savepoint a conflicting COPY rolls back to.
     opening = [_Query(_LOCK_HEAD, fetch="one")]
     if expected is not None:
-        opening.append(_Query(_JOB_HEAD, (expected.job_id,), fetch="one"))
+        opening.append(_Query(_JOB_HEAD, (expected.job_id, expected.position), fetch="one"))
     if wanted:
         opening.append(_Query(_SELECT_CURSORS, _key_columns(wanted), fetch="all"))
     if batch.events:
@@ -647,10 +1073,27 @@ def _append_steps(
     def stamps() -> list[datetime] | None:
         return None if recorded_at is None else [recorded_at[e.event_id] for e in accepted]
 
+    flags = [is_expiring(e) for e in accepted]
+    if any(flags):
+        # Every position of the batch has a span (opened here when the log reached the last
+        # one's end), and an observation's id is unique in its span and the one before:
+        # each span's unique index sees only itself.
+        yield from _ensure_spans(head, head + len(accepted), now, spans)
+        ids = [e.event_id for e, f in zip(accepted, flags, strict=True) if f]
+        start = spans.checked_from(head + 1)
+        rows = yield _Query(_KNOWN_EXPIRING, (ids, start), fetch="all")
+        if rows:
+            seen = {str(r[0]) for r in rows}
+            kept = [i for i, e in enumerate(accepted) if e.event_id not in seen]
+            duplicates += len(accepted) - len(kept)
+            accepted = [accepted[i] for i in kept]
+            encoded_rows = [encoded_rows[i] for i in kept]
+            flags = [flags[i] for i in kept]
+
     closing: list[_Query] = []
     if accepted:
         outcome = yield _Copy(
-            _COPY_EVENTS, _copy_data(head, now, encoded_rows, stamps()), may_conflict=True
+            _COPY_EVENTS, _copy_data(head, now, encoded_rows, flags, stamps()), may_conflict=True
         )
         if outcome is _CONFLICT:
             # An accepted event's id is in the log already (reused under a new seq): skip it.
@@ -661,8 +1104,9 @@ def _append_steps(
             duplicates += len(accepted) - len(kept)
             accepted = [accepted[i] for i in kept]
             encoded_rows = [encoded_rows[i] for i in kept]
+            flags = [flags[i] for i in kept]
             if accepted:
-                yield _Copy(_COPY_EVENTS, _copy_data(head, now, encoded_rows, stamps()))
+                yield _Copy(_COPY_EVENTS, _copy_data(head, now, encoded_rows, flags, stamps()))
     # Whenever events or cursors change (even when every accepted event proved a duplicate),
     # the head moves, so that the head row's xmin names this transaction (``CursorCache``).
     moved = bool(accepted or sequenced.cursors)
@@ -782,14 +1226,16 @@ class AsyncAppender:
     after a failure. Keeps the cursors of the sources it appended for (``CursorCache``).
     """
 
-    def __init__(self, database_url: str) -> None:
+    def __init__(self, database_url: str, *, spans: SpanPolicy | None = None) -> None:
         self._url = libpq_url(database_url)
         self._conn: psycopg.AsyncConnection[Any] | None = None
         self.cursors = CursorCache()
+        self.spans = SpanCache(spans)
 
     async def close(self) -> None:
         """Close the connection."""
         self.cursors.clear()
+        self.spans.spans = None
         conn, self._conn = self._conn, None
         if conn is not None:
             await conn.close()
@@ -805,7 +1251,9 @@ class AsyncAppender:
         """See ``EventStore.append``."""
         if not events and not dead_letters:
             return AppendResult()
-        steps = _append_steps(events, dead_letters, expected, encoded, cache=self.cursors)
+        steps = _append_steps(
+            events, dead_letters, expected, encoded, cache=self.cursors, spans=self.spans
+        )
         try:
             with translated():
                 if self._conn is None or self._conn.closed:
@@ -816,6 +1264,7 @@ class AsyncAppender:
                     await conn.commit()  # committed by the last step already
                 except BaseException as exc:
                     self.cursors.clear()
+                    self.spans.spans = None  # a span opened in the failed transaction is not
                     if isinstance(exc, psycopg.Error):
                         # A failed statement can leave libpq in pipeline mode with results
                         # it still waits for ("cannot exit pipeline mode while busy"): the

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     CheckConstraint,
     Column,
     DateTime,
@@ -19,12 +20,17 @@ from sqlalchemy.dialects.postgresql import JSONB
 
 metadata = MetaData()
 
-#: The append-only log. ``position`` is gap-free and in commit order (see ``log_head``).
+#: The append-only log (migration 0007): partitioned by list on ``expiring``, into
+#: ``events_kept`` (one table, ``event_id`` unique across it) and ``events_expiring`` (step
+#: records and interval liveness summaries, what retention may drop), itself partitioned by
+#: range of ``position``, a span of the log each (``controlplane.store.postgres``).
+#: ``position`` is gap-free and in commit order (see ``log_head``); indexed, without a
+#: unique constraint (none can span both lists).
 events = Table(
     "events",
     metadata,
-    Column("position", BigInteger, primary_key=True, autoincrement=False),
-    Column("event_id", Uuid, nullable=False, unique=True),
+    Column("position", BigInteger, nullable=False),
+    Column("event_id", Uuid, nullable=False),
     Column("job_id", Text, nullable=False),
     Column("type", Text, nullable=False),
     Column("v", SmallInteger, nullable=False),
@@ -35,6 +41,8 @@ events = Table(
     Column("emitted_at", DateTime(timezone=True), nullable=False),
     Column("recorded_at", DateTime(timezone=True), nullable=False),
     Column("payload", JSONB, nullable=False),
+    Column("expiring", Boolean, nullable=False, server_default="false"),
+    Index("events_position", "position"),
     Index("events_job_position", "job_id", "position"),
     Index("events_job_type_position", "job_id", "type", "position"),
 )

@@ -115,7 +115,7 @@ async def test_a_hang_is_decided_from_soft_heartbeats_and_replays_exactly(settin
     redecided = redecide(log)
     assert redecided and all(r.matches for r in redecided)
     view = fold(None, log)
-    assert view.members["w3"].last_heartbeat_at == evidence.at
+    assert view.heartbeats["w3"].at == evidence.at
 
 
 async def test_bad_heartbeats_are_refused_and_the_rest_go_on(settings, pg_store, bus):

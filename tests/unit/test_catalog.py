@@ -3,7 +3,11 @@ reports they hold (the view, and so every decision taken on it, is the same)."""
 
 from __future__ import annotations
 
+import base64
+import dataclasses
+import hashlib
 import json
+import zlib
 
 import pytest
 
@@ -14,9 +18,10 @@ from controlplane.core.fold import fold
 from controlplane.core.records import StoredEvent
 from controlplane.decode import decode
 from controlplane.store.memory import InMemoryEventStore
-from schemas.events import BackupCatalog
+from schemas.catalog import CatalogColumns, encode
+from schemas.events import EVENT_ADAPTER, BackupCatalog, PackedCatalog
 from schemas.subjects import event_subject
-from tests.factories import Events
+from tests.factories import T0, Events
 from tests.scenario import Scenario
 
 
@@ -30,7 +35,7 @@ def _report(ev: Events, rank: int, step: int = 10, generation: int = 1, job: str
 
 def _kinds(events) -> list[str]:
     return [
-        f"catalog*{len(e.payload.sources)}" if e.type == "backup.catalog" else e.type
+        f"catalog*{e.payload.count}" if e.type == "backup.catalog" else e.type
         for e, _ in pack(events)
     ]
 
@@ -59,7 +64,7 @@ def test_runs_of_two_jobs_are_packed_apart_and_each_keeps_its_order():
     a, b = Events("job1"), Events("job2")
     events = [_report(a, 0), _report(b, 0, job="job2"), _report(a, 1), _report(b, 1, job="job2")]
     packed = [e for e, _ in pack(events)]
-    assert [(e.job_id, len(e.payload.sources)) for e in packed] == [("job1", 2), ("job2", 2)]
+    assert [(e.job_id, e.payload.count) for e in packed] == [("job1", 2), ("job2", 2)]
 
 
 def test_a_member_cannot_publish_a_catalog():
@@ -124,29 +129,114 @@ def _positionless(decided) -> list:
     return [(d.type, strip(d.payload.model_dump(mode="json"))) for d in decided]
 
 
-def test_sha256_digests_are_kept_in_base64_and_read_back_as_sent():
-    import hashlib
+def _sent(ev: Events, rank: int, checksum: str, **payload) -> object:
+    report = _report(ev, rank)
+    return report.model_copy(update={"payload": report.payload.model_copy(
+        update={"checksum": checksum, **payload})})  # fmt: skip
 
+
+def test_every_value_of_every_report_is_kept_exactly_and_validated_on_the_way_back():
     ev = Events()
-    sent = []
-    for rank in range(3):
-        report = _report(ev, rank)
-        digest = "sha256:" + hashlib.sha256(bytes([rank])).hexdigest()
-        sent.append(report.model_copy(update={"payload": report.payload.model_copy(
-            update={"checksum": digest})}))  # fmt: skip
+    sent = [
+        _sent(ev, rank, "sha256:" + hashlib.sha256(bytes([rank])).hexdigest(),
+              seconds=0.1 + rank / 3, nbytes=(1 << 40) + rank, holders=[f"m{rank + 1}", "x-9"])
+        for rank in range(5)
+    ]  # fmt: skip
+    sent.append(_sent(ev, 5, "crc32:0bad", holders=[]))  # not a sha256: kept as sent
     [(catalog, _)] = pack(sent)
-    assert catalog.payload.checksums is None and len(catalog.payload.sha256[0]) == 43
+    assert catalog.v == 2 and catalog.payload.count == 6
     stored = [StoredEvent(1, sent[0].emitted_at, catalog)]
-    assert [s.event.payload.checksum for s in unpacked(stored)] == [
-        r.payload.checksum for r in sent
+    back = [s.event for s in unpacked(stored)]
+    assert [(e.source, e.incarnation, e.seq, e.generation, e.payload) for e in back] == [
+        (e.source, e.incarnation, e.seq, e.generation, e.payload) for e in sent
     ]
-    # Any other checksum in the run: every one kept as sent.
-    mixed = [*sent, _report(ev, 3)]
-    [(catalog, _)] = pack(mixed)
-    assert catalog.payload.sha256 is None
-    assert catalog.payload.checksums == [r.payload.checksum for r in mixed]
-    # Validated (an import reads it from a file): the digests' forms cannot be mixed up.
-    body = catalog.payload.model_dump()
-    BackupCatalog.model_validate(body)
+    # Read back from its JSON (a row, an export line): validated, decoded, the same reports.
+    line = catalog.model_dump_json()
+    again = EVENT_ADAPTER.validate_json(line)
+    assert [s.event.payload for s in unpacked([StoredEvent(1, T0, again)])] == [
+        e.payload for e in sent
+    ]
+    # Each digest is its 32 bytes: the row is far smaller than the reports' JSON.
+    assert len(catalog.payload.packed) < sum(len(e.payload.model_dump_json()) for e in sent) / 2
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+def _packed_body(columns: CatalogColumns) -> dict:
+    return {"step": 10, "count": len(columns), "packed": encode(columns)}
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        ({"sources": ["controlplane"]}, "from a member, not the control plane"),
+        ({"sources": ["n0/m 0"]}, "a source is not valid"),
+        ({"incarnations": ["inc\u00e9"]}, "an incarnation is not valid"),
+        ({"holders": [["m1"] * 9]}, "holders is not valid"),
+        ({"holders": [["m1", "m 2"]]}, "holders is not valid"),
+        ({"checksums": ["SHA256:00"]}, "a checksum is not valid"),
+        ({"seqs": [0]}, "a seq below 1"),
+        ({"seconds": [float("inf")]}, "not finite"),
+        ({"seconds": [-1.0]}, "seconds below 0"),
+    ],
+)
+def test_a_packed_catalog_holding_what_no_report_could_is_refused(change, why):
+    good = CatalogColumns(["n0/m0"], ["inc1"], [3], [0], [64], ["sha256:" + "ab" * 32], [0.5],
+                          [["m1"]])  # fmt: skip
+    PackedCatalog.model_validate(_packed_body(good))
+    bad = dataclasses.replace(good, **change)
+    with pytest.raises(ValueError, match=why):
+        PackedCatalog.model_validate(_packed_body(bad))
+
+
+def test_a_packed_catalog_that_does_not_decode_or_lies_about_its_count_is_refused():
+    good = CatalogColumns(["n0/m0", "n1/m1"], ["a", "b"], [3, 4], [0, 1], [64, 64],
+                          ["sha256:" + "ab" * 32, "md5:00"], [0.5, 0.5], [[], []])  # fmt: skip
+    body = _packed_body(good)
+    assert PackedCatalog.model_validate(body).columns() == good
+    for wrong in (
+        {**body, "count": 3},
+        {**body, "packed": body["packed"][:-4]},
+        {**body, "packed": "AAAA" + body["packed"]},
+        {**body, "packed": _b64(zlib.compress(b"\0" * 10**6))},  # a bomb
+    ):
+        with pytest.raises(ValueError, match="packed catalog"):
+            PackedCatalog.model_validate(wrong)
+    # The version says the form: a packed body under version 1 is refused, and the reverse.
+    [(catalog, _)] = pack([_report(Events(), 0), _report(Events(), 1)])
+    envelope = json.loads(catalog.model_dump_json())
+    with pytest.raises(ValueError, match="other version's form"):
+        EVENT_ADAPTER.validate_json(json.dumps({**envelope, "v": 1}))
+
+
+#: A catalog as the store recorded it before version 2 (its JSON lists), from a log kept then.
+_VERSION_1 = {
+    "step": 10, "sources": ["n0/m0", "n1/m1"], "incarnations": ["inc1", "inc1"],
+    "seqs": [2, 2], "shards": [0, 1], "nbytes": [64, 64],
+    "sha256": [base64.urlsafe_b64encode(bytes([k]) * 32).rstrip(b"=").decode() for k in (1, 2)],
+    "seconds": [0.01, 0.02], "holders": [["m1"], ["m0"]],
+}  # fmt: skip
+
+
+def test_a_version_1_catalog_of_an_older_log_still_reads_and_folds_as_its_reports():
+    event = EVENT_ADAPTER.validate_python({
+        "event_id": "5b0f4a52-3c1e-4d8e-9a53-7f6d2c1b8e02", "job_id": "job1",
+        "type": "backup.catalog", "v": 1, "source": "controlplane", "incarnation": "store",
+        "seq": 1, "generation": 1, "emitted_at": T0, "payload": _VERSION_1,
+    })  # fmt: skip
+    assert isinstance(event.payload, BackupCatalog)
+    back = [s.event for s in unpacked([StoredEvent(5, T0, event)])]
+    assert [(e.source, e.payload.shard, e.payload.checksum, e.payload.holders) for e in back] == [
+        ("n0/m0", 0, "sha256:" + "01" * 32, ["m1"]),
+        ("n1/m1", 1, "sha256:" + "02" * 32, ["m0"]),
+    ]
+    # Packed again (an import), it is the same reports in version 2.
+    [(repacked, _)] = pack(back)
+    assert repacked.v == 2
+    assert [s.event.payload for s in unpacked([StoredEvent(5, T0, repacked)])] == [
+        e.payload for e in back
+    ]
     with pytest.raises(ValueError, match="either checksums or sha256"):
-        BackupCatalog.model_validate({**body, "sha256": ["A" * 43] * 4})
+        BackupCatalog.model_validate({**_VERSION_1, "checksums": ["md5:00", "md5:01"]})

@@ -229,6 +229,19 @@ def test_a_crash_is_detected_and_a_same_rack_spare_takes_the_rank():
     ]
 
 
+def test_one_round_answers_whether_anything_is_due_and_is_the_full_call_s_first():
+    """``rounds=1`` (what the service asks of its probe): the first round alone, the
+    detection and the state it leads to, without the plan; nothing when nothing is due."""
+    s = running(2)
+    s.at(2)
+    assert decide(s.v, s.now, s.context, rounds=1) == []
+    s.exited("w01")
+    first = decide(s.v, s.now, s.context, rounds=1)
+    full = decide(s.v, s.now, s.context)
+    assert kinds(first) == ["fault.detected", "job.state_changed"]
+    assert first == full[: len(first)] and kinds(full) == CRASH
+
+
 @pytest.mark.parametrize(
     ("failed", "spare", "world"),
     [

@@ -85,11 +85,14 @@ def k8s_documents() -> list[dict[str, Any]]:
 
 
 def containers(doc: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every container of a Kubernetes object (pod templates, PyTorchJob replicas)."""
+    """Every container of a Kubernetes object (pod templates, a CronJob's job template,
+    PyTorchJob replicas)."""
     spec = doc.get("spec", {})
     templates = []
     if "template" in spec:
         templates.append(spec["template"])
+    if "jobTemplate" in spec:
+        templates.append(spec["jobTemplate"]["spec"]["template"])
     for replica in spec.get("pytorchReplicaSpecs", {}).values():
         templates.append(replica["template"])
     return [c for t in templates for c in t["spec"]["containers"]]
@@ -374,7 +377,7 @@ def test_kubernetes_manifests_parse_and_run_real_commands(tmp_path: Path) -> Non
                 assert "command" not in container, "the image's entry point is elasticctl"
             check_cli(args, args[0])
             ran.add(args[0])
-    assert ran == {"migrate", "serve", "api", "run"}
+    assert ran == {"migrate", "serve", "api", "run", "retention"}
     job = next(d for d in docs if d["kind"] == "PyTorchJob")
     master = job["spec"]["pytorchReplicaSpecs"]["Master"]
     assert master["restartPolicy"] == "Never"  # recovery is the control plane's

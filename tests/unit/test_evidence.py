@@ -276,7 +276,7 @@ def test_a_generation_the_control_plane_never_issued_is_discounted():
     )  # fmt: skip
     assert (s.v.last_step, s.v.last_loss) == (23, 1.0)
     assert s.v.members["w00"].generation == 1
-    assert s.v.members["w00"].last_heartbeat_at == T0 + timedelta(seconds=1)
+    assert s.v.heartbeats["w00"].at == T0 + timedelta(seconds=1)
     [d1, _] = s.v.discounts
     assert (d1.type, d1.source, d1.reason) == (
         "train.step",

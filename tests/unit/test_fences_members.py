@@ -233,7 +233,7 @@ def test_a_member_s_own_fault_counts_whatever_generation_it_names_but_only_from_
     heartbeat(s, "w01", generation=1)  # ... which beats on, too
     new = s.v.members["w01"]
     assert (new.incarnation, new.status, new.last_fault) == ("inc2", MemberStatus.ACTIVE, None)
-    assert new.last_heartbeat_position == mark
+    assert s.v.heartbeats["w01"].position == mark
     assert s.decide() == []
     # The new process is what replaces the next member to fail (spare0: every shard of the
     # backup of step 20 still has a copy on the others).

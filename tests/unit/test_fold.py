@@ -50,9 +50,9 @@ def test_members_topology_and_heartbeats():
     assert [m.rank for m in view.members.values()] == [0, 1, 2, 3]
     m1 = view.members["m1"]
     assert (m1.node, m1.rack, m1.status) == ("n1", "r1", MemberStatus.ACTIVE)
-    assert m1.last_heartbeat_at == log[-1].recorded_at
-    assert m1.last_heartbeat_position == log[-1].position
-    assert (m1.phase, m1.step) == (Phase.BACKUP, 7)
+    heartbeat = view.heartbeats["m1"]
+    assert (heartbeat.at, heartbeat.position) == (log[-1].recorded_at, log[-1].position)
+    assert (heartbeat.evidence, heartbeat.phase, m1.step) == ("member.heartbeat", Phase.BACKUP, 7)
     assert view.world == ("m0", "m1", "m2", "m3")
     assert view.last_position == len(log) and view.events == len(log)
     assert view.anomalies == []
@@ -152,6 +152,29 @@ def test_an_owner_names_the_holders_that_kept_its_copy_in_one_record():
     assert view.backups[30].shards[0].verified_holders() == []
     assert any("'stranger' cannot hold" in a for a in view.anomalies)
     assert any("'m0' cannot hold" in a for a in view.anomalies)
+
+
+def test_a_backup_folded_in_two_batches_copies_only_what_the_second_changes():
+    """The reports of a large job's backup come in several batches: folding the second
+    copies the shards it reports (the view before keeps its own), not every shard of the
+    step, nor a member (a report changes none)."""
+    ev = Events()
+    events = cluster(ev)
+    reports = [
+        ev.make("backup.snapshot", {
+            "step": 10, "shard": r, "nbytes": 10, "checksum": f"crc32:{r:04x}", "seconds": 0.1,
+            "holders": [f"m{(r + 1) % 4}"]}, source=f"n{r % 2}/m{r}")
+        for r in range(4)
+    ]  # fmt: skip
+    log = recorded([*events, *reports])
+    first = fold(None, log[:-2])
+    second = fold(first, log[-2:])
+    before, after = first.backups[10], second.backups[10]
+    assert before is not after and after.satisfied == 4 and before.satisfied == 2
+    assert sorted(before.shards) == [0, 1] and sorted(after.shards) == [0, 1, 2, 3]
+    assert after.shards[0] is before.shards[0] and after.shards[1] is before.shards[1]
+    assert all(second.members[m] is first.members[m] for m in first.members)
+    assert second == fold(None, log)
 
 
 def test_a_replica_with_the_wrong_checksum_is_not_verified():
@@ -401,7 +424,7 @@ def test_recorded_time_not_the_producer_clock_drives_liveness():
     ev = Events()
     late_clock = ev.heartbeat("m0", at=T0.replace(year=2030))
     view = fold(None, recorded([ev.joined("m0"), late_clock]))
-    assert view.members["m0"].last_heartbeat_at.year == 2026
+    assert view.heartbeats["m0"].at.year == 2026
 
 
 def test_the_timeline_of_an_incident():

@@ -1,4 +1,4 @@
-"""Liveness as soft state: the in-memory table (observe, overlay, summaries), the fold of a
+"""Liveness as soft state: the in-memory table (observe, probe, summaries), the fold of a
 summary, re-deciding a log whose heartbeats were never stored, and the counterfactual
 timeout replayed from the summaries (exact at or above their resolution, and said when not).
 """
@@ -7,15 +7,17 @@ from __future__ import annotations
 
 import functools
 import json
+from dataclasses import replace
 from datetime import timedelta
 
 from controlplane.bus import HeartbeatListener
 from controlplane.core.fold import fold
-from controlplane.core.liveness import Beats, LivenessTable, take_beats
+from controlplane.core.liveness import TABLE, Beats, LivenessTable, take_beats
 from controlplane.core.replay import DEADLINE_TICK, counterfactual, redecide
+from controlplane.core.view import Heartbeat
 from controlplane.decode import decode_heartbeats
 from schemas.common import Phase
-from schemas.events import SUMMARY_COLUMN_MEMBERS
+from schemas.events import SUMMARY_COLUMN_MEMBERS, JobPolicy, ms_of
 from tests.factories import T0, Events, recorded
 from tests.recorded import (
     HANG_LAST_HEARTBEAT_S,
@@ -62,14 +64,14 @@ def test_the_table_keeps_the_last_heartbeat_beats_and_the_largest_gap():
     observe(table, "m0", 2.0)  # reordered in transit: older than the last one heard
     heard = table.heard("job1", "m0")
     assert heard is not None
-    assert heard.last_at == at(3.25) and heard.first_at == at(1.0) and heard.beats == 5
-    assert heard.max_gap_s == 1.5 and heard.max_gap_at == at(1.5)
+    assert heard.last_at == at(3.25) and heard.first_ms == ms_of(at(1.0)) and heard.beats == 5
+    assert heard.max_gap_ms == 1500 and heard.max_gap_at_ms == ms_of(at(1.5))
     assert table.stats.reordered == 1
     # A new process of the member starts afresh.
     observe(table, "m0", 4.0, incarnation="i2")
     heard = table.heard("job1", "m0")
     assert heard is not None and heard.incarnation == "i2" and heard.beats == 1
-    assert heard.max_gap_s == 0.0
+    assert heard.max_gap_ms == 0
 
 
 def test_a_window_ends_with_its_summary_and_the_gap_across_it_counts_in_the_next():
@@ -78,13 +80,13 @@ def test_a_window_ends_with_its_summary_and_the_gap_across_it_counts_in_the_next
     view = fold(None, recorded([events.joined("m0", incarnation="i1")]))
     observe(table, "m0", 1.0)
     observe(table, "m0", 2.0)
-    # (A decision's summary lists every member in full; see below for an interval's.)
-    [summary] = table.summarize(view, at(2.5), "decision")
+    # Silent for more than the bound (2 s) at 4.5 s: listed in full, not named regular.
+    [summary] = table.summarize(view, at(4.5), "decision")
     [entry] = summary.rows()
     assert (entry.first_at, entry.last_at, entry.beats) == (at(1.0), at(2.0), 2)
-    assert summary.since == T0 and summary.at == at(2.5)
-    table.summarized("job1", at(2.5))
-    assert table.summary_due("job1", 10.0) == at(12.5)
+    assert summary.since == T0 and summary.at == at(4.5)
+    table.summarized("job1", at(4.5))
+    assert table.summary_due("job1", 10.0) == at(14.5)
     observe(table, "m0", 5.0)
     [summary] = table.summarize(view, at(6.0), "interval")
     [entry] = summary.rows()
@@ -116,19 +118,21 @@ def test_an_active_member_not_heard_since_the_start_counts_as_heard_at_the_start
     view = fold(None, log)  # joined at T0+1 s and T0+2 s
     table = LivenessTable(started_at=at(30.0))  # a takeover, later
     observe(table, "m1", 31.0)
-    table.overlay(view)
-    assert view.members["m0"].last_heartbeat_at == at(30.0)  # assumed
-    assert view.members["m1"].last_heartbeat_at == at(31.0)  # heard
+    probe = table.probe(view)
+    assert probe.heartbeats["m0"].at == at(30.0)  # assumed
+    assert probe.heartbeats["m1"].at == at(31.0)  # heard
+    assert view.heartbeats == {}  # the view is the log's: the probe is a copy
     parts = table.summarize(view, at(32.0), "decision")
     entries = {e.member: e for p in parts for e in p.rows()}
     assert entries["m0"].assumed and entries["m0"].beats == 0
     assert not entries["m1"].assumed
-    # Folding the summary gives the log exactly what the overlay gave the live view.
+    # Folding the summary gives the log m0's assumed time; m1, heard regularly since the
+    # table started, at most the bound (2 s) before the summary (not before the window).
     summary = events.cp("liveness.summary", parts[0].model_dump(mode="json"))
     folded = fold(fold(None, log), recorded([summary], start=3))
-    for member in ("m0", "m1"):
-        assert folded.members[member].last_heartbeat_at == view.members[member].last_heartbeat_at
-        assert folded.members[member].heartbeat_evidence == "liveness.summary"
+    assert folded.heartbeats["m0"].at == at(30.0)
+    assert folded.heartbeats["m1"].at == at(30.0) <= probe.heartbeats["m1"].at
+    assert {h.evidence for h in folded.heartbeats.values()} == {"liveness.summary"}
 
 
 def test_a_summary_of_many_members_is_split_into_parts():
@@ -138,7 +142,7 @@ def test_a_summary_of_many_members_is_split_into_parts():
     table = LivenessTable(started_at=T0)
     for i in range(n):
         observe(table, f"m{i}", 1.0)
-    parts = table.summarize(view, at(2.0), "decision")
+    parts = table.summarize(view, at(4.0), "decision")  # silent past the bound: in full
     assert [(p.part, p.parts, len(list(p.rows()))) for p in parts] == [
         (1, 2, SUMMARY_COLUMN_MEMBERS), (2, 2, 5)]  # fmt: skip
 
@@ -178,10 +182,15 @@ def test_an_interval_summary_names_the_regular_members_and_lists_the_others():
     folded = fold(view, recorded([_recorded_summary(events, summary)], start=9))
     heard = table.heard("job1", "m0")
     assert heard is not None
-    assert folded.members["m0"].last_heartbeat_at == at(8.0) <= heard.last_at
-    assert folded.members["stopped"].last_heartbeat_at == at(6.0)
-    # A decision's summary names nobody: every member in full.
+    assert folded.heartbeats["m0"].at == at(8.0) <= heard.last_at
+    assert folded.heartbeats["stopped"].at == at(6.0)
+    # A decision's summary names them too: the bound (2 s) is shorter than every phase's
+    # timeout and than the silence that corroborates a report (3 intervals) ...
     [decision] = table.summarize(view, at(10.0), "decision")
+    assert decision.regular == summary.regular and decision.columns == summary.columns
+    # ... unless a timeout is that short: then every member is listed in full.
+    short = replace(view, policy=JobPolicy(heartbeat_timeout_s={Phase.TRAIN: 2.0}))
+    [decision] = table.summarize(short, at(10.0), "decision")
     assert decision.regular is None and decision.columns is not None
     assert len(decision.columns.members) == len(names)
 
@@ -194,7 +203,8 @@ def test_an_interval_summary_of_a_steady_job_costs_a_name_per_member():
     for i in range(n):
         _steady(table, f"m{i}", 0.5, 9.5, step_seconds=1.0)
     [interval] = table.summarize(view, at(10.0), "interval")
-    full = table.summarize(view, at(10.0), "decision")
+    short = replace(view, policy=JobPolicy(heartbeat_timeout_s={Phase.TRAIN: 2.0}))
+    full = table.summarize(short, at(10.0), "decision")  # every member in full
     interval_bytes = len(interval.model_dump_json())
     full_bytes = sum(len(p.model_dump_json()) for p in full)
     assert interval.columns is None and interval.regular is not None
@@ -216,7 +226,7 @@ def test_a_summary_of_another_process_or_from_a_member_changes_nothing():
     [part] = table2.summarize(fold(None, log), at(6.0), "interval")
     forged = events.make("liveness.summary", part.model_dump(mode="json"), source="n0/m0")
     view = fold(None, [*log, *recorded([forged], start=2)])
-    assert view.members["m0"].last_heartbeat_at is None
+    assert view.heartbeats == {}
 
 
 # --------------------------------------------------------------------------- a recorded run
@@ -271,8 +281,9 @@ def test_a_counterfactual_timeout_below_the_resolution_says_it_is_not_exact():
         if e.event.type == "liveness.summary"
     ]
     # The resolution is the longest window: the interval, and up to a turn more (the
-    # decider records an interval summary at its first turn once it is due).
-    assert SUMMARY_S <= max(windows) < SUMMARY_S + 1.0
+    # decider records an interval summary at its first turn once it is due; the recording
+    # takes a turn a second, and a decision's summary leaves the window open).
+    assert SUMMARY_S <= max(windows) <= SUMMARY_S + 1.0
     assert "NOT exact" in note and f"resolution {max(windows):g}s" in note
 
 
@@ -398,6 +409,10 @@ def test_a_relayed_beat_is_heard_when_its_launcher_heard_it_and_one_bad_beat_spa
     assert table.heard("job1", "m0").last_at == at - timedelta(milliseconds=250)
     assert table.heard("job1", "m1").last_at == at
     assert table.heard("job1", "m3") is None
+    probe = table.probe(sc.v)  # what the decider judges the members on
+    assert probe.heartbeats["m0"].at == at - timedelta(milliseconds=250)
+    assert probe.heartbeats["m1"] == Heartbeat(at, None, TABLE, Phase.TRAIN)
+    assert "m3" not in probe.heartbeats
     stale = decode_heartbeats(
         "elastic.hb.job1.n0.launcher", _node([_relayed("m1", incarnation="old")])
     )
@@ -468,8 +483,7 @@ def test_a_summary_recorded_as_entries_still_folds():
     summary = events.cp("liveness.summary", {"reason": "interval", "at": at(6.0).isoformat(),
                                              "members": [entry]})  # fmt: skip
     view = fold(fold(None, log), recorded([summary], start=2))
-    assert view.members["m0"].last_heartbeat_at == at(5.0)
-    assert view.members["m0"].heartbeat_evidence == "liveness.summary"
+    assert view.heartbeats["m0"] == Heartbeat(at(5.0), 2, "liveness.summary", Phase.TRAIN)
 
 
 def test_the_table_keeps_times_on_the_millisecond_a_summary_records():
@@ -559,3 +573,125 @@ def test_milliseconds_of_a_time_are_exact_and_round_down():
         assert ms_of(at) == (at - epoch) // timedelta(milliseconds=1), at
         ms = rng.randrange(2**45)
         assert ms_of(at_ms(ms)) == ms
+
+
+# --------------------------------------------------------------------------- the probe
+
+
+def test_a_summary_moves_the_view_s_heartbeats_and_copies_no_member():
+    """A summary of a large job names thousands of members: its fold changes the view's
+    ``heartbeats`` (one mapping, copied once) and shares every member with the view before."""
+    events = Events()
+    names = ["m0", "m1", "stopped"]
+    view = fold(None, recorded([events.joined(m, incarnation="i1") for m in names]))
+    table = LivenessTable(started_at=T0)
+    for member in ("m0", "m1"):
+        _steady(table, member, 0.5, 9.5)
+    _steady(table, "stopped", 0.5, 6.0)
+    [summary] = table.summarize(view, at(10.0), "interval")
+    assert summary.regular is not None and summary.regular.members == ["m0", "m1"]
+    folded = fold(view, recorded([_recorded_summary(events, summary)], start=4))
+    assert all(folded.members[m] is view.members[m] for m in names)
+    assert view.heartbeats == {}  # the view folded before is untouched
+    assert folded.heartbeats == {
+        "m0": Heartbeat(at(8.0), 4, "liveness.summary", Phase.TRAIN),
+        "m1": Heartbeat(at(8.0), 4, "liveness.summary", Phase.TRAIN),
+        "stopped": Heartbeat(at(6.0), 4, "liveness.summary", Phase.TRAIN),
+    }
+
+
+def test_a_quick_probe_errs_only_towards_silence_and_an_exact_one_drops_an_earlier_process():
+    """The quick probe merges the table's heartbeats over the log's in C; an entry of a
+    member's earlier process (it joined again, and its new process has not beaten yet)
+    makes it look silent since then. The exact probe takes only the view's processes, and
+    drops the earlier one's entry from the table."""
+    events = Events()
+    log = recorded([events.joined("m0", incarnation="i1"), events.joined("m1", incarnation="i1")])
+    table = LivenessTable(started_at=T0)
+    observe(table, "m0", 2.5)
+    observe(table, "m1", 2.5)
+    view = fold(None, [*log, *recorded([events.joined("m1", incarnation="i2")], start=3)])
+    quick = table.probe(view)
+    assert quick.heartbeats["m1"].at == at(2.5) < view.members["m1"].joined_at == at(3.0)
+    assert table.exact_for(view, quick, ["m0"]) and not table.exact_for(view, quick, ["m1"])
+    exact = table.probe(view, exact=True)
+    assert exact.heartbeats == {"m0": quick.heartbeats["m0"]}  # m1: its join (3 s) counts
+    assert table.heard("job1", "m1") is None
+    assert table.probe(view).heartbeats == exact.heartbeats  # repaired for the quick one too
+    assert view.heartbeats == {}  # a probe is a copy: the view is the log's
+
+
+def test_after_the_heartbeats_came_back_every_member_counts_as_heard_then_at_the_latest():
+    events = Events()
+    view = fold(None, recorded([events.joined(m, incarnation="i1") for m in ("m0", "m1")]))
+    table = LivenessTable(started_at=T0)
+    observe(table, "m0", 3.0)
+    observe(table, "m0", 9.0)
+    table.resume(at(6.0))  # the heartbeats' connection came back at 6 s
+    probe = table.probe(view)
+    assert probe.heartbeats["m0"].at == at(9.0)  # heard since
+    assert probe.heartbeats["m1"].at == at(6.0)  # never heard: assumed at 6 s
+    entries = {e.member: e for p in table.summarize(view, at(10.0), "decision") for e in p.rows()}
+    assert entries["m1"].assumed and not entries["m0"].assumed
+
+
+def test_a_decision_s_summary_leaves_the_window_open():
+    """A fault, then its resolution a step later: the second decision's summary still
+    covers the window since the last interval's, so it names the members heard regularly
+    (a window of a fraction of an interval would list every member not heard in it)."""
+    events = Events()
+    view = fold(None, recorded([events.joined(f"m{i}", incarnation="i1") for i in range(4)]))
+    table = LivenessTable(started_at=T0)
+    for i in range(4):
+        _steady(table, f"m{i}", 0.5, 9.5)
+    [first] = table.summarize(view, at(9.6), "decision")
+    table.summarized("job1", at(9.6), "decision")
+    assert table.summary_due("job1", 10.0) == at(10.0)  # the interval's, as before
+    [second] = table.summarize(view, at(9.8), "decision")
+    assert first.since == second.since == T0
+    assert second.regular is not None and len(second.regular.members) == 4
+    table.summarized("job1", at(10.0), "interval")
+    assert table.summary_due("job1", 10.0) == at(20.0)
+
+
+def _timeouts(train: float) -> dict[Phase, float]:
+    return {Phase.INIT: 30.0, Phase.TRAIN: train, Phase.WAITING: 30.0, Phase.BACKUP: 30.0,
+            Phase.RESTORE: 30.0}  # fmt: skip
+
+
+async def test_the_decider_decides_once_on_the_log_s_own_view_and_replays_exactly():
+    """A hang: the decider judges it on its probe, records the summary (the three members
+    heard regularly named, the silent one in full), and decides on the view that folded
+    it. Its views are the fold of its log, and re-deciding the log gives its decisions."""
+    from controlplane.core.fold import fold_jobs
+    from controlplane.decider import Decider
+
+    s = SoftScenario(world_size=4, min_world=1, heartbeat_timeout_s=_timeouts(2.5))
+    s.cluster(2, 2)
+    s.start_and_train()  # all heard at 1 s
+    for t in (2.0, 3.0):
+        s.at(t)
+        s.heartbeat("w00", "w01", "w11")  # w10 hangs after 1 s
+    s.at(4.0)
+    views = {s.job_id: s.v}
+    store = _Store(s.log)
+
+    def apply(result) -> None:  # type: ignore[no-untyped-def]
+        views.update(fold_jobs(views, result.stored))
+
+    decider = Decider(
+        views=lambda: views, apply=apply, refresh=None, appender=store, publisher=None,
+        context=s.context, clock=lambda: s.now, liveness=s.table,
+    )  # fmt: skip
+    await decider.turn()
+    log = store.store.read(job_id=s.job_id)
+    [summary] = [e for e in log if e.event.type == "liveness.summary"][-1:]
+    payload = summary.event.payload
+    assert payload.reason == "decision" and payload.regular is not None
+    assert payload.regular.members == ["w00", "w01", "w11"]
+    assert payload.columns is not None and payload.columns.members == ["w10"]
+    [detected] = [e.event.payload for e in log if e.event.type == "fault.detected"]
+    assert (detected.reason, detected.members) == ("heartbeat_timeout", ["w10"])
+    assert detected.evidence[0].position == summary.position
+    assert views[s.job_id] == fold(None, log)  # the live view is the log's
+    assert all(r.matches for r in redecide(log))

@@ -324,15 +324,15 @@ def test_a_silent_member_of_the_dead_node_serves_no_restore():
 
 def test_silent_nodes_judges_a_node_by_all_of_its_members():
     s, _ = silent_node_job()
-    members = s.v.members
+    members, heartbeats = s.v.members, s.v.heartbeats
     # At t=6.5: w01 was found silent; spare0 (node-0-1) has not beaten for 5.5 s.
-    found = silent_nodes(members, ["w01"], s.now, bound_s=3.0)
+    found = silent_nodes(members, ["w01"], s.now, bound_s=3.0, heartbeats=heartbeats)
     assert list(found) == ["node-0-1"]
     assert found["node-0-1"].found == ("w01",)
     assert found["node-0-1"].silent == (("spare0", 5.5),)
     # A bound longer than spare0's silence: the node is not taken as gone.
-    assert silent_nodes(members, ["w01"], s.now, bound_s=6.0) == {}
+    assert silent_nodes(members, ["w01"], s.now, bound_s=6.0, heartbeats=heartbeats) == {}
     # Nobody found silent: nothing is judged.
-    assert silent_nodes(members, [], s.now, bound_s=3.0) == {}
+    assert silent_nodes(members, [], s.now, bound_s=3.0, heartbeats=heartbeats) == {}
     # w00's node has no other member.
-    assert silent_nodes(members, ["w00"], s.now, bound_s=0.1) == {}
+    assert silent_nodes(members, ["w00"], s.now, bound_s=0.1, heartbeats=heartbeats) == {}

@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from typer.testing import CliRunner
 
 from controlplane.cli import app
+from schemas.catalog import CatalogColumns, encode
 from schemas.commands import COMMAND_ADAPTER, Reallocate, Stop
 from schemas.common import MAX_TEXT, MAX_WORLD, JobState, Phase
 from schemas.events import (
@@ -93,14 +94,10 @@ MINIMAL_PAYLOADS: dict[str, dict[str, Any]] = {
     "liveness.summary": {"reason": "interval", "at": "2026-01-01T00:00:00+00:00"},
     "backup.catalog": {
         "step": 10,
-        "sources": ["n0/m0"],
-        "incarnations": ["i1"],
-        "seqs": [3],
-        "shards": [0],
-        "nbytes": [64],
-        "checksums": ["sha256:ab"],
-        "seconds": [0.01],
-        "holders": [["m1"]],
+        "count": 1,
+        "packed": encode(
+            CatalogColumns(["n0/m0"], ["i1"], [3], [0], [64], ["sha256:ab"], [0.01], [["m1"]])
+        ),
     },
 }
 
@@ -206,7 +203,7 @@ def envelope(type_: str, payload: dict[str, Any] | None = None, **over: Any) -> 
         "event_id": str(uuid.uuid4()),
         "job_id": "job1",
         "type": type_,
-        "v": 1,
+        "v": max(SCHEMA_VERSIONS[type_]),
         "source": source,
         "incarnation": "inc1",
         "seq": 1,
@@ -239,7 +236,10 @@ def test_catalog_is_covered_and_disjoint():
     assert set(MINIMAL_PAYLOADS) == set(ALL_TYPES)
     assert not set(MEMBER_EVENT_TYPES) & set(CONTROLPLANE_EVENT_TYPES)
     assert set(SCHEMA_VERSIONS) == set(ALL_TYPES)
-    assert all(v == frozenset({1}) for v in SCHEMA_VERSIONS.values())
+    # Every type is at version 1 but the catalog, at 2 (packed); logs still hold its 1.
+    assert {t: v for t, v in SCHEMA_VERSIONS.items() if v != frozenset({1})} == {
+        "backup.catalog": frozenset({1, 2})
+    }
     assert set(FULL_PAYLOADS) <= set(ALL_TYPES)
 
 
