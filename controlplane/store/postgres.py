@@ -1083,12 +1083,8 @@ def _append_steps(
         start = spans.checked_from(head + 1)
         rows = yield _Query(_KNOWN_EXPIRING, (ids, start), fetch="all")
         if rows:
-            seen = {str(r[0]) for r in rows}
-            kept = [i for i, e in enumerate(accepted) if e.event_id not in seen]
-            duplicates += len(accepted) - len(kept)
-            accepted = [accepted[i] for i in kept]
-            encoded_rows = [encoded_rows[i] for i in kept]
-            flags = [flags[i] for i in kept]
+            accepted, encoded_rows, flags, dropped = _without(rows, accepted, encoded_rows, flags)
+            duplicates += dropped
 
     closing: list[_Query] = []
     if accepted:
@@ -1099,12 +1095,8 @@ def _append_steps(
             # An accepted event's id is in the log already (reused under a new seq): skip it.
             yield _Query("ROLLBACK TO SAVEPOINT append_copy")
             rows = yield _Query(_KNOWN_IDS, ([e.event_id for e in accepted],), fetch="all")
-            known = {str(r[0]) for r in rows}
-            kept = [i for i, e in enumerate(accepted) if e.event_id not in known]
-            duplicates += len(accepted) - len(kept)
-            accepted = [accepted[i] for i in kept]
-            encoded_rows = [encoded_rows[i] for i in kept]
-            flags = [flags[i] for i in kept]
+            accepted, encoded_rows, flags, dropped = _without(rows, accepted, encoded_rows, flags)
+            duplicates += dropped
             if accepted:
                 yield _Copy(_COPY_EVENTS, _copy_data(head, now, encoded_rows, flags, stamps()))
     # Whenever events or cursors change (even when every accepted event proved a duplicate),
@@ -1166,6 +1158,24 @@ def _append_steps(
 
 #: libpq 14 and later pipeline (psycopg's binary package brings its own, 17 or later).
 _PIPELINE = psycopg.Pipeline.is_supported()
+
+
+def _without(
+    known: Sequence[Any],
+    accepted: list[EnvelopeBase],
+    encoded_rows: list[bytes],
+    flags: list[bool],
+) -> tuple[list[EnvelopeBase], list[bytes], list[bool], int]:
+    """The accepted events (their rows and flags alike) without those whose ids the rows
+    ``known`` name; and how many were dropped."""
+    ids = {str(r[0]) for r in known}
+    kept = [i for i, e in enumerate(accepted) if e.event_id not in ids]
+    return (
+        [accepted[i] for i in kept],
+        [encoded_rows[i] for i in kept],
+        [flags[i] for i in kept],
+        len(accepted) - len(kept),
+    )
 
 
 def _run_sync(conn: psycopg.Connection[Any], steps: _Steps) -> AppendResult:
