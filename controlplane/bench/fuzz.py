@@ -587,7 +587,14 @@ def _report_key(data: bytes) -> tuple[str, str, int] | None:
         if env.get("type") != "backup.snapshot":
             return None
         return str(env["source"]), str(env["incarnation"]), int(env["seq"])
-    except (ValueError, TypeError, KeyError, AttributeError, RecursionError):  # any bytes
+    except (
+        ValueError,
+        TypeError,
+        KeyError,
+        AttributeError,
+        RecursionError,
+        OverflowError,
+    ):  # any bytes (a seq of Infinity included)
         return None
 
 
