@@ -11,11 +11,14 @@ contradicts the envelope, forged control-plane types, implausible and replayed s
 nesting, oversized messages, instants out of range).
 
 Every case JetStream acknowledged must end stored (by event_id) or dead-lettered (by stream
-sequence, or by event_id for an event the sequence rules or the store refused):
-``unaccounted`` counts those that did neither. ``crashes``: serve exited before it was
-stopped. ``stalls``: gaps of more than ``STALL_S`` between two commits (PostgreSQL's commit
-timestamps of the rows written) while input flowed: from the first publish to the last
-commit, or to giving up (30 s without progress) when cases are still owed.
+sequence, or by event_id for an event the sequence rules or the store refused), or, for a
+backup report at or below its source's highest seq and in no hole, be dropped as a repeat of
+a packed report (``repeated_reports``: the store keeps no report's event_id to tell a repeat
+from a replayed seq): ``unaccounted`` counts those that did none of these. ``crashes``:
+serve exited before it was stopped. ``stalls``: gaps of more than ``STALL_S`` between two
+commits (PostgreSQL's commit timestamps of the rows written) while input flowed: from the
+first publish to the last commit, or to giving up (30 s without progress) when cases are
+still owed.
 ``job_completed``: the training job reached COMPLETED.
 """
 
@@ -27,6 +30,7 @@ import itertools
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import tempfile
@@ -56,7 +60,7 @@ from controlplane.store.postgres import (
     catalog_reports,
     encode_row,
 )
-from schemas.common import MAX_EVENT_BYTES, JobState
+from schemas.common import IDENT_PATTERN, MAX_EVENT_BYTES, JobState
 from schemas.events import CONTROLPLANE_EVENT_TYPES, MEMBER_EVENT_TYPES
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -538,6 +542,10 @@ class Accounting:
 
     stored: int = 0
     dead_lettered: int = 0
+    #: Backup reports at or below their source's highest seq and in no hole: the store takes
+    #: each for a repeat of a report it packed (whose event_id it does not keep) and drops
+    #: it as a duplicate (``core.catalog.is_repeated_report``), by design.
+    repeated_reports: int = 0
     unaccounted: list[int] = field(default_factory=list)
     #: Dead-letter reasons by their first words (what the ingest said about the cases).
     reasons: Counter[str] = field(default_factory=Counter)
@@ -553,9 +561,19 @@ def account(database_url: str, cases: Sequence[Case], seqs: dict[int, int | None
                 "SELECT event_id FROM events WHERE event_id = ANY(%s::uuid[])", (ids,)
             ).fetchall()
         }
-        # A backup report the store packed is in a catalog, by its source, incarnation, seq.
-        payloads = conn.execute(CATALOG_PAYLOADS, {"job": None}).fetchall()
-        packed = set(catalog_reports(r[0] for r in payloads))
+        # A backup report the store packed is in a catalog of its job, by its source,
+        # incarnation and seq.
+        packed: set[tuple[str, str, str, int]] = set()
+        jobs = {_job_of(cases[i].subject) for i in seqs}
+        for job in (j for j in jobs if j is not None):
+            payloads = conn.execute(CATALOG_PAYLOADS, {"job": job}).fetchall()
+            packed.update((job, *key) for key in catalog_reports(r[0] for r in payloads))
+        cursors = {
+            (str(r[0]), str(r[1]), str(r[2])): (int(r[3]), r[4])
+            for r in conn.execute(
+                "SELECT job_id, source, incarnation, last_seq, holes FROM source_cursors"
+            ).fetchall()
+        }
         letters = conn.execute(
             "SELECT stream_seq, event_id, reason FROM dead_letters WHERE stream_seq = ANY(%s)"
             " OR event_id = ANY(%s)",
@@ -568,25 +586,49 @@ def account(database_url: str, cases: Sequence[Case], seqs: dict[int, int | None
         if seq is None:
             continue
         event_id = cases[index].event_id
-        if event_id in stored or _report_key(cases[index].data) in packed:
+        report = _report_key(cases[index].data)
+        if event_id in stored or report in packed:
             out.stored += 1
             continue
         reason = by_seq.get(seq) or by_id.get(event_id)
         if reason is None:
-            out.unaccounted.append(index)
+            if report is not None and _repeated(report, cursors):
+                out.repeated_reports += 1
+            else:
+                out.unaccounted.append(index)
             continue
         out.dead_lettered += 1
         out.reasons[_reason_kind(reason)] += 1
     return out
 
 
-def _report_key(data: bytes) -> tuple[str, str, int] | None:
-    """(source, incarnation, seq) of a case that is a backup report, else None."""
+def _job_of(subject: bytes) -> str | None:
+    """The job a case was published to (its subject's third token), when it is a job id."""
+    parts = subject.split(b".")
+    if len(parts) < 3:
+        return None
+    job = parts[2].decode("utf-8", "replace")
+    return job if re.fullmatch(IDENT_PATTERN, job) else None
+
+
+def _repeated(report: tuple[str, str, str, int], cursors: dict[Any, Any]) -> bool:
+    """Whether a report's seq is at or below its source's highest and in none of its holes
+    (what the store drops as a repeat of a packed report)."""
+    job, source, incarnation, seq = report
+    cursor = cursors.get((job, source, incarnation))
+    if cursor is None:
+        return False
+    last, holes = cursor
+    return seq <= last and not any(lo <= seq <= hi for lo, hi in holes)
+
+
+def _report_key(data: bytes) -> tuple[str, str, str, int] | None:
+    """(job, source, incarnation, seq) of a case that is a backup report, else None."""
     try:
         env = json.loads(data)
         if env.get("type") != "backup.snapshot":
             return None
-        return str(env["source"]), str(env["incarnation"]), int(env["seq"])
+        return str(env["job_id"]), str(env["source"]), str(env["incarnation"]), int(env["seq"])
     except (
         ValueError,
         TypeError,
@@ -845,7 +887,12 @@ def run_fuzz_bench(
         "cases": acknowledged,
         "stored": out.accounting.stored,
         "dead_lettered": out.accounting.dead_lettered,
+        "repeated_reports": out.accounting.repeated_reports,
         "unaccounted": len(out.accounting.unaccounted),
+        # What the unaccounted cases were, by kind (where to look when there are any).
+        "unaccounted_kinds": dict(
+            Counter(generated[i].kind for i in out.accounting.unaccounted).most_common()
+        ),
         "crashes": int(out.crashed),
         "serve_exit": out.serve_exit,
         "stalls": sum(1 for g in out.gaps if g > STALL_S),
