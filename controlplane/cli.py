@@ -567,7 +567,18 @@ def bench_takeover(
 @bench_app.command("api")
 def bench_api(
     *,
-    events: Annotated[int, typer.Option(min=1000, help="Events in the log.")] = 1_000_000,
+    events: Annotated[
+        int, typer.Option(min=1000, help="Events in the log of the 64-worker job.")
+    ] = 1_000_000,
+    ranks: Annotated[
+        int | None,
+        typer.Option(
+            min=2,
+            help="Serve instead the history of --days of a job of this many ranks (as bench"
+            " takeover writes it, with its incidents and its view snapshot).",
+        ),
+    ] = None,
+    days: Annotated[float, typer.Option(min=0.001, help="Days of history with --ranks.")] = 1.0,
     clients: Annotated[int, typer.Option(min=1, help="Concurrent clients.")] = 32,
     seconds: Annotated[float, typer.Option(min=1.0, help="Measured time per route.")] = 10.0,
     client: Annotated[
@@ -586,10 +597,17 @@ def bench_api(
 ) -> None:
     """Measure the REST API's latency on a big log (the timeline and events routes).
 
-    Fills the log with a job of 64 workers and spares that train, back up and recover from a
-    crash now and then (decided by the real decider), starts `elasticctl api` as its own
-    process, and runs CLIENTS concurrent clients against each route. Uses ELASTIC_DATABASE_URL
-    when set (the database is migrated and written to); otherwise an embedded PostgreSQL.
+    The log: --events events of a job of 64 workers and spares that train, back up and
+    recover from a crash now and then (decided by the real decider); or, with --ranks, the
+    history of --days of a job of that many ranks (a step a second, catalogs, liveness
+    summaries, each rank's recovery at eight incidents a day, decided by the real decider;
+    as many rows as that job writes), with the view snapshot and steps chunks a leader
+    would have recorded. Then `elasticctl api` starts as its own process (from the snapshot:
+    cold_start_s), and CLIENTS concurrent clients call each route for SECONDS: a random
+    incident's timeline; a page of events after a random cursor, some filtered by type or
+    member. Prints p50/p99 per route, requests/s, the API's CPU per request, and the log's
+    rows and bytes. Uses ELASTIC_DATABASE_URL when set (the database is migrated and
+    written to); otherwise an embedded PostgreSQL.
     """
     from controlplane.bench import BenchError
     from controlplane.bench.api import run_api_bench
@@ -599,10 +617,10 @@ def bench_api(
         raise _fail(f"--client must be raw or httpx, not {client!r}")
     try:
         result = run_api_bench(
-            events=events, clients=clients, seconds=seconds, client=client,
-            progress=not as_json, compare_plain=compare_plain,
+            events=events, ranks=ranks, days=days, clients=clients, seconds=seconds,
+            client=client, progress=not as_json, compare_plain=compare_plain,
         )  # fmt: skip
-    except BenchError as exc:
+    except (BenchError, ValueError) as exc:
         raise _fail(str(exc), 1) from exc
     typer.echo(json.dumps(result))
 
@@ -1102,16 +1120,28 @@ def bench_replay(
     *,
     events: Annotated[int, typer.Option(min=100, help="Events in the log file.")] = 200_000,
     members: Annotated[int, typer.Option(min=2, help="Members of the synthetic job.")] = 64,
+    ranks: Annotated[
+        int | None,
+        typer.Option(
+            min=2,
+            help="Replay instead the history of --days of a job of this many ranks (as bench"
+            " api and bench takeover generate it); also prints rank_seconds_per_s.",
+        ),
+    ] = None,
+    days: Annotated[float, typer.Option(min=0.001, help="Days of history with --ranks.")] = 1.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print only the JSON result.")] = False,
 ) -> None:
     """Rebuild a job's view from a JSONL log file: read, validate and fold, in events/s.
 
-    Writes a synthetic job's log (controlplane.synth) to a temporary file, then times
-    `elasticctl replay`'s path over it (median of three runs; no server involved).
+    Writes a synthetic job's log (controlplane.synth), or with --ranks the history of --days
+    of a job of that many ranks, to a temporary file, then times `elasticctl replay`'s path
+    over it (median of three runs; no server involved).
     """
     from controlplane.bench.replay import run_replay_bench
 
-    result = run_replay_bench(events=events, members=members, progress=not as_json)
+    result = run_replay_bench(
+        events=events, members=members, ranks=ranks, days=days, progress=not as_json
+    )
     typer.echo(json.dumps(result))
 
 

@@ -263,11 +263,12 @@ class Api:
             until=params.until,
         )
         if self.pages is not None:
-            texts, next_after = await self.pages.page(query)
+            page = await self.pages.page(query)
         else:
-            texts, next_after = await to_thread.run_sync(_page, self.store, query)
+            page = await to_thread.run_sync(_page, self.store, query)
+        next_after = page.next_after
         body = b'{"events":[%s],"next_after":%s}' % (
-            b",".join(texts),
+            page.events,
             b"null" if next_after is None else str(next_after).encode(),
         )
         return Rendered(0, body, _etag(body), final=next_after is not None)
@@ -434,7 +435,7 @@ def _event_routes(api: Api, router: APIRouter) -> None:
         return api.send(request, await api.events(job, params))
 
 
-def _page(store: EventStore, query: sql.EventQuery) -> tuple[list[bytes], int | None]:
+def _page(store: EventStore, query: sql.EventQuery) -> sql.Page:
     """A page of events as JSON (UTF-8), filtered here (a store other than PostgreSQL)."""
     out: list[bytes] = []
     after = query.after
@@ -453,7 +454,8 @@ def _page(store: EventStore, query: sql.EventQuery) -> tuple[list[bytes], int | 
         after = batch[-1].position
     more = len(out) > query.limit
     texts = out[: query.limit]
-    return texts, (EventOut.model_validate_json(texts[-1]).position if more else None)
+    next_after = EventOut.model_validate_json(texts[-1]).position if more else None
+    return sql.Page(b",".join(texts), len(texts), next_after)
 
 
 def _event_json(stored: Any) -> bytes:

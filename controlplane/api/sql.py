@@ -112,10 +112,39 @@ def tail(engine: Engine, after: int, limit: int) -> list[StoredEvent]:
     return [StoredEvent(int(p), at, validate(envelope)) for p, at, envelope in rows]
 
 
+@dataclass(frozen=True, slots=True)
+class Page:
+    """A page of events as the API sends them."""
+
+    #: The events' JSON objects joined by commas: what goes between the brackets of
+    #: ``EventPage.events``.
+    events: bytes
+    #: How many events ``events`` holds.
+    count: int
+    #: The cursor of the next page (None: no later event matches yet).
+    next_after: int | None
+
+
 def _page_sql(query: EventQuery) -> tuple[str, list[object]]:
     """The page's statement (psycopg's ``%s`` placeholders, in the order they appear) and
-    its parameters."""
-    params: list[object] = [_str(query.job_id)]  # the first placeholder, in _EVENT_JSON
+    its parameters: one row of the page's events joined (``Page.events``), the events found
+    (one more than the page's limit when there is a next page) and the position of the
+    page's last event.
+
+    PostgreSQL joins the page's events itself (``string_agg``): the API reads one value, not
+    a row per event (psycopg's handling of each row, through its asyncio wait loop, was the
+    largest part of a page's cost to the API).
+
+    A page of one type is found in two steps: its positions first, from the index on (job,
+    type, position) alone (an index-only scan: the next ``limit + 1`` entries of that type
+    after the cursor), then those rows by position, bounded by the cursor and the last of
+    them so that PostgreSQL reads only the spans (partitions) that hold them. Asked in one
+    step, PostgreSQL reads the log in position order and drops the other types' rows as it
+    goes whenever it takes a type for spread evenly over the log (its statistics say how
+    common a type is, not where): right after a cursor in an incident of a large job, a page
+    of steps sat behind tens of thousands of recovery events and cost several times an
+    unfiltered page (docs/benchmarks.md, "The API on a large job's log")."""
+    params: list[object] = []  # the filters' (the JSON's own comes first: below)
 
     def param(value: object) -> str:
         params.append(value)
@@ -135,11 +164,29 @@ def _page_sql(query: EventQuery) -> tuple[str, list[object]]:
     # The limit is written in the statement, not passed: a prepared statement's generic plan
     # assumes a tenth of the rows for a LIMIT it does not know, so PostgreSQL would plan each
     # page again (a custom plan, twice the cost of the page) rather than use it.
-    sql = (
-        f"SELECT position, {_EVENT_JSON} FROM events WHERE {' AND '.join(where)}"
-        f" ORDER BY position LIMIT {int(query.limit) + 1}"
+    limit = int(query.limit)
+    found = f"WHERE {' AND '.join(where)} ORDER BY position LIMIT {limit + 1}"
+    before: list[object] = []  # placeholders ahead of the JSON's
+    first = ""
+    if len(query.types) == 1 and query.member is None:
+        # The positions first; then those rows, between the cursor and the last of them, so
+        # that only the spans of the log (partitions) holding them are read.
+        first = f"WITH found AS MATERIALIZED (SELECT position FROM events {found}) "
+        before, params = params, [query.after, query.job_id]
+        found = (
+            "WHERE position > %s AND position <= (SELECT max(position) FROM found)"
+            " AND position = ANY(ARRAY(SELECT position FROM found)) AND job_id = %s"
+            " ORDER BY position"
+        )
+    rows = (
+        f"SELECT position, {_EVENT_JSON} AS event, row_number() OVER (ORDER BY position) AS n"
+        f" FROM events {found}"
     )
-    return sql, params
+    sql = (
+        f"{first}SELECT string_agg(event, ',' ORDER BY position) FILTER (WHERE n <= {limit}),"
+        f" count(*), max(position) FILTER (WHERE n <= {limit}) FROM ({rows}) page"
+    )
+    return sql, [*before, _str(query.job_id), *params]
 
 
 class _Text(Loader):
@@ -211,16 +258,14 @@ class PageReader:
                 rows: list[tuple[Any, ...]] = await cursor.fetchall()
                 return rows
 
-    async def page(self, query: EventQuery) -> tuple[list[bytes], int | None]:
-        """The page's events as JSON (UTF-8), and the cursor of the next page (None: none
-        yet)."""
+    async def page(self, query: EventQuery) -> Page:
+        """The page of events ``query`` asks for."""
         sql, params = _page_sql(query)
         rows = await self._fetch(self._pages, sql, params)
-        limit = query.limit
-        texts = [text for _, text in rows[:limit]]
-        if len(rows) <= limit:
-            return texts, None
-        return texts, int(rows[limit - 1][0])
+        events, found, last = rows[0]
+        if found > query.limit:
+            return Page(events, query.limit, int(last))
+        return Page(events or b"", int(found), None)
 
     async def head(self) -> int:
         """The log's last position (``log_head``: one row, never waits for a writer)."""

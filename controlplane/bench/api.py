@@ -1,16 +1,28 @@
 """``elasticctl bench api``: the REST API's latency on a big log, under concurrent clients.
 
-The log is one job of ``workers`` ranks and a few warm spares that train (heartbeats, steps,
-hot backups replicated to the holders the placement names) and, every ``crash_every`` steps,
-lose a rank: the real decider (``controlplane.core.decide``) detects the exit, reallocates the
-rank to a spare and resolves the incident when the new generation steps; the lost rank comes
-back as a spare. It is appended through the store (COPY, large batches). Then ``elasticctl
-api`` starts as its own process, folds the log (``catch_up_s``), and ``clients`` concurrent
-clients (asyncio, one keep-alive connection each, each sending its next request when the last
-one answered; raw HTTP/1.1, or httpx with ``client="httpx"``) call one route for ``seconds``
-after a second of warm-up: the incident timeline (a random incident), then a page of events
-(a random cursor; every fourth request filtered by type, every eighth by member). One answer
-of each route is validated with the schemas first.
+The log is one of two:
+
+- ``events`` events of one job of ``workers`` ranks and a few warm spares that train
+  (heartbeats, steps, hot backups replicated to the holders the placement names) and, every
+  ``crash_every`` steps, lose a rank: the real decider (``controlplane.core.decide``)
+  detects the exit, reallocates the rank to a spare and resolves the incident when the new
+  generation steps; the lost rank comes back as a spare (``RecordedJob``). It is appended
+  through the store (COPY, large batches), then vacuumed and analysed as after any bulk
+  load; ``elasticctl api`` folds it (``catch_up_s``);
+- with ``ranks``, the history of ``days`` of a job of that many ranks, as ``bench takeover``
+  writes its history (``controlplane.bench.history``: as many rows as that job writes, its
+  incidents decided by the real decider), with the view snapshot and steps chunks a leader
+  would have recorded; ``elasticctl api`` starts from that snapshot (``cold_start_s``: the
+  process's start to its first answer for the job; ``api_started_from``: the snapshot's
+  position, as it logs it), and the report adds the log's rows and bytes.
+
+Then ``clients`` concurrent clients (asyncio, one keep-alive connection each, each sending
+its next request when the last one answered; raw HTTP/1.1, or httpx with ``client="httpx"``)
+call one route for ``seconds`` after a second of warm-up: the incident timeline (a random
+incident), then a page of events (a random cursor; every fourth request filtered by type,
+every eighth by member). One answer of each route is validated with the schemas first. Per
+route: requests per second, p50, p99 and the largest latency, the API's CPU time per request
+(its process's user and system time over the requests it answered) and the mean body.
 """
 
 from __future__ import annotations
@@ -19,21 +31,31 @@ import asyncio
 import itertools
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import httpx
 from pydantic import BaseModel
 
 from controlplane.bench import BenchError
+from controlplane.bench.history import (
+    INCIDENTS_PER_DAY,
+    history_rows_per_day,
+    log_size,
+    settle,
+    write_history,
+)
 from controlplane.bench.stack import stack
 from controlplane.core.decide import Context, decide, envelope
 from controlplane.core.fold import fold
@@ -314,6 +336,8 @@ class _Route:
     url: Callable[[random.Random], str]
     latencies_ms: list[float] = field(default_factory=list)
     errors: int = 0
+    #: Bytes of the bodies of the answers measured.
+    body_bytes: int = 0
 
 
 class _RawConnection:
@@ -340,15 +364,17 @@ class _RawConnection:
                 length = int(line[15:])
         return status, await self._reader.readexactly(length)
 
-    async def status(self, path: str) -> int:
-        return (await self.get(path))[0]
+    async def sized(self, path: str) -> tuple[int, int]:
+        status, body = await self.get(path)
+        return status, len(body)
 
     async def close(self) -> None:
         self._writer.close()
         await self._writer.wait_closed()
 
 
-Getter = Callable[[str], Awaitable[int]]
+#: A GET: the answer's status and its body's length.
+Getter = Callable[[str], Awaitable[tuple[int, int]]]
 
 
 async def _client(
@@ -360,12 +386,13 @@ async def _client(
         started = time.perf_counter()
         if started >= until:
             return
-        status = await get(url)
+        status, size = await get(url)
         elapsed = (time.perf_counter() - started) * 1e3
         if status != 200:
             route.errors += 1
         elif started >= measure:
             route.latencies_ms.append(elapsed)
+            route.body_bytes += size
 
 
 async def _load(base: str, route: _Route, clients: int, seconds: float, client: str) -> None:
@@ -376,8 +403,9 @@ async def _load(base: str, route: _Route, clients: int, seconds: float, client: 
         limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
         pool = httpx.AsyncClient(base_url=base, limits=limits, timeout=60.0)
 
-        async def get(url: str) -> int:
-            return (await pool.get(url)).status_code
+        async def get(url: str) -> tuple[int, int]:
+            response = await pool.get(url)
+            return response.status_code, len(response.content)
 
         getters = [get] * clients
         closers.append(pool.aclose)
@@ -385,7 +413,7 @@ async def _load(base: str, route: _Route, clients: int, seconds: float, client: 
         host, port = base.removeprefix("http://").split(":")
         for _ in range(clients):
             conn = await _RawConnection.open(host, int(port))
-            getters.append(conn.status)
+            getters.append(conn.sized)
             closers.append(conn.close)
     try:
         warm = time.perf_counter() + 1.0
@@ -417,13 +445,57 @@ def _figures(latencies: list[float], seconds: float) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- the API process
 
+#: What ``elasticctl api`` logs once it has read a view snapshot (``api.views``).
+_STARTED = re.compile(r"started from the view snapshot at position (\d+)")
 
-def _start_api(database_url: str, port: int, *, hot: bool = True) -> subprocess.Popen[bytes]:
-    env = {**os.environ, DATABASE_URL_ENV: database_url, "ELASTIC_LOG_LEVEL": "WARNING"}
+
+def start_api(
+    database_url: str, *, hot: bool = True, log: Path | None = None
+) -> tuple[subprocess.Popen[bytes], str]:
+    """``elasticctl api`` as its own process on a free port (with its hot routes or
+    without; its log at INFO in ``log``, else only warnings, on stderr): the process and
+    its base URL."""
+    port = free_port()
+    env = {**os.environ, DATABASE_URL_ENV: database_url}
+    env["ELASTIC_LOG_LEVEL"] = "INFO" if log is not None else "WARNING"
     env.pop("ELASTIC_API_TOKENS", None)
     env["ELASTIC_API_HOT_ROUTES"] = "true" if hot else "false"
     command = [sys.executable, "-m", "controlplane", "api", "--host", "127.0.0.1"]
-    return subprocess.Popen([*command, "--port", str(port)], env=env)
+    command += ["--port", str(port)]
+    if log is None:
+        return subprocess.Popen(command, env=env), f"http://127.0.0.1:{port}"
+    with log.open("ab") as out:
+        api = subprocess.Popen(command, env=env, stderr=out)
+    return api, f"http://127.0.0.1:{port}"
+
+
+def stop_api(api: subprocess.Popen[bytes]) -> None:
+    """Stop the API (killed when it does not stop in 30 s: still folding in its warm-up)."""
+    api.terminate()
+    try:
+        api.wait(30)
+    except subprocess.TimeoutExpired:
+        api.kill()
+        api.wait(30)
+
+
+def first_answer(base: str, path: str, api: subprocess.Popen[bytes], wait_s: float) -> float | None:
+    """Seconds until the API answers ``path`` with a 200 (asked every 50 ms), None when it
+    did not within ``wait_s``; RuntimeError when it exits."""
+    started = time.monotonic()
+    with httpx.Client(base_url=base, timeout=wait_s) as client:
+        while time.monotonic() - started < wait_s:
+            if api.poll() is not None:
+                raise RuntimeError(f"the API exited with status {api.returncode}")
+            try:
+                response = client.get(path)
+            except httpx.TransportError:
+                time.sleep(0.05)
+                continue
+            if response.status_code == 200:
+                return time.monotonic() - started
+            time.sleep(0.05)
+    return None
 
 
 def _wait_caught_up(base: str, job_id: str, events: int, api: subprocess.Popen[bytes]) -> float:
@@ -487,44 +559,84 @@ class _Options:
     progress: bool
 
 
+@dataclass(frozen=True, slots=True)
+class _Log:
+    """The log the API serves: its job, how to know the API is ready, what to ask for."""
+
+    job_id: str
+    #: The job's members (the member filter picks one).
+    members: list[str]
+    #: The API is ready when its view of the job holds this many events (None: when it
+    #: first answers for the job: a start from the history's view snapshot).
+    events: int | None
+
+
 def run_api_bench(
     *,
-    events: int,
+    events: int = 1_000_000,
+    ranks: int | None = None,
+    days: float = 1.0,
     clients: int = 32,
     seconds: float = 10.0,
     client: str = "raw",
     progress: bool = True,
     compare_plain: bool = False,
 ) -> dict[str, Any]:
-    """Run the benchmark and return its figures. ``compare_plain``: measure again against an
-    API without its hot routes (``ELASTIC_API_HOT_ROUTES=false``), on the same log."""
+    """Run the benchmark and return its figures. The log: ``events`` events of a 64-worker
+    job (``RecordedJob``), or with ``ranks`` the history of ``days`` of a job of that many
+    ranks (``bench.history``, its incidents at ``INCIDENTS_PER_DAY`` a day, at least one),
+    with the view snapshot it comes with. ``compare_plain``: measure again against an API
+    without its hot routes (``ELASTIC_API_HOT_ROUTES=false``), on the same log."""
     options = _Options(clients, seconds, client, progress)
     load_before = os.getloadavg()[0]
+    result: dict[str, Any] = {}
     with stack() as services:
-        store = PostgresEventStore.from_url(services.database_url)
-        job = RecordedJob(f"bench-{uuid.uuid4().hex[:8]}")
-        if progress:
-            _progress(f"recording and appending {events:,} events")
         filled = time.monotonic()
-        stored = fill(store, job, events, progress)
-        fill_s = time.monotonic() - filled
-        store.close()
-        hot = _serve_and_measure(services.database_url, job, stored, options, hot=True)
+        if ranks is None:
+            store = PostgresEventStore.from_url(services.database_url)
+            job = RecordedJob(f"bench-{uuid.uuid4().hex[:8]}")
+            if progress:
+                _progress(f"recording and appending {events:,} events")
+            try:
+                stored = fill(store, job, events, progress)
+            finally:
+                store.close()
+            fill_s = time.monotonic() - filled
+            settle(services.database_url)
+            served = _Log(job.job_id, list(job.v.members), stored)
+            result |= {"events": stored, "fill_s": round(fill_s, 1),
+                       "fill_events_per_s": round(stored / fill_s, 1)}  # fmt: skip
+        else:
+            rows = round(history_rows_per_day(ranks) * days)
+            incidents = max(1, round(INCIDENTS_PER_DAY * days))
+            if progress:
+                _progress(f"history: {rows:,} rows ({days:g} days of a {ranks:,}-rank job,"
+                          f" {incidents} incident(s))")  # fmt: skip
+            written = write_history(
+                services.database_url, rows, days, ranks=ranks, incidents=incidents,
+                progress=progress,
+            )  # fmt: skip
+            log_rows, log_bytes = log_size(services.database_url)
+            served = _Log(written.job_id, list(written.members), None)
+            result |= {"ranks": ranks, "days": days, "history_rows": written.rows,
+                       "history_written_s": round(time.monotonic() - filled, 1),
+                       "log_rows": log_rows, "log_bytes": log_bytes}  # fmt: skip
+        hot = _serve_and_measure(services.database_url, served, options, hot=True)
         plain = (
-            _serve_and_measure(services.database_url, job, stored, options, hot=False)
+            _serve_and_measure(services.database_url, served, options, hot=False)
             if compare_plain
             else None
         )
-    result: dict[str, Any] = {
-        "events": stored,
+    result = {
+        **{k: v for k, v in result.items() if k in ("events", "ranks", "days")},
         "clients": clients,
         "client": client,
         "seconds": seconds,
         **hot,
-        "fill_s": round(fill_s, 1),
-        "fill_events_per_s": round(stored / fill_s, 1),
+        **{k: v for k, v in result.items() if k not in ("events", "ranks", "days")},
         # The machine is shared: its load when the benchmark started, and at the end.
         "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+        "cpus": os.cpu_count(),
         **services.where,
     }
     if plain is not None:
@@ -539,40 +651,51 @@ def run_api_bench(
 
 
 def _serve_and_measure(
-    database_url: str, job: RecordedJob, stored: int, options: _Options, *, hot: bool
+    database_url: str, served: _Log, options: _Options, *, hot: bool
 ) -> dict[str, Any]:
-    """Start ``elasticctl api`` over the log (with its hot routes or without), wait for it to
-    fold the log, and run the load on both routes; their figures."""
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    api = _start_api(database_url, port, hot=hot)
-    try:
-        if options.progress:
-            _progress(f"starting the API ({'with' if hot else 'without'} its hot routes)")
-        catch_up_s = _wait_caught_up(base, job.job_id, stored, api)
-        with httpx.Client(base_url=base) as http:
-            incidents = [
-                i["incident_id"] for i in http.get(f"/api/v1/jobs/{job.job_id}/incidents").json()
+    """Start ``elasticctl api`` over the log (with its hot routes or without), wait until it
+    is ready (caught up with the log, or its first answer for the job: its cold start), and
+    run the load on both routes; their figures."""
+    job_id = served.job_id
+    with tempfile.TemporaryDirectory(prefix="bench-api-") as tmp:
+        log = Path(tmp) / "api.log"
+        api, base = start_api(database_url, hot=hot, log=log)
+        try:
+            if options.progress:
+                _progress(f"starting the API ({'with' if hot else 'without'} its hot routes)")
+            ready: dict[str, Any]
+            if served.events is None:
+                cold = first_answer(base, f"/api/v1/jobs/{job_id}", api, 600.0)
+                if cold is None:
+                    raise BenchError("the API did not answer for the job within 600 s")
+                found = _STARTED.findall(log.read_text(errors="replace"))
+                ready = {"cold_start_s": round(cold, 3),
+                         "api_started_from": int(found[-1]) if found else None}  # fmt: skip
+            else:
+                ready = {"catch_up_s": round(_wait_caught_up(base, job_id, served.events, api), 1)}
+            with httpx.Client(base_url=base, timeout=60.0) as http:
+                incidents = [
+                    i["incident_id"] for i in http.get(f"/api/v1/jobs/{job_id}/incidents").json()
+                ]
+                last = http.get(f"/api/v1/jobs/{job_id}").json()["last_position"]
+            if not incidents:
+                raise BenchError(
+                    "the log ends before the job's first incident: the timeline route needs"
+                    " one; ask for more events"
+                )
+            members = served.members
+            routes = [
+                _Route(
+                    "timeline",
+                    lambda rng: f"/api/v1/jobs/{job_id}/incidents/{rng.choice(incidents)}",
+                ),
+                _Route("events", lambda rng: _events_url(job_id, last, members, rng)),
             ]
-            last = http.get(f"/api/v1/jobs/{job.job_id}").json()["last_position"]
-        if not incidents:
-            raise BenchError(
-                f"{stored:,} events end before the job's first incident (a crash at step"
-                f" {job.crash_every // 2}): the timeline route needs one; ask for more events"
-            )
-        members = list(job.v.members)
-        routes = [
-            _Route(
-                "timeline",
-                lambda rng: f"/api/v1/jobs/{job.job_id}/incidents/{rng.choice(incidents)}",
-            ),
-            _Route("events", lambda rng: _events_url(job.job_id, last, members, rng)),
-        ]
-        _check(base, routes)
-        cpu = _measure(base, api, routes, options)
-    finally:
-        api.terminate()
-        api.wait(30)
+            _check(base, routes)
+            cpu = _measure(base, api, routes, options)
+            rss = _rss_bytes(api.pid)
+        finally:
+            stop_api(api)
     everything = [x for r in routes for x in r.latencies_ms]
     overall = _figures(everything, options.seconds * len(routes))
     return {
@@ -583,12 +706,20 @@ def _serve_and_measure(
                 **_figures(r.latencies_ms, options.seconds),
                 "errors": r.errors,
                 "api_cpu_us_per_request": cpu[r.name],
+                "body_bytes_mean": round(r.body_bytes / max(1, len(r.latencies_ms))),
             }
             for r in routes
         },
         "incidents": len(incidents),
-        "catch_up_s": round(catch_up_s, 1),
+        **ready,
+        "api_rss_bytes": rss,
     }
+
+
+def _rss_bytes(pid: int) -> int:
+    import psutil
+
+    return int(psutil.Process(pid).memory_info().rss)
 
 
 def _events_url(job_id: str, last: int, members: list[str], rng: random.Random) -> str:

@@ -1,12 +1,17 @@
 """``elasticctl bench replay``: rebuild a job's view from a JSONL log file, in events/s.
 
-Writes a synthetic job's log (``controlplane.synth.SyntheticJob``: joins, heartbeats, steps,
-backups and their replicas) through the log file writer, then times what ``elasticctl
-replay`` does with it (``replay_file``: read the lines, validate each envelope with the
-schemas, fold into the job's view; in two processes taking turns where there are two CPUs).
-Prints one JSON object: ``events``, ``seconds`` and ``events_per_s`` (the median of three
-runs), ``cpu_seconds`` (both processes), the same replay in one process run back to back
-with each run (``one_process_*``), and the read+validate and fold parts measured on their own.
+Writes a job's log through the log file writer: a synthetic job's
+(``controlplane.synth.SyntheticJob``: joins, heartbeats, steps, backups and their replicas),
+or with ``ranks`` the history of ``days`` of a job of that many ranks as ``bench api`` and
+``bench takeover`` generate it (``controlplane.bench.history``: steps, liveness summaries,
+real backup catalogs before its incidents, each rank's recovery). Then times what
+``elasticctl replay`` does with it (``replay_file``: read the lines, validate each envelope
+with the schemas, fold into the job's view; in two processes taking turns where there are
+two CPUs). Prints one JSON object: ``events``, ``seconds`` and ``events_per_s`` (the median
+of three runs), ``cpu_seconds`` (both processes), the same replay in one process run back to
+back with each run (``one_process_*``), and the read+validate and fold parts measured on
+their own; for a history, also ``rank_seconds_per_s``: the job's ranks times the seconds its
+log spans, replayed per second.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from controlplane import gctune
+from controlplane.bench.history import History, history_rows_per_day
 from controlplane.core.fold import fold
 from controlplane.core.records import StoredEvent
 from controlplane.postmortem.logfile import encode_line, read_log
@@ -61,6 +67,18 @@ def write_synthetic_log(path: Path, *, events: int, members: int) -> int:
     return path.stat().st_size
 
 
+def write_history_log(path: Path, *, ranks: int, days: float) -> tuple[int, int]:
+    """Write the history of ``days`` of a job of ``ranks`` ranks (``bench.history``) to
+    ``path``; return its events and bytes."""
+    history = History(round(history_rows_per_day(ranks) * days), days, ranks=ranks)
+    events = 0
+    with path.open("wb") as out:
+        for stored, _ in history.batches():
+            out.write(b"".join(map(encode_line, stored)))
+            events += len(stored)
+    return events, path.stat().st_size
+
+
 def _children_cpu() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
@@ -73,8 +91,17 @@ def _timed(fn: Any) -> tuple[float, float, Any]:
     return time.perf_counter() - wall, time.process_time() + _children_cpu() - cpu, result
 
 
-def run_replay_bench(*, events: int, members: int = 64, progress: bool = False) -> dict[str, Any]:
-    """Measure the replay of a ``events``-event log file; see the module docstring."""
+def run_replay_bench(
+    *,
+    events: int,
+    members: int = 64,
+    ranks: int | None = None,
+    days: float = 1.0,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Measure the replay of a ``events``-event log file of a synthetic job of ``members``
+    members, or of the history of ``days`` of a job of ``ranks`` ranks; see the module
+    docstring."""
 
     def say(message: str) -> None:
         if progress:
@@ -82,9 +109,13 @@ def run_replay_bench(*, events: int, members: int = 64, progress: bool = False) 
 
     with tempfile.TemporaryDirectory(prefix="bench-replay-") as tmp:
         path = Path(tmp) / "log.jsonl"
-        say(f"writing {events} events to {path} ...")
         started = time.perf_counter()
-        size = write_synthetic_log(path, events=events, members=members)
+        if ranks is None:
+            say(f"writing {events} events to {path} ...")
+            size = write_synthetic_log(path, events=events, members=members)
+        else:
+            say(f"writing the history of {days:g} days of a {ranks:,}-rank job to {path} ...")
+            events, size = write_history_log(path, ranks=ranks, days=days)
         say(f"written: {size / 1e6:.1f} MB in {time.perf_counter() - started:.1f}s")
 
         def replay(processes: int | None = None) -> Any:
@@ -123,15 +154,29 @@ def run_replay_bench(*, events: int, members: int = 64, progress: bool = False) 
                 fold_walls.append(_timed(lambda: _fold_chunks(stored))[0])
     seconds = statistics.median(w for w, _ in runs)
     cpu_s = statistics.median(c for _, c in runs)
+    shape: dict[str, Any] = (
+        {"members": members}
+        if ranks is None
+        else {
+            "ranks": ranks,
+            "days": days,
+            "rank_seconds_per_s": round(ranks * days * 86_400 / seconds, 1),
+            "members": len(view.members),
+            "incidents": len(view.incidents),
+        }
+    )
     return {
         "events": events,
-        "members": members,
+        **shape,
         "seconds": round(seconds, 6),
         "events_per_s": round(events / seconds, 1),
         "cpu_seconds": round(cpu_s, 3),
         "cpu_events_per_s": round(events / cpu_s, 1) if cpu_s > 0 else None,
         "runs_s": [round(w, 3) for w, _ in runs],
         "processes": replay_processes(size),
+        # Views handed from one process to the other in the last run (a view dearer to hand
+        # over than a part to read is handed over once: replay._TwoProcesses).
+        "handovers": replayed.handovers,
         "one_process_events_per_s": round(events / statistics.median(w for w, _ in one_process), 1),
         "one_process_cpu_events_per_s": round(
             events / statistics.median(c for _, c in one_process), 1

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import io
 import itertools
+import logging
 import multiprocessing
 import operator
 import os
 import pickle
 import queue
 import signal
+import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import suppress
 from dataclasses import dataclass
@@ -28,6 +30,8 @@ from schemas.overrides import parse_overrides as policy_overrides
 
 #: Events folded at a time: the fold copies a view's top-level containers once per call.
 FOLD_CHUNK = 4096
+
+log = logging.getLogger(__name__)
 
 
 class ReplayError(ValueError):
@@ -92,6 +96,8 @@ class Replayed:
     events: int
     #: True when the log went on after the point (``--until``).
     stopped: bool = False
+    #: Times a replay in two processes handed the view from one to the other.
+    handovers: int = 0
 
 
 _job_of = operator.attrgetter("event.job_id")
@@ -225,6 +231,9 @@ def replay_log(
 
 #: Parts of a file each process of a two-process replay reads and folds in turn.
 PART_BYTES = 4 << 20
+#: A process of a two-process replay goes on alone once the view it received took longer to
+#: come than this many times its part took to read (``_TwoProcesses``).
+HANDOVER_SHARE = 1.0
 #: Seconds between looks at whether the other process of a replay is still there.
 _POLL_S = 0.5
 
@@ -321,11 +330,23 @@ class _Baton:
     #: The position of the last event read (of any job), and the lines before the next part.
     previous: int = 0
     lines: int = 0
+    #: When it was last handed on (``time.monotonic``: the same clock in both processes),
+    #: and how long that took, from before it was pickled to after it was unpickled.
+    handed_at: float = 0.0
+    handover_s: float = 0.0
+    handovers: int = 0
 
 
 class _TwoProcesses:
     """``replay_file`` with two processes; ``run`` in the parent. The child (forked) takes
-    the even parts, the parent the odd ones; each turn is ``_turn``."""
+    the even parts, the parent the odd ones; each turn is ``_turn``.
+
+    Two processes gain only while handing the view over costs less than reading a part:
+    the hand-over (pickling the view, sending it, unpickling it) stands between two folds,
+    the reading does not. A large job's view (16,384 members: some 25 MB pickled, over a
+    second to hand over) costs more than a part of its log takes to read, so the process
+    that finds, after a turn, that the view it received took longer to come than its part
+    took to read goes on alone with every part left (the other's read-ahead is dropped)."""
 
     def __init__(
         self,
@@ -373,11 +394,13 @@ class _TwoProcesses:
     def _take_turns(self, mine: range, receive: Callable[[int], _Baton | None],
                     hand_on: Callable[[_Baton], None]) -> _Baton | None:  # fmt: skip
         """Play the parts ``mine`` as their turns come; the baton when the replay ended in
-        one of them, None when the other process has it."""
+        one of them (or went on alone to its end), None when the other process has it."""
         last = len(self.parts) - 1
         for index in mine:
             part = self.parts[index]
+            reading = time.monotonic()
             read = self._read(part, part.previous)
+            read_s = time.monotonic() - reading
             baton = _Baton(self.replay) if index == 0 else receive(index)
             if baton is None:
                 return None  # the replay ended in the other process
@@ -385,6 +408,16 @@ class _TwoProcesses:
                 return baton
             baton.replay.flush()
             self._report(part.end)
+            if baton.handover_s > HANDOVER_SHARE * read_s:
+                log.info(
+                    "replay: the view took %.2f s to hand over, a part %.2f s to read: one"
+                    " process from part %d of %d", baton.handover_s, read_s, index + 2,
+                    len(self.parts),
+                )  # fmt: skip
+                del read
+                return self._alone(baton, index + 1)
+            baton.handovers += 1
+            baton.handed_at = time.monotonic()
             hand_on(baton)
             # Freed now, not once the next part is read too, and a block at a time: ``put``
             # leaves the sending to the queue's feeder thread, which needs the GIL, and one
@@ -394,6 +427,20 @@ class _TwoProcesses:
             while blocks:
                 blocks.pop()
         return None
+
+    def _alone(self, baton: _Baton, first: int) -> _Baton:
+        """Read and fold the parts from ``first`` on in this process."""
+        for part in self.parts[first:]:
+            if not self._turn(baton, part, self._read(part, baton.previous)):
+                break
+            self._report(part.end)
+        return baton
+
+    @staticmethod
+    def _received(baton: _Baton) -> _Baton:
+        """``baton`` as it arrives: how long it took to come."""
+        baton.handover_s = time.monotonic() - baton.handed_at
+        return baton
 
     def run(self) -> Replayed:
         # No collections (in the child too): a part read ahead keeps its events, some
@@ -415,7 +462,7 @@ class _TwoProcesses:
                     raise _Ended(kind, value)
                 assert isinstance(value, _Baton)
                 self._report(self.parts[index - 1].end)
-                return value
+                return self._received(value)
 
             try:
                 baton = self._take_turns(
@@ -429,7 +476,9 @@ class _TwoProcesses:
                 assert isinstance(ended.value, _Baton)
                 baton = ended.value
             self._report(self.parts[-1].end)
-            return baton.replay.result()
+            result = baton.replay.result()
+            result.handovers = baton.handovers
+            return result
         finally:
             if child.is_alive():
                 child.kill()
@@ -454,7 +503,7 @@ class _TwoProcesses:
                         os._exit(1)
                     continue
                 assert isinstance(baton, _Baton)
-                return baton
+                return self._received(baton)
 
         try:
             baton = self._take_turns(

@@ -15,10 +15,11 @@ import psycopg
 import pytest
 
 from controlplane.api import sql
+from controlplane.api.app import _page
 from controlplane.errors import SchemaNotMigrated, StoreError, StoreUnavailable
 from controlplane.store.postgres import PostgresEventStore
 from controlplane.synth import SyntheticJob
-from schemas.api import EventOut
+from schemas.api import EventOut, EventPage
 from schemas.events import EVENT_ADAPTER
 
 JOB = "job-pages"
@@ -46,9 +47,16 @@ def admin(database_url: str) -> Iterator[psycopg.Connection[tuple[object, ...]]]
         yield conn
 
 
+def page_events(page: sql.Page) -> list[EventOut]:
+    """The events of ``page`` as the API sends them (through the schemas)."""
+    events = EventPage.model_validate_json(b'{"events":[%s],"next_after":null}' % page.events)
+    assert len(events.events) == page.count
+    return events.events
+
+
 async def page_positions(reader: sql.PageReader, **query: object) -> tuple[list[int], int | None]:
-    texts, after = await reader.page(sql.EventQuery(job_id=JOB, **query))  # type: ignore[arg-type]
-    return [EventOut.model_validate_json(t).position for t in texts], after
+    page = await reader.page(sql.EventQuery(job_id=JOB, **query))  # type: ignore[arg-type]
+    return [e.position for e in page_events(page)], page.next_after
 
 
 def available(reader: sql.PageReader) -> int:
@@ -68,7 +76,7 @@ async def test_every_shape_of_page_is_prepared_once_and_at_most_the_bound_stay(
     # psycopg keeps the two most recent shapes prepared on the server (the others deallocated).
     on_server = [s for s in statements if "FROM events" in s]
     assert len(on_server) == 2, statements
-    assert sorted(s.rpartition("LIMIT ")[2] for s in on_server) == ["4", "8"], on_server
+    assert sorted(re.findall(r"LIMIT (\d+)", s)[0] for s in on_server) == ["4", "8"], on_server
     last, after = await page_positions(reader, after=positions[-3], limit=5)
     assert last == positions[-2:] and after is None
 
@@ -92,6 +100,46 @@ async def test_filters_go_as_parameters(reader: sql.PageReader, positions: list[
     assert len(got) == 4
     got, _ = await page_positions(reader, member="m1", limit=100)
     assert got and len(got) < EVENTS // 2
+
+
+async def test_every_shape_of_page_is_the_log_filtered(
+    reader: sql.PageReader,
+    pg_store: PostgresEventStore,
+    positions: list[int],
+    admin: psycopg.Connection[tuple[object, ...]],
+) -> None:
+    """Each shape of statement (one type: its positions from the type's index first; several
+    types; a member; times) pages as the log filtered in Python (``app._page``, the path of a
+    store other than PostgreSQL) does, cursor by cursor: the same events, the same cursors."""
+    # Recorded a second apart (one append records them all at once).
+    admin.execute("UPDATE events SET recorded_at = recorded_at + position * interval '1 second'")
+    stored = pg_store.read(job_id=JOB)
+    middle = stored[len(stored) // 2].recorded_at
+    shapes: list[dict[str, object]] = [
+        {},
+        {"types": ("train.step",)},
+        {"types": ("member.heartbeat",), "since": middle},
+        {"types": ("train.step",), "until": middle},
+        {"types": ("member.joined", "train.step")},
+        {"member": "m1"},
+        {"member": "m1", "types": ("train.step",)},
+        {"types": ("job.stopped",)},
+    ]
+    for shape in shapes:
+        every = _page(pg_store, sql.EventQuery(job_id=JOB, limit=1000, **shape))  # type: ignore[arg-type]
+        assert every.count or shape == {"types": ("job.stopped",)}, shape
+        for limit in (1, 3, 100):
+            after, seen = 0, 0
+            while True:
+                query = sql.EventQuery(job_id=JOB, after=after, limit=limit, **shape)  # type: ignore[arg-type]
+                page, expected = await reader.page(query), _page(pg_store, query)
+                assert page_events(page) == page_events(expected), (shape, limit, after)
+                assert page.next_after == expected.next_after
+                seen += page.count
+                if page.next_after is None:
+                    break
+                after = page.next_after
+            assert seen == every.count, (shape, limit)
 
 
 async def test_a_dead_connection_is_unavailable_once_and_then_replaced(
@@ -154,17 +202,17 @@ async def test_times_are_utc_whatever_the_time_zone_of_the_session(
     admin.execute(f"ALTER DATABASE \"{admin.info.dbname}\" SET TimeZone = 'America/New_York'")
     reader = sql.PageReader(database_url, size=1)  # new sessions: New York time
     try:
-        texts, _ = await reader.page(sql.EventQuery(job_id=JOB, limit=EVENTS))
+        page = await reader.page(sql.EventQuery(job_id=JOB, limit=EVENTS))
     finally:
         await reader.close()
     stored = pg_store.read(job_id=JOB)
-    assert len(texts) == len(stored) == EVENTS
-    for text, event in zip(texts, stored, strict=True):
-        page = EventOut.model_validate_json(text)
-        assert (page.position, page.recorded_at) == (event.position, event.recorded_at)
-        assert page.emitted_at == event.event.emitted_at
-        times = re.findall(rb'"(?:recorded|emitted)_at":"([^"]+)"', text)
-        assert len(times) == 2 and all(t.endswith(b"Z") and b"+" not in t for t in times)
+    events = page_events(page)
+    assert len(events) == len(stored) == EVENTS
+    for got, event in zip(events, stored, strict=True):
+        assert (got.position, got.recorded_at) == (event.position, event.recorded_at)
+        assert got.emitted_at == event.event.emitted_at
+    times = re.findall(rb'"(?:recorded|emitted)_at":"([^"]+)"', page.events)
+    assert len(times) == 2 * EVENTS and all(t.endswith(b"Z") and b"+" not in t for t in times)
 
 
 def test_the_job_goes_json_encoded_into_each_event() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import io
+import itertools
 import json
 import multiprocessing
 import os
@@ -19,6 +20,7 @@ import pytest
 
 from controlplane.bench.replay import write_synthetic_log
 from controlplane.core.records import StoredEvent
+from controlplane.postmortem import replay
 from controlplane.postmortem.logfile import LogFormatError, encode_line, read_log, write_log
 from controlplane.postmortem.replay import (
     ReplayError,
@@ -52,19 +54,23 @@ def _outcome(fn):  # the result, or the error as a user sees it
 
 def _both(tmp_path: Path, data: bytes, parts=(20_000, 65_536), **kwargs):
     """The outcome of one process reading ``data`` in one go; asserts that two processes
-    taking turns over parts of each size in ``parts`` come to the same."""
+    taking turns over parts of each size in ``parts`` come to the same, whether they hand
+    the view over at every turn or one of them goes on alone after the first hand-over
+    (``HANDOVER_SHARE`` 0: as when the view costs more to hand over than a part to read)."""
     path = tmp_path / "log.jsonl"
     path.write_bytes(data)
     alone = _outcome(lambda: replay_log(read_log(io.BytesIO(data), source="f"), **kwargs))
     assert _outcome(lambda: replay_file(path, source="f", processes=1, **kwargs)) == alone
-    for part_bytes in parts:
+    for part_bytes, share in itertools.product(parts, (1e9, 0.0)):
         assert replay_processes(len(data), 2, part_bytes) == 2
-        two = _outcome(
-            functools.partial(
-                replay_file, path, source="f", processes=2, part_bytes=part_bytes, **kwargs
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(replay, "HANDOVER_SHARE", share)
+            two = _outcome(
+                functools.partial(
+                    replay_file, path, source="f", processes=2, part_bytes=part_bytes, **kwargs
+                )
             )
-        )
-        assert two == alone, part_bytes
+        assert two == alone, (part_bytes, share)
     assert not multiprocessing.active_children()  # the second process exited and was reaped
     return alone
 
@@ -72,6 +78,19 @@ def _both(tmp_path: Path, data: bytes, parts=(20_000, 65_536), **kwargs):
 def test_two_processes_fold_the_view_one_process_folds(tmp_path, data):
     view, events, stopped = _both(tmp_path, data, parts=(7_000, 20_000, 65_536, 200_000))
     assert events == 3000 and not stopped and view.last_step > 0
+
+
+def test_a_view_dearer_to_hand_over_than_a_part_to_read_is_handed_over_once(
+    tmp_path, data, monkeypatch
+):
+    path = tmp_path / "log.jsonl"
+    path.write_bytes(data)
+    monkeypatch.setattr(replay, "HANDOVER_SHARE", 1e9)  # never dearer: a turn each part
+    turns = replay_file(path, processes=2, part_bytes=20_000)
+    assert turns.handovers == len(data) // 20_000  # every part but the last hands it on
+    monkeypatch.setattr(replay, "HANDOVER_SHARE", 0.0)  # always dearer
+    once = replay_file(path, processes=2, part_bytes=20_000)
+    assert once.handovers == 1 and (once.view, once.events) == (turns.view, turns.events)
 
 
 @pytest.mark.parametrize("until", [1, 5, 1234, 2999, 3000, 10**6])
@@ -187,6 +206,9 @@ def _patch_read(monkeypatch, index: int, what) -> None:
         return read(self, part, previous)
 
     monkeypatch.setattr(replay._TwoProcesses, "_read", _read)
+    # The processes take turns to the end (which reads which part is what is tested), however
+    # long the view takes to hand over next to reading these small parts.
+    monkeypatch.setattr(replay, "HANDOVER_SHARE", 1e9)
 
 
 def test_a_second_process_that_dies_ends_the_replay_with_an_error(tmp_path, data, monkeypatch):
@@ -241,6 +263,7 @@ def _read(self, part, previous):
         pathlib.Path({str(pids)!r}, "child").write_text(str(os.getpid()))
     return read(self, part, previous)
 replay._TwoProcesses._read = _read
+replay.HANDOVER_SHARE = 1e9  # turns to the end, whatever a hand-over costs
 replay.replay_file({str(path)!r}, processes=2, part_bytes=7_000)
 """
     parent = subprocess.Popen([sys.executable, "-c", script], cwd=Path(__file__).parents[2])
