@@ -39,12 +39,14 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from rank_runtime import checkpoint, faults
+from rank_runtime import checkpoint, faults, trace
 from rank_runtime.client import EventClient
 from rank_runtime.group import GroupSockets, backend_for, forget_failed_group, member_device
 from rank_runtime.identity import Identity
 from rank_runtime.replication import (
     ADVERTISE_ENV,
+    Abandon,
+    Abandoned,
     DigestMismatch,
     PeerStore,
     ReplicationError,
@@ -166,13 +168,18 @@ class _Fetch:
         self._thread.start()
 
     def _run(self) -> None:
-        started = time.perf_counter()
+        started, wall = time.perf_counter(), time.time()
         try:
             self._out = self._restore(self._command, self._rank)
         except BaseException as exc:  # handed to result()'s caller
             self._error = exc
         finally:
             self.seconds = time.perf_counter() - started
+            trace.mark("restore.fetch", wall, self.seconds, generation=self._command.generation)
+
+    def done(self) -> bool:
+        """Whether the restore ended (``result`` returns at once)."""
+        return not self._thread.is_alive()
 
     def result(self) -> Any:
         self._thread.join()
@@ -265,12 +272,23 @@ class Elastic:
         #: into its own before the next backup is taken, and never writes into them (the
         #: session sets it for FSDP2 state, whose load copies chunk by chunk).
         self.own_views = False
+        #: The restored shards whose tensors are views of this member's own snapshot slots
+        #: (``own_views``); the others' tensors were made for the restore alone, and the
+        #: caller may keep them as its own (no copy).
+        self.restored_views: frozenset[int] = frozenset()
         #: This member's rank when its newest backups were taken (its shard number there).
         self._backup_shard: int | None = None
         self._faults = faults.from_env()
         self._faults_state = os.environ.get(faults.FAULTS_STATE_ENV)
         #: A newer command ``step_done`` found, for ``recover`` to follow.
         self._pending: Start | Reallocate | None = None
+        #: Let ``start`` and ``recover`` return once the new group formed, the state to
+        #: restore still on its way: the caller builds its model meanwhile, then calls
+        #: ``complete_restore`` (the session does). False: they return with it restored.
+        self.defer_restore = False
+        #: A restore ``_rejoin`` left on its way (``defer_restore``): the command, its fetch
+        #: (None: read when completed) and the seconds the group took to form.
+        self._restoring: tuple[Reallocate, _Fetch | None, float] | None = None
         self._collective_timeout = timedelta(seconds=collective_timeout_s)
         #: This rank's own copies of its unique state (what peers hold copies of): two
         #: preallocated slots, the newest complete one whole.
@@ -287,6 +305,8 @@ class Elastic:
         self.own_shard: int | None = None
         self._replicas: queue.Queue[tuple[int, float] | None] = queue.Queue(_REPLICATION_QUEUE)
         self._replicator: threading.Thread | None = None
+        #: Set while a recovery stops the replicator: what it digests or sends is abandoned.
+        self._abandon = Abandon()
         #: Where cold checkpoints go (a directory every member can read); None: nowhere.
         self.checkpoint_dir = os.environ.get(checkpoint.CHECKPOINT_DIR_ENV) or None
         self._cold: checkpoint.ColdWriter | None = None
@@ -317,7 +337,9 @@ class Elastic:
     # ------------------------------------------------------------------ start
 
     def start(self, timeout_s: float = 600.0) -> World | None:
-        """Join the job and wait for a rank; None when the job ended before needing us."""
+        """Join the job and wait for a rank; None when the job ended before needing us. A
+        spare called in restores its rank's state (``defer_restore``: ``complete_restore``
+        does)."""
         identity = self.identity
         _warm_up()
         self.client.start()
@@ -342,7 +364,9 @@ class Elastic:
             self._cold = checkpoint.ColdWriter(
                 self.checkpoint_dir, identity.job_id, self._on_checkpoint
             )
-        command = self._wait_for_world(timeout_s)
+        with trace.span("start.wait") as timed:
+            command = self._wait_for_world(timeout_s)
+            timed["generation"] = None if command is None else command.generation
         if command is None:
             return None
         if not self._enter(command, timeout_s):  # a spare taking a rank: state from peers
@@ -449,18 +473,21 @@ class Elastic:
 
     def recover(self, error: BaseException, step: int, timeout_s: float = 300.0) -> None:
         """After a collective failed: report it, wait for the control plane's decision, join
-        the new generation and fetch the state to restore (``restored``, ``resume_step``).
+        the new generation and fetch the state to restore (``restored``, ``resume_step``;
+        with ``defer_restore``, ``complete_restore`` waits for the state and keeps it).
 
         Raises ``JobStoppedError`` when the job stops or goes on without this member. Returns
         with ``world`` None when a shrink demoted this member to a spare and the job ended
         before it needed it again.
         """
         log.warning("step %d failed (%s); waiting for the control plane", step, error)
+        self._drop_restore()  # a restore still on its way belongs to the failed generation
         if not isinstance(error, GenerationSuperseded):  # no fault: a newer decision
             self.report_fault(
                 FaultKind.COLLECTIVE_ERROR, f"{type(error).__name__}: {error}", step=step
             )
         self.client.phase = Phase.WAITING
+        left = time.time(), time.perf_counter()
         # The traceback keeps the failed step's frames, their tensors and, through the
         # autograd graph's hooks, DDP (or FSDP's parameter groups) and the broken group alive:
         # drop it, and those of the errors it was raised from or during.
@@ -470,9 +497,15 @@ class Elastic:
         # collective timeout. (The caller drops its DDP and optimizer first: they hold it.)
         self._leave_group()
         # Stop the replication of the old world now, while the control plane decides, rather
-        # than after the decision came (``_rejoin`` then finds it stopped).
-        self._drain_replication()
-        command = self._wait_for_world(timeout_s)
+        # than after the decision came (``_rejoin`` then finds it stopped). What it still
+        # digests or sends is abandoned: the decision restores what was recorded before the
+        # fault, so a copy finished now would serve no one, and a backup of 300 MB still on
+        # its way (the replicator yields to training) would hold the recovery up for seconds.
+        self._drain_replication(abandon=True)
+        trace.mark("recover.leave", left[0], time.perf_counter() - left[1])
+        with trace.span("recover.wait") as timed:
+            command = self._wait_for_world(timeout_s)
+            timed["generation"] = None if command is None else command.generation
         if command is None and self.demoted and self.world is None:
             return  # the job ended while this member, demoted, waited as a spare
         if command is None:
@@ -485,10 +518,15 @@ class Elastic:
             raise JobStoppedError("the job stopped while this member recovered")
 
     def _rejoin(self, command: Reallocate) -> None:
-        """Ack ``command``, leave the broken group, form the new one, restore its step."""
+        """Ack ``command``, leave the broken group, form the new one, restore its step (or,
+        with ``defer_restore``, leave the restore for ``complete_restore``)."""
+        self._drop_restore()
+        acked = time.time(), time.perf_counter()
         self.client.publish("command.acked", {"command_id": str(command.command_id)})
         self._leave_group()
-        self._drain_replication()  # its queued copies belong to the old world
+        self._drain_replication(abandon=True)  # its queued copies belong to the old world
+        trace.mark("rejoin.ack", acked[0], time.perf_counter() - acked[1],
+                   generation=command.generation)  # fmt: skip
         self.client.phase = Phase.RESTORE
         # The shards of a memory restore come from this member's memory and the plan's
         # holders, not over the group: fetch them while the group forms.
@@ -497,7 +535,7 @@ class Elastic:
             if command.restore_from is RestoreFrom.MEMORY
             else None
         )
-        forming = time.perf_counter()
+        forming, wall = time.perf_counter(), time.time()
         try:
             self._form(command)
         except _Superseded:
@@ -506,13 +544,63 @@ class Elastic:
                     fetching.result()
             raise
         formed = time.perf_counter() - forming
+        trace.mark("rejoin.form", wall, formed, generation=command.generation)
+        # What the command says of the restore is known now: a deferred restore's caller
+        # builds on it (``restoring``) before the state has arrived.
+        self.restored_from = command.restore_from
+        self.restored_mode = command.mode
+        self.resume_step = command.restore_step
+        if self.defer_restore:
+            self._restoring = (command, fetching, formed)
+            return
+        self._complete(command, fetching, formed)
+
+    def restore_ready(self) -> bool:
+        """Whether ``complete_restore`` would not wait for a transfer (its state is here, or
+        none is pending)."""
+        pending = self._restoring
+        return pending is None or pending[1] is None or pending[1].done()
+
+    def complete_restore(self, timeout_s: float = 300.0) -> bool:
+        """Finish the restore that ``start`` or ``recover`` left on its way
+        (``defer_restore``): wait for its state, check it and report it, as they do
+        otherwise. True when the generation changed meanwhile: a copy refused or lost made
+        this member follow the newer decision (its group formed, its restore done), so what
+        was built on the old group must be built again; False otherwise (also when nothing
+        was pending). ``JobStoppedError`` as ``recover``."""
+        changed = False
+        while (pending := self._restoring) is not None:
+            self._restoring = None
+            try:
+                self._complete(*pending)
+            except _Superseded as newer:
+                log.warning("generation %d overtaken (%s)", pending[0].generation, newer)
+                changed = True
+                command = newer.command or self._wait_for_world(timeout_s)
+                if command is None or not self._enter(command, timeout_s):
+                    raise JobStoppedError("the job stopped while this member restored") from None
+        return changed
+
+    def _drop_restore(self) -> None:
+        """Forget a deferred restore (its generation failed first), once its fetch ended."""
+        pending, self._restoring = self._restoring, None
+        if pending is not None and pending[1] is not None:
+            with contextlib.suppress(Exception):
+                pending[1].result()
+
+    def _complete(self, command: Reallocate, fetching: _Fetch | None, formed: float) -> None:
+        """The restore of ``command`` once its group formed: wait for the fetch (or read the
+        shards), check it, keep what it restored, report it. ``_Superseded`` when a copy is
+        refused or lost (reported): the newer decision is to be followed."""
         self.client.phase = Phase.RESTORE
         try:
-            started = time.perf_counter()
+            started, wall = time.perf_counter(), time.time()
             if fetching is not None:
                 shards, nbytes, sources = fetching.result()
             else:
                 shards, nbytes, sources = self._restore(command)
+            trace.mark("rejoin.fetched", wall, time.perf_counter() - started,
+                       generation=command.generation)  # fmt: skip
             seconds = fetching.seconds if fetching is not None else time.perf_counter() - started
         except (ReplicationError, checkpoint.CheckpointError) as exc:
             # A holder died (or a file is missing), or its copy is not what the owner
@@ -615,14 +703,19 @@ class Elastic:
         sources: dict[str, str] = {}
         nbytes = 0
         me = self.identity.member
+        self.restored_views = frozenset()
+        views: set[int] = set()
         for shard in wanted:
             source = command.plan[shard] if shard < len(command.plan) else me
             expected = command.digests[shard] if shard < len(command.digests) else None
-            own = self._own_state(shard, command.restore_step, expected)
+            with trace.span("restore.own", generation=command.generation):
+                own = self._own_state(shard, command.restore_step, expected)
             if own is not None:  # this member's own snapshot, unchanged since it was digested
                 shards[shard], size = own
                 sources[str(shard)] = me
                 nbytes += size
+                if self.own_views:
+                    views.add(shard)
                 continue
             data: bytes | bytearray | None = self._own_copy(shard, command.restore_step)
             if data is not None and expected is not None and not _matches(data, expected):
@@ -635,16 +728,20 @@ class Elastic:
             # _matches): the trailer's checksum is not computed a second time.
             decoder = SnapshotDecoder(trusted=expected is not None)
             try:
-                if data is None:
-                    size = self._fetch_into(decoder, shard, source, command, expected)
-                else:
-                    source, size = me, len(data)
-                    decoder.feed(data)
-                shards[shard] = decoder.finish().state
+                with trace.span("restore.receive", generation=command.generation) as timed:
+                    if data is None:
+                        size = self._fetch_into(decoder, shard, source, command, expected)
+                    else:
+                        source, size = me, len(data)
+                        decoder.feed(data)
+                    timed["bytes"] = size
+                with trace.span("restore.decode", generation=command.generation):
+                    shards[shard] = decoder.finish().state
             except CorruptSnapshot as exc:  # a copy that does not decode
                 raise _RefusedCopy(shard, source, f"shard {shard} from {source}: {exc}") from exc
             sources[str(shard)] = source
             nbytes += size
+        self.restored_views = frozenset(views)
         return shards, nbytes, sources
 
     def _fetch_into(
@@ -672,6 +769,7 @@ class Elastic:
         """The shards of the cold checkpoint at the restore step: this rank's own memory when
         it still holds that step, else the checkpoint directory (each shard read back whole,
         as a hot one: the session reshards FSDP2 state and consolidates ZeRO's)."""
+        self.restored_views = frozenset()
         if not self.checkpoint_dir:
             raise JobStoppedError(
                 f"the job restores the step {command.restore_step} checkpoint, but this member"
@@ -759,14 +857,19 @@ class Elastic:
         previous = getattr(self, "_rendezvous_store", None)
         if previous is not None:  # the last generation's (its group is gone)
             previous.close()
-        store = self._rendezvous_store = RendezvousStore.connect(
-            command.rendezvous, self._secret, timeout=self._collective_timeout
-        )
-        self._arrive(store, rank, command)
+        with trace.span("form.connect", generation=command.generation):
+            store = self._rendezvous_store = RendezvousStore.connect(
+                command.rendezvous, self._secret, timeout=self._collective_timeout
+            )
+        with trace.span("form.arrive", generation=command.generation):
+            self._arrive(store, rank, command)
         device = self.device
         self.group_sockets = GroupSockets({})
         try:
-            with self.group_sockets.recording():
+            with (
+                self.group_sockets.recording(),
+                trace.span("form.init", generation=command.generation),
+            ):
                 dist.init_process_group(
                     backend_for(device),
                     store=store,
@@ -1008,17 +1111,26 @@ class Elastic:
         self.client.publish("train.completed", {"step": step, "loss": loss})
         self.close()
 
-    def _drain_replication(self) -> None:
+    def _drain_replication(self, *, abandon: bool = False) -> None:
+        """Stop the replicator once it sent what is queued (``abandon``: at once, abandoning
+        the copies it digests or sends, and those queued)."""
         replicator, self._replicator = self._replicator, None
-        if replicator is not None:
+        if replicator is None:
+            return
+        if abandon:
+            self._abandon.set()
+        try:
             self._replicas.put(None)
             replicator.join(30)
+        finally:
+            self._abandon.clear()
 
     def close(self) -> None:
         """Stop replicating, flush events, tear down the process group (once)."""
         if self._closed:
             return
         self._closed = True
+        self._drop_restore()
         self._drain_replication()
         if self._cold is not None:
             self._cold.close()
@@ -1040,10 +1152,14 @@ class Elastic:
             if item is None:
                 return
             step, copy_seconds = item
+            if self._abandon.is_set():
+                continue  # a recovery stops the replicator: the old world's copies are moot
             try:
                 self._replicate_step(step, copy_seconds)
             except SnapshotNotFound:
                 continue  # overwritten by two newer backups meanwhile
+            except Abandoned:
+                log.info("replication of step %d abandoned: a recovery started", step)
 
     def _replicate_step(self, step: int, copy_seconds: float) -> None:
         """Digest the backup of ``step`` once, send it to each holder (the slot's bytes as
@@ -1052,7 +1168,7 @@ class Elastic:
         one more per copy."""
         world = self._world()
         shard = world.rank
-        with self.hot.serialized(step, self._digest_algorithm) as form:
+        with self.hot.serialized(step, self._digest_algorithm, check=self._abandon.check) as form:
             reported = form.digest
             self._digests[(shard, step)] = reported
             for old in sorted(self._digests, key=_by_step)[: max(0, len(self._digests) - 4)]:
@@ -1067,7 +1183,9 @@ class Elastic:
                 try:
                     send(endpoint, owner=self.identity.member, shard=shard, step=step,
                          generation=world.generation, data=form.parts, digest=reported,
-                         secret=self._secret)  # fmt: skip
+                         secret=self._secret, abandon=self._abandon)  # fmt: skip
+                except Abandoned:
+                    raise
                 except ReplicationError as exc:
                     log.warning("%s", exc)
                     continue

@@ -139,6 +139,9 @@ def inject(faults: list[StepFault], step: int, rank: int, state_dir: str | None 
         elif fault.kind == "hang":
             os.kill(os.getpid(), signal.SIGSTOP)
         else:
+            from rank_runtime import trace
+
+            trace.mark("crash", time.time(), 0.0, step=step, rank=rank)
             os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -52,6 +52,7 @@ import hmac
 import json
 import logging
 import os
+import queue
 import secrets
 import socket
 import socketserver
@@ -59,7 +60,7 @@ import ssl
 import sys
 import threading
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cache
 from typing import Any, Protocol
@@ -88,7 +89,7 @@ BACKGROUND_NICE = 5
 NICE_ENV = "ELASTIC_REPLICATION_NICE"
 #: Largest header line accepted.
 _MAX_HEADER = 64 * 1024
-#: Bytes received (and hashed) per read.
+#: Bytes received (and hashed) per read, and sent per write.
 _CHUNK = 4 * 1024 * 1024
 #: Largest shard a holder accepts by default (one put).
 DEFAULT_MAX_BYTES = 64 * 1024**3
@@ -115,6 +116,51 @@ class ReplicationError(RuntimeError):
 
 class DigestMismatch(ReplicationError):
     """A peer served bytes that do not hash to the digest they must have."""
+
+
+class Abandoned(ReplicationError):
+    """The sender gave a transfer up midway (``Abandon.set``)."""
+
+
+class Abandon:
+    """Giving up, from another thread, the transfers ``send`` is making under it: ``set``
+    ends each one midway, also one blocked on a holder that does not read (its connection
+    is shut down), and ``send`` raises ``Abandoned``; ``clear`` lets later ones run."""
+
+    def __init__(self) -> None:
+        self._set = threading.Event()
+        self._lock = threading.Lock()
+        self._sockets: set[socket.socket] = set()
+
+    def is_set(self) -> bool:
+        return self._set.is_set()
+
+    def set(self) -> None:
+        with self._lock:
+            self._set.set()
+            for sock in self._sockets:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+    def clear(self) -> None:
+        self._set.clear()
+
+    def check(self) -> None:
+        """Raise ``Abandoned`` once set."""
+        if self._set.is_set():
+            raise Abandoned("the transfer was given up")
+
+    @contextlib.contextmanager
+    def watching(self, sock: socket.socket) -> Iterator[None]:
+        """Make ``set`` end ``sock`` while the block runs (at once when already set)."""
+        with self._lock:
+            self.check()
+            self._sockets.add(sock)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._sockets.discard(sock)
 
 
 def checksum(data: bytes | bytearray | memoryview) -> str:
@@ -194,7 +240,9 @@ def _nonce(body: dict[str, Any]) -> bytes:
 
 class Sink(Protocol):
     """Where received bytes go, in order: ``writable`` names the memory the next bytes are
-    read into (at most ``limit`` of them, at least one), ``wrote`` says how many landed."""
+    read into (at most ``limit`` of them, at least one), ``wrote`` says how many landed.
+    Memory once named is not written again by the sink (the bytes that landed there may
+    still be hashed, on another thread, after ``wrote``)."""
 
     def writable(self, limit: int) -> memoryview: ...
 
@@ -225,21 +273,62 @@ def _receive(
     return data, _receive_into(rfile, size, algorithm, _Buffer(data))
 
 
+#: Transfers at least this large are hashed on a thread of their own while they arrive.
+_BEHIND_MIN = 4 * _CHUNK
+
+
+class _HashBehind:
+    """A hasher fed on a thread of its own, in order: the parts that landed are hashed while
+    the next ones are received (the socket's copy and the hash overlap, on two cores)."""
+
+    def __init__(self, algorithm: str) -> None:
+        self._hasher = hasher(algorithm)
+        self._parts: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="elastic-digest", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (part := self._parts.get()) is not None:
+            self._hasher.update(part)  # hashlib lets go of the GIL over large buffers
+
+    def update(self, part: memoryview) -> None:
+        self._parts.put(part)
+
+    def close(self) -> None:
+        """Wait until every part given is hashed (idempotent)."""
+        if self._thread.is_alive():
+            self._parts.put(None)
+            self._thread.join()
+
+    def hexdigest(self) -> str:
+        self.close()
+        return self._hasher.hexdigest()
+
+
 def _receive_into(rfile: Any, size: int, algorithm: str | None, sink: Sink) -> str | None:
     """Read exactly ``size`` bytes into the memory ``sink`` names, hashing each part where it
-    landed (while it is in cache); the digest (None without ``algorithm``)."""
-    h = hasher(algorithm) if algorithm is not None else None
+    landed (while it is in cache; from ``_BEHIND_MIN`` bytes on, on a thread of its own while
+    the next part arrives); the digest (None without ``algorithm``), once every byte is
+    hashed."""
+    if algorithm is None:
+        h: _Hasher | _HashBehind | None = None
+    else:
+        h = _HashBehind(algorithm) if size >= _BEHIND_MIN else hasher(algorithm)
     position = 0
-    while position < size:
-        part = sink.writable(min(_CHUNK, size - position))
-        got = rfile.readinto(part)
-        if not got:
-            raise ValueError(f"short transfer: {position} of {size} bytes")
-        if h is not None:
-            h.update(part[:got])
-        sink.wrote(got)
-        position += got
-    return None if h is None else f"{algorithm}:{h.hexdigest()}"
+    try:
+        while position < size:
+            part = sink.writable(min(_CHUNK, size - position))
+            got = rfile.readinto(part)
+            if not got:
+                raise ValueError(f"short transfer: {position} of {size} bytes")
+            if h is not None:
+                h.update(part[:got])
+            sink.wrote(got)
+            position += got
+        return None if h is None else f"{algorithm}:{h.hexdigest()}"
+    finally:
+        if isinstance(h, _HashBehind):
+            h.close()
 
 
 def _algorithm(text: object) -> str:
@@ -631,14 +720,18 @@ class _Session:
             )
         self.client_nonce = secrets.token_bytes(16)
 
-    def request(self, body: dict[str, Any], parts: Sequence[Buffer] = ()) -> None:
+    def request(
+        self, body: dict[str, Any], parts: Sequence[memoryview] = (), abandon: Abandon | None = None
+    ) -> None:
         body = {**body, "nonce": self.client_nonce.hex()}
         if self.key is not None:
             body["mac"] = _mac(self.key, _REQUEST, self.server_nonce, _canonical(body))
         self.sock.sendall(json.dumps(body).encode() + b"\n")
         for part in parts:  # as they are: no copy into one buffer
-            if len(part):
-                self.sock.sendall(part)
+            for start in range(0, len(part), _CHUNK):
+                if abandon is not None:
+                    abandon.check()
+                self.sock.sendall(part[start : start + _CHUNK])
 
     def answer(self) -> dict[str, Any]:
         answer = json.loads(self.rfile.readline(_MAX_HEADER) or b"{}")
@@ -655,6 +748,11 @@ class _Session:
         self.rfile.close()
 
 
+@contextlib.contextmanager
+def _unwatched(_sock: socket.socket) -> Iterator[None]:
+    yield
+
+
 def send(
     endpoint: str,
     *,
@@ -667,27 +765,35 @@ def send(
     secret: bytes | None = None,
     timeout: float = 30.0,
     tls: ssl.SSLContext | None = None,
+    abandon: Abandon | None = None,
 ) -> None:
     """Give a copy to the peer at ``endpoint``; raise ``ReplicationError`` if it refuses.
 
     ``data``: the bytes, or their parts in order (e.g. a snapshot slot's views, sent as they
     are). ``digest`` is their digest (``digest(data)``, computed once by the owner), which the
     holder keeps the copy under (and checks as the bytes arrive when it verifies puts).
+    ``abandon``: once it is set, the transfer ends midway (the holder keeps nothing) and
+    ``Abandoned`` is raised.
     """
     parts = _parts(data)
     header = {
         "op": "put", "owner": owner, "shard": shard, "step": step, "generation": generation,
         "nbytes": sum(len(part) for part in parts), "digest": digest,
     }  # fmt: skip
+    watching = abandon.watching if abandon is not None else _unwatched
     try:
-        with _connect(endpoint, timeout, tls) as sock:
+        with _connect(endpoint, timeout, tls) as sock, watching(sock):
             session = _Session(sock, endpoint, secret)
             try:
-                session.request(header, parts)
+                session.request(header, parts, abandon)
                 answer = session.answer()
             finally:
                 session.close()
+    except Abandoned:
+        raise
     except (OSError, ValueError) as exc:
+        if abandon is not None and abandon.is_set():  # its connection was shut down
+            raise Abandoned(f"sending shard {shard} to {endpoint} given up") from exc
         raise ReplicationError(f"sending shard {shard} to {endpoint}: {exc}") from exc
     if not answer.get("ok"):
         raise ReplicationError(f"{endpoint} refused shard {shard}: {answer.get('error')}")

@@ -12,12 +12,16 @@
 The step's tensors, the model and the optimizer hold the generation's process group: keep them
 in ``train_step``'s frame, not in the loop's, so that a recovery drops them with the broken
 group (a survivor a collective still waits on then closes its connections at once instead of
-at the collective timeout).
+at the collective timeout). After a recovery, the memory of the dropped generation's FSDP2
+shards and optimizer state is reused for the restored optimizer state (memory written before
+costs no page faults): a tensor of the old model kept past the recovery does not keep its
+values.
 
 ``build(world)`` wraps the model on the current generation's process group (DDP, FSDP2's
 ``fully_shard``, tensor parallelism over ``session.mesh(...)``) and creates the optimizer; it is
 called at the start and again after every recovery, and must make a fresh model from the
-job's seed each time (what it returns is then restored from the backup). When the generation
+job's seed each time (what it returns is then restored from the backup; a newcomer's state
+fetched from a peer arrives while ``build`` runs). When the generation
 restores its state right after ``build`` (``session.restoring``), ``build`` may skip the random
 initialisation: make the model on the meta device and allocate it (``to_empty``), since the
 restore writes every parameter, persistent buffer and optimizer state. The session reads and
@@ -61,7 +65,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from rank_runtime import sharded
+from rank_runtime import sharded, trace
 from rank_runtime.elastic import Elastic, GenerationSuperseded, World
 from schemas.common import RestoreFrom
 
@@ -188,9 +192,22 @@ class _Parts:
             state["optimizer"] = self.optimizer.state_dict()
         return state
 
-    def load(self, shards: Mapping[int, Any], replicated: Any, own: int | None = None) -> None:
+    def load(
+        self,
+        shards: Mapping[int, Any],
+        replicated: Any,
+        own: int | None = None,
+        *,
+        adopt: bool = False,
+        memory: sharded.Memory | None = None,
+    ) -> None:
+        """Set the parts from the restored ``shards`` (and ``replicated``). For FSDP2 state,
+        ``adopt``: the shards' tensors are this load's to keep (none is a view of a backup);
+        ``memory``: a previous generation's tensors to make new state of
+        (``sharded.load``)."""
         if self.kind == "sharded":
-            sharded.load(self.module, self.optimizer, {r: s["sharded"] for r, s in shards.items()})
+            captures = {r: s["sharded"] for r, s in shards.items()}
+            sharded.load(self.module, self.optimizer, captures, adopt=adopt, memory=memory)
             return
         if self.kind == "local":
             if own is None or own not in shards or len(shards) != 1:
@@ -246,6 +263,8 @@ class Session:
         elastic: Elastic | None = None,
     ) -> None:
         self.elastic = elastic if elastic is not None else Elastic()
+        # The state a newcomer fetches arrives while ``build`` runs (``_enter_generation``).
+        self.elastic.defer_restore = True
         self._build = build
         #: name -> (get, set): an object's ``state_dict``/``load_state_dict``, or a pair.
         self._state = {
@@ -258,6 +277,10 @@ class Session:
         self._report: tuple[float, int] | None = None
         self._last_loss: float | None = None
         self._running = False
+        #: The generation whose first step is still to finish (timed: ``rank_runtime.trace``).
+        self._first: int | None = None
+        #: The dropped generation's FSDP2 tensors, for the next load to reuse (``_recover``).
+        self._memory: sharded.Memory | None = None
 
     # ------------------------------------------------------------------ the world
 
@@ -365,26 +388,45 @@ class Session:
     # ------------------------------------------------------------------ internals
 
     def _enter_generation(self) -> None:
-        """Build on the new group and restore what the control plane's decision names."""
+        """Build on the new group and restore what the control plane's decision names.
+
+        A state still on its way (a newcomer fetching its shard from a peer) arrives while
+        ``build`` runs: the restore is completed after it (``Elastic.complete_restore``), and
+        when a refused or lost copy made the member follow a newer decision meanwhile, the
+        parts are built again on that generation's group."""
         elastic = self.elastic
-        started = time.perf_counter()
-        # Sub-groups (a device mesh's) connect here: leaving the generation ends them too.
-        with elastic.group_sockets.recording():
-            model, optimizer = self._build(self.world)
-        parts = _Parts(model, optimizer)
-        built = time.perf_counter()
-        views = elastic.own_views
+        while True:
+            if elastic.restore_ready():  # here already (a survivor's own): reported first
+                elastic.complete_restore()
+            started, wall = time.perf_counter(), time.time()
+            generation = self.world.generation
+            # Sub-groups (a device mesh's) connect here: leaving the generation ends them too.
+            with elastic.group_sockets.recording():
+                model, optimizer = self._build(self.world)
+            parts = _Parts(model, optimizer)
+            built = time.perf_counter()
+            trace.mark("build", wall, built - started, generation=generation)
+            if not elastic.complete_restore():
+                break
+            del model, optimizer, parts  # built on a group the member has left
+            gc.collect()
+        wall = time.time()
+        loading = time.perf_counter()
+        adopt, reused = False, 0
         # FSDP2 state is loaded by copying every chunk into the new parts' own tensors, so the
         # next recovery may restore this member's backup as views of its slots (no clone).
         elastic.own_views = parts.kind == "sharded"
+        self._next = elastic.resume_step + 1
         if self.restoring:
-            shards = elastic.restored_shards
-            if views:  # only the sharded state is copied on load: the rest is cloned here
-                shards = {
-                    r: {k: v if k == "sharded" and elastic.own_views else _cloned(v)
-                        for k, v in shard.items()}
-                    for r, shard in shards.items()
-                }  # fmt: skip
+            shards = {
+                r: shard
+                if r not in elastic.restored_views
+                # Views of this member's backup: only FSDP2 state is copied on load, the rest
+                # is cloned here.
+                else {k: v if k == "sharded" and parts.kind == "sharded" else _cloned(v)
+                      for k, v in shard.items()}
+                for r, shard in elastic.restored_shards.items()
+            }  # fmt: skip
             # FSDP2 and sub-group DDP state has no part every rank holds alike: nothing to
             # share, and no collective, so survivors load while a newcomer still fetches.
             replicated = (
@@ -393,7 +435,12 @@ class Session:
                 else self._share_replicated(elastic.restored_replicated)
             )
             own = elastic.own_shard if elastic.own_shard in shards else min(shards, default=None)
-            parts.load(shards, replicated, own)
+            # A shard fetched or read for this restore is the load's to keep as its optimizer
+            # state (no copy); views of this member's backup are copied, into the memory the
+            # last generation's parts leave (written before: no page faults) where it fits.
+            adopt = own is not None and own not in elastic.restored_views
+            parts.load(shards, replicated, own, adopt=adopt, memory=self._memory)
+            reused = self._memory.taken if self._memory is not None else 0
             if own is not None:
                 mine = shards[own]
                 for name, (_, put) in self._state.items():
@@ -403,9 +450,13 @@ class Session:
                     _set_rng_state(mine["rng"])
             # What was restored may be views of this member's backup: it is loaded, let it go.
             elastic.restored_shards, elastic.restored = {}, None
+        self._memory = None  # what the load did not take goes back to the allocator
         loaded = time.perf_counter()
+        trace.mark("load", wall, loaded - loading, generation=generation, adopt=adopt,
+                   reused=reused)  # fmt: skip
+        self._first = generation
         log.info("generation %d: built in %.3fs, state loaded in %.3fs", self.world.generation,
-                 built - started, loaded - built)  # fmt: skip
+                 built - started, loaded - loading)  # fmt: skip
         self._parts = parts
 
     def _share_replicated(self, mine: Any) -> Any:
@@ -457,14 +508,25 @@ class Session:
         self._report = None
         self._last_loss = loss
         self._next = step + 1
+        first, self._first = self._first, None
+        done = time.time()
         self.elastic.step_done(step, loss=loss, samples=samples, seconds=seconds,
                                state=self._unique, replicated=self._replicated)  # fmt: skip
+        if first is not None:  # the generation's first step, and its report
+            trace.mark("first_step", done - seconds, seconds, generation=first)
+            trace.mark("step_done", done, time.time() - done, generation=first)
 
     def _recover(self, error: BaseException, step: int) -> None:
         """Drop the parts (they hold the broken group) and follow the control plane."""
-        self._parts = None
+        parts, self._parts = self._parts, None
+        # The local tensors of FSDP2 state hold no group: their memory serves the next load.
+        if parts is not None and parts.kind == "sharded":
+            self._memory = sharded.Memory.of(parts.module, parts.optimizer)
+        del parts
         self._report = None
-        gc.collect()
+        self._first = None
+        with trace.span("recover.gc"):
+            gc.collect()
         self.elastic.recover(error, step)
         self._next = self.elastic.resume_step + 1
 

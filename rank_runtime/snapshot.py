@@ -670,14 +670,18 @@ class HotSnapshot:
         return b"".join(self.iter_bytes(step))
 
     @contextmanager
-    def serialized(self, step: int, digest: str = "sha256") -> Iterator[Serialized]:
+    def serialized(
+        self, step: int, digest: str = "sha256", *, check: Callable[[], None] | None = None
+    ) -> Iterator[Serialized]:
         """Pin the snapshot of ``step`` while the block sends its serialized form as it is:
         three read-only views (prefix, the slot's tensor bytes, trailer), no copy, with the
         ``digest`` of the whole form (trailer included; ``<algorithm>:<hex>``, as
         ``replication.digest`` of ``to_bytes`` gives it). The digest and the trailer's
-        checksum are computed in one pass over the bytes, once per snapshot (cached)."""
+        checksum are computed in one pass over the bytes, once per snapshot (cached).
+        ``check`` is called between the digest's chunks: what it raises abandons the digest
+        (nothing is cached) and leaves the block unentered."""
         with self._reading(step) as slot:
-            whole = self._stream_digest(slot, digest)
+            whole = self._stream_digest(slot, digest, check=check)
             trailer = slot.checksums[self.algorithm].encode()
             parts = (
                 memoryview(slot.prefix(self.algorithm)),
@@ -693,7 +697,13 @@ class HotSnapshot:
         with self._reading(step) as slot:
             return self._stream_digest(slot, algorithm, cached)
 
-    def _stream_digest(self, slot: _Slot, algorithm: str, cached: bool = True) -> str:
+    def _stream_digest(
+        self,
+        slot: _Slot,
+        algorithm: str,
+        cached: bool = True,
+        check: Callable[[], None] | None = None,
+    ) -> str:
         key = f"stream:{algorithm}"
         known = slot.checksums.get(key)
         if known is not None and cached:
@@ -705,6 +715,8 @@ class HotSnapshot:
         trailer = None if own is not None else _hasher(self.algorithm)
         for part in (memoryview(slot.prefix(self.algorithm)), slot.data()):
             for start in range(0, len(part), _DIGEST_CHUNK):
+                if check is not None:
+                    check()
                 chunk = part[start : start + _DIGEST_CHUNK]
                 whole.update(chunk)
                 if trailer is not None:
@@ -837,9 +849,10 @@ class SnapshotDecoder:
                 limit = min(limit, self._data_size - start)
         elif self._phase == "prefix":
             limit = min(limit, self._prefix_needed() - len(self._pending))
-        if len(self._scratch) < limit:
-            self._scratch = bytearray(limit)
-        return memoryview(self._scratch)[:limit]
+        # Fresh each time (the prefix, a padding, the trailer: small): memory once named is
+        # not written again, so its bytes may still be hashed on another thread.
+        self._scratch = bytearray(limit)
+        return memoryview(self._scratch)
 
     def wrote(self, count: int) -> None:
         """``count`` bytes landed where ``writable`` said."""

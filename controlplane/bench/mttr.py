@@ -30,6 +30,13 @@ its lookups' activations) holds nearly all of its 1.1 GB of parameters and AdamW
 the head is over the 256 bytes, so a step stays cheap. The baseline has no transformer
 version: it is skipped there.
 
+``ELASTIC_BENCH_TRACE=DIR``: the members of each elastic run write the timing marks of their
+recoveries under ``DIR/<job>`` (``rank_runtime.trace``), and the result gains ``trace``: per
+incident and per role (``spare``: the member that took the lost rank; ``survivor``: the
+slowest of the others), the seconds of each timed part, when each part ended after the
+incident's fault (``*_at``), and the median of each over the incidents
+(``trace_median``).
+
 ``security`` (``off``, ``on`` or ``both``): with ``on`` the control plane has an installation
 secret (``ELASTIC_SECRET``: an authenticated rendezvous store, signed commands) and the
 launcher hands its members the job's secret and the command key, as deployed. ``both`` runs
@@ -70,6 +77,10 @@ from schemas.auth import (
 from schemas.common import JobState
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+#: A directory: the members' recovery timing marks go there (``rank_runtime.trace``).
+TRACE_ENV = "ELASTIC_BENCH_TRACE"
+#: The members' variable for it (``rank_runtime.trace.TRACE_DIR_ENV``).
+_MEMBER_TRACE_ENV = "ELASTIC_TRACE_DIR"
 RANKS = 4
 #: The policy of the elastic run: heartbeats every 0.2 s (hangs are not measured here).
 POLICY = (
@@ -157,12 +168,14 @@ def elastic_run(
     example: Example = EXAMPLES_RUN["mlp"],
     example_args: Sequence[str] | None = None,
     restores: list[dict[str, Any]] | None = None,
+    traces: Path | None = None,
 ) -> JobView:
     """Run the job with in-process recovery; return its folded view once it completed.
     ``master``: the control plane's installation secret, whose job secret and command key
     the launcher hands the members (None: security off). ``example_args`` replace the
     example's own; ``restores`` (when given) receives the payloads of the job's
-    ``restore.completed`` events."""
+    ``restore.completed`` events; ``traces``: a directory the members write their timing
+    marks under (``<job>/``)."""
     job_id = f"bench-mttr-{uuid.uuid4().hex[:8]}"
     command = [
         sys.executable, "-m", "controlplane", "run", "--nproc", str(RANKS),
@@ -174,8 +187,10 @@ def elastic_run(
     command += [str(_example(example.script)), "--steps", str(steps)]
     command += list(example.args if example_args is None else example_args)
     env = {**os.environ, NATS_URL_ENV: services.nats_url, "ELASTIC_LOG_LEVEL": "WARNING"}
-    for name in (MASTER_SECRET_ENV, JOB_SECRET_ENV, COMMAND_KEY_ENV):
+    for name in (MASTER_SECRET_ENV, JOB_SECRET_ENV, COMMAND_KEY_ENV, _MEMBER_TRACE_ENV):
         env.pop(name, None)
+    if traces is not None:
+        env[_MEMBER_TRACE_ENV] = str(traces / job_id)
     if master is not None:
         env[JOB_SECRET_ENV] = job_secret(master, job_id).hex()
         env[COMMAND_KEY_ENV] = command_public_key(master).hex()
@@ -233,10 +248,61 @@ def elastic_mttr(
             "members": incident.members, "downtime_s": line.downtime_s,
             "steps_lost": line.steps_lost, "phases": line.phases,
         }  # fmt: skip
+        fault, first = line.points["fault"], line.points["first_step"]
+        if incident.decisions and fault is not None and first is not None:
+            record["generation"] = incident.decisions[-1].generation
+            record["fault_at"], record["first_step_at"] = fault.at.timestamp(), first.at.timestamp()
         if restores is not None:
             record["restore_bytes"], record["restore_gbps"] = _restore_rate(incident, restores)
         out.append(record)
     return out
+
+
+def trace_summary(directory: Path, incidents: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per incident, what the members' timing marks under ``directory`` say (the module's
+    docstring): for the ``spare`` and the slowest ``survivor``, each part's seconds and when
+    it ended after the fault (``<part>_at``), with ``ready_at`` (the state loaded)."""
+    marks: dict[str, list[dict[str, Any]]] = {}  # per process
+    for path in sorted(directory.glob("*.jsonl")):
+        for text in path.read_text().splitlines():
+            marks.setdefault(path.stem, []).append(json.loads(text))
+    out = []
+    for incident in incidents:
+        generation, fault = incident.get("generation"), incident.get("fault_at")
+        if generation is None or fault is None:
+            continue
+        end = incident["first_step_at"] + 5.0
+        roles: dict[str, list[dict[str, float]]] = {"spare": [], "survivor": []}
+        for lines in marks.values():
+            mine = [m for m in lines if fault - 1.0 <= m["start"] + m["seconds"] <= end and
+                    m["generation"] in (None, generation)]  # fmt: skip
+            if not any(m["what"] == "load" and m["generation"] == generation for m in mine):
+                continue  # not a member of this incident's new world
+            role = "spare" if any(m["what"] == "start.wait" for m in mine) else "survivor"
+            parts: dict[str, float] = {}
+            for m in mine:
+                what = m["what"]
+                parts[what] = parts.get(what, 0.0) + m["seconds"]
+                parts[f"{what}_at"] = m["start"] + m["seconds"] - fault
+            parts["ready_at"] = parts.get("load_at", 0.0)
+            roles[role].append(parts)
+        summary: dict[str, Any] = {"generation": generation}
+        for role, found in roles.items():
+            if found:  # the member ready last, for survivors
+                summary[role] = max(found, key=lambda p: p["ready_at"])
+        out.append(summary)
+    return out
+
+
+def _trace_medians(traced: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """The median of each part over the incidents, per role."""
+    medians: dict[str, dict[str, float]] = {}
+    for role in ("spare", "survivor"):
+        keys = sorted({k for t in traced for k in t.get(role, {})})
+        medians[role] = {
+            k: statistics.median(t[role][k] for t in traced if k in t.get(role, {})) for k in keys
+        }
+    return medians
 
 
 def baseline_run(
@@ -346,6 +412,8 @@ def run_mttr_bench(
         workdir = Path(tmp)
         runs: dict[bool, list[dict[str, Any]]] = {True: [], False: []}
         elastic_seconds = 0.0
+        trace_dir = Path(os.environ[TRACE_ENV]) if os.environ.get(TRACE_ENV) else None
+        traced: list[dict[str, Any]] = []
         with stack() as services:
             for secured in _modes(security, max(1, rounds)):
                 label = "on" if secured else "off"
@@ -362,10 +430,12 @@ def run_mttr_bench(
                         services, crashes, steps=steps, backup_interval=backup_interval,
                         workdir=workdir, master=BENCH_SECRET if secured else None,
                         timeout=chosen.timeout_s, example=chosen, example_args=example_args,
-                        restores=restores,
+                        restores=restores, traces=trace_dir,
                     )  # fmt: skip
                     elastic_seconds += time.monotonic() - started
                 incidents = elastic_mttr(view, restores)
+                if trace_dir is not None:
+                    traced += trace_summary(trace_dir / view.job_id, incidents)
                 _summary(incidents, crashes)
                 runs[secured] += incidents
                 say(f"elastic (security {label}): downtimes"
@@ -382,6 +452,8 @@ def run_mttr_bench(
             "steps": steps,
             "backup_interval": backup_interval,
         }
+        if trace_dir is not None:
+            result |= {"trace": traced, "trace_median": _trace_medians(traced)}
         if security == "both":
             on, off = (_summary(runs[m], crashes * max(1, rounds)) for m in (True, False))
             ratio = on["mttr_median_s"] / off["mttr_median_s"]

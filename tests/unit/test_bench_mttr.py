@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 from typing import Any
 
@@ -125,3 +126,56 @@ def test_an_unknown_example_or_security_mode_is_refused_before_anything_runs():
         run_mttr_bench(example="resnet")
     with pytest.raises(BenchError, match="security is one of"):
         run_mttr_bench(security="maybe")
+
+
+def test_trace_marks_go_nowhere_unless_asked(tmp_path, monkeypatch):
+    from rank_runtime import trace
+
+    monkeypatch.delenv(trace.TRACE_DIR_ENV, raising=False)
+    with trace.span("build", generation=2):
+        pass
+    trace.mark("load", 1.0, 0.5, generation=2)
+    monkeypatch.setenv(trace.TRACE_DIR_ENV, str(tmp_path / "marks"))
+    monkeypatch.setenv("ELASTIC_MEMBER", "w9")
+    with trace.span("build") as fields:
+        fields["generation"] = 4
+    trace.close()
+    (written,) = (tmp_path / "marks").glob("w9-*.jsonl")
+    (line,) = written.read_text().splitlines()
+    record = json.loads(line)
+    assert record["what"] == "build" and record["generation"] == 4 and record["seconds"] >= 0
+
+
+def test_the_trace_summary_takes_the_spare_and_the_survivor_ready_last(tmp_path, monkeypatch):
+    """Per incident: the member that waited as a spare, and of the others in the new world
+    the one whose state was loaded last; each part's seconds and its end after the fault."""
+    from controlplane.bench.mttr import _trace_medians, trace_summary
+    from rank_runtime import trace
+
+    monkeypatch.setenv(trace.TRACE_DIR_ENV, str(tmp_path))
+    fault = 1000.0
+
+    def marks(member: str, *items: tuple[str, int | None, float, float]) -> None:
+        monkeypatch.setenv("ELASTIC_MEMBER", member)
+        for what, generation, start, seconds in items:
+            trace.mark(what, fault + start, seconds, generation=generation)
+
+    marks("s0", ("start.wait", 2, -30.0, 30.02), ("build", 2, 0.05, 0.1), ("load", 2, 0.5, 0.05),
+          ("first_step", 2, 0.56, 0.25))  # fmt: skip
+    marks("w1", ("recover.gc", None, -0.05, 0.01), ("load", 2, 0.2, 0.1),
+          ("first_step", 2, 0.3, 0.51))  # fmt: skip
+    marks("w2", ("recover.gc", None, -0.05, 0.02), ("load", 2, 0.2, 0.2),
+          ("first_step", 2, 0.4, 0.41), ("load", 3, 50.0, 0.3))  # fmt: skip
+    marks("w3", ("recover.gc", None, -0.05, 0.01))  # left out of generation 2
+    trace.close()
+    incidents = [{"generation": 2, "fault_at": fault, "first_step_at": fault + 0.82},
+                 {"downtime_s": 1.0}]  # fmt: skip
+    (summary,) = trace_summary(tmp_path, incidents)
+    assert summary["generation"] == 2
+    spare, survivor = summary["spare"], summary["survivor"]
+    assert spare["load"] == pytest.approx(0.05) and spare["first_step_at"] == pytest.approx(0.81)
+    assert spare["start.wait_at"] == pytest.approx(0.02)
+    assert survivor["load"] == pytest.approx(0.2) and survivor["ready_at"] == pytest.approx(0.4)
+    assert survivor["recover.gc"] == pytest.approx(0.02)  # w2's, ready last
+    medians = _trace_medians([summary, summary])
+    assert medians["spare"]["load"] == pytest.approx(0.05)

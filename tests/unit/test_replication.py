@@ -286,7 +286,7 @@ def test_a_put_s_claimed_digest_cannot_be_changed_without_the_secret(secure):
     forged = b"forged!" * 100
     real = replication._Session.request
 
-    def rewrite(self, body, parts=()):  # type: ignore[no-untyped-def]
+    def rewrite(self, body, parts=(), abandoned=None):  # type: ignore[no-untyped-def]
         body = {**body, "nonce": self.client_nonce.hex()}
         body["mac"] = replication._mac(self.key, replication._REQUEST, self.server_nonce,
                                        replication._canonical(body))  # fmt: skip
@@ -500,3 +500,115 @@ def test_background_priority_lowers_only_the_calling_thread(monkeypatch):
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main_before
     monkeypatch.setenv("ELASTIC_REPLICATION_NICE", "0")
     assert background_priority() is False
+
+
+def test_a_large_copy_is_hashed_on_another_thread_while_it_arrives_and_checked_all_the_same(
+    store, monkeypatch
+):
+    """From ``_BEHIND_MIN`` bytes on, the fetcher hashes each part on a thread of its own
+    while the next one is received: the state is the one sent, every byte was hashed (in
+    order: the digest matches), and a forged copy is still refused."""
+    import threading
+
+    import torch
+
+    from rank_runtime import faults, replication
+    from rank_runtime.snapshot import HotSnapshot, SnapshotDecoder
+
+    threads: set[str] = set()
+    real = replication.hasher
+
+    class Recording:
+        def __init__(self, algorithm: str) -> None:
+            self._inner = real(algorithm)
+
+        def update(self, data) -> None:  # type: ignore[no-untyped-def]
+            threads.add(threading.current_thread().name)
+            self._inner.update(data)
+
+        def hexdigest(self) -> str:
+            return self._inner.hexdigest()
+
+    hot = HotSnapshot()
+    big = torch.randn(replication._BEHIND_MIN // 4 + 12345)
+    hot.take(20, {"w": big, "small": torch.arange(7), "step": 20})
+    genuine = hot.to_bytes(20)
+    send(store.endpoint, owner="m1", shard=0, step=20, generation=1, data=genuine,
+         digest=digest(genuine))  # fmt: skip
+    expected = digest(genuine)
+    monkeypatch.setattr(replication, "hasher", Recording)
+    decoder = SnapshotDecoder(trusted=True)
+    fetch_into(store.endpoint, lambda _: decoder, owner=None, shard=0, step=20,
+               expected=expected)  # fmt: skip
+    assert threads == {"elastic-digest"}
+    monkeypatch.undo()
+    restored = decoder.finish().state
+    assert torch.equal(restored["w"], big) and torch.equal(restored["small"], torch.arange(7))
+    forged = faults.forge(genuine)
+    send(store.endpoint, owner="m2", shard=1, step=20, generation=1, data=forged,
+         digest=digest(genuine))  # fmt: skip
+    with pytest.raises(DigestMismatch):
+        fetch_into(store.endpoint, lambda _: SnapshotDecoder(trusted=True), owner="m2",
+                   shard=1, step=20, expected=digest(genuine))  # fmt: skip
+
+
+def _deaf_holder() -> tuple[socket.socket, list[socket.socket]]:
+    """A peer that greets as a store and then never reads: a send to it blocks."""
+    import threading
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    accepted: list[socket.socket] = []
+
+    def serve() -> None:
+        conn, _ = server.accept()
+        accepted.append(conn)
+        conn.sendall(json.dumps({"peer": 2, "nonce": "00" * 16, "auth": False}).encode() + b"\n")
+
+    threading.Thread(target=serve, daemon=True).start()
+    return server, accepted
+
+
+def test_an_abandoned_send_ends_midway_even_when_the_holder_stops_reading():
+    """``Abandon.set`` from another thread ends a send blocked on a holder that does not read
+    (its connection is shut down): ``Abandoned``, long before the socket's timeout."""
+    import threading
+    import time
+
+    from rank_runtime.replication import Abandon, Abandoned
+
+    server, accepted = _deaf_holder()
+    abandon = Abandon()
+    outcome: list[BaseException] = []
+
+    def sending() -> None:
+        try:
+            send(f"127.0.0.1:{server.getsockname()[1]}", owner="m1", shard=0, step=10,
+                 generation=1, data=bytes(64 * 1024 * 1024), digest="sha256:" + "0" * 64,
+                 timeout=60.0, abandon=abandon)  # fmt: skip
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=sending)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not accepted and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # blocked in sendall by now: the holder reads nothing
+    assert thread.is_alive()
+    abandon.set()
+    thread.join(10)
+    server.close()
+    for conn in accepted:
+        conn.close()
+    assert not thread.is_alive() and len(outcome) == 1
+    assert isinstance(outcome[0], Abandoned)
+    with pytest.raises(Abandoned):  # still set: the next send does not even connect
+        send("127.0.0.1:1", owner="m1", shard=0, step=10, generation=1, data=b"x",
+             digest="sha256:" + "0" * 64, abandon=abandon)  # fmt: skip
+    abandon.clear()
+    with pytest.raises(ReplicationError) as refused:  # cleared: sends are attempted again
+        send("127.0.0.1:1", owner="m1", shard=0, step=10, generation=1, data=b"x",
+             digest="sha256:" + "0" * 64, abandon=abandon)  # fmt: skip
+    assert not isinstance(refused.value, Abandoned)

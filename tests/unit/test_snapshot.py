@@ -704,3 +704,51 @@ def test_a_stream_digest_follows_the_content_and_a_missing_step_is_not_found():
     assert hot.stream_digest(1) != hot.stream_digest(2)
     with pytest.raises(SnapshotNotFound), hot.serialized(3):
         pass
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_memory_the_decoder_names_is_not_written_again(seed):
+    """A fetch may hash what landed on another thread after ``wrote``: every piece of memory
+    ``writable`` named (tensor data, prefix, padding, trailer) still holds the bytes that
+    landed there once the whole stream is in."""
+    state = {**training_state(), "odd": torch.arange(7, dtype=torch.int8)}
+    hot = HotSnapshot()
+    hot.take(5, state)
+    stream = hot.to_bytes(5)
+    decoder = SnapshotDecoder(trusted=True)
+    rng = random.Random(seed)
+    landed: list[tuple[memoryview, bytes]] = []
+    pos = 0
+    while pos < len(stream):
+        part = decoder.writable(min(rng.choice([1, 5, 64, 1000, 70_000]), len(stream) - pos))
+        got = min(len(part), rng.choice([1, 9, 500, 100_000]))
+        part[:got] = stream[pos : pos + got]
+        landed.append((part[:got], stream[pos : pos + got]))
+        decoder.wrote(got)
+        pos += got
+    assert all(bytes(view) == data for view, data in landed)
+    assert_same(decoder.finish().state, state)
+
+
+def test_a_digest_abandoned_midway_caches_nothing_and_the_block_is_not_entered():
+    """``serialized(check=...)``: what ``check`` raises between the digest's chunks ends it;
+    nothing is cached, the slot is unpinned, and a later digest is the whole stream's."""
+    import hashlib
+
+    hot = HotSnapshot()
+    hot.take(5, {"w": torch.randn(3 * snap._DIGEST_CHUNK // 4)})
+    calls = []
+
+    def check() -> None:
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("given up")
+
+    entered = False
+    with pytest.raises(RuntimeError, match="given up"), hot.serialized(5, check=check):
+        entered = True
+    assert not entered and len(calls) == 2
+    slot = next(s for s in hot._slots if s.step == 5)
+    assert slot.readers == 0 and not any(k.startswith("stream:") for k in slot.checksums)
+    with hot.serialized(5, check=lambda: None) as form:
+        assert form.digest == "sha256:" + hashlib.sha256(hot.to_bytes(5)).hexdigest()

@@ -306,3 +306,97 @@ def test_hashed_ngrams_train_as_one_embedding_and_restore_into_an_uninitialised_
         # near-zero gradients turns rounding into small differences of the update.
         assert record["rows_off"] < 1e-4 and record["params_off"] < 1e-3, record
         assert record["restored_equal"]
+
+
+def test_a_load_adopts_a_received_shard_and_reuses_a_dropped_generation_s_memory() -> None:
+    """``sharded.load`` of one capture in the rank's own layout: with ``adopt`` the optimizer
+    state is the received tensors themselves (no copy; parameters are copied); with
+    ``memory`` it is made of what a dropped generation's parts leave, never of the backup it
+    reads; either way the next step is the same bit for bit as the original's."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from rank_runtime import sharded
+    from rank_runtime.snapshot import HotSnapshot, from_bytes
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        data = tinygpt.TextData(seq=16, global_batch=4)
+
+        def make(init: bool) -> tuple[Any, torch.optim.Optimizer]:
+            with torch.device("meta") if not init else torch.device("cpu"):
+                net = tinygpt.build_model(256, 32, 1, 2, 16, 0)
+            net.ngrams = tinygpt.HashedNgrams(16384, 32, mesh, seed=7, init=init)  # 2 MiB
+            model = tinygpt.shard(net, mesh)
+            if not init:
+                model.to_empty(device="cpu")
+            return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+        def train(model: Any, opt: torch.optim.Optimizer, step: int) -> None:
+            loss = tinygpt.step_loss(model, *data.batch(step), 1, 4)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+        def big_state(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+            return [v.to_local() for s in opt.state.values() for v in s.values()
+                    if isinstance(v, torch.Tensor) and v.numel() * 4 >= 1 << 20]  # fmt: skip
+
+        model, opt = make(init=True)
+        for step in range(2):
+            train(model, opt, step)
+        hot = HotSnapshot()
+        hot.take(2, sharded.capture(model, opt))
+
+        received = from_bytes(hot.to_bytes(2)).state
+        adopted, adopted_opt = make(init=False)
+        assert sharded.load(adopted, adopted_opt, {0: received}, adopt=True) == "same-layout"
+        captured = received["tensors"]
+        moments = [captured[f"optim.state.ngrams.weight.{k}"]["chunks"][0]["data"]
+                   for k in ("exp_avg", "exp_avg_sq")]  # fmt: skip
+        state = adopted_opt.state[adopted.ngrams.weight]
+        assert [state[k].to_local().data_ptr() for k in ("exp_avg", "exp_avg_sq")] == [
+            m.data_ptr() for m in moments
+        ]
+        weight = captured["model.ngrams.weight"]["chunks"][0]["data"]
+        assert adopted.ngrams.weight.to_local().data_ptr() != weight.data_ptr()
+
+        donor, donor_opt = make(init=True)
+        train(donor, donor_opt, 0)
+        memory = sharded.Memory.of(donor, donor_opt)
+        lent = {t.data_ptr() for t in [donor.ngrams.weight.to_local(), *big_state(donor_opt)]}
+        del donor, donor_opt
+        reused, reused_opt = make(init=False)
+        sharded.load(reused, reused_opt, {0: hot.get(2, copy=False).state}, memory=memory)
+        taken = {t.data_ptr() for t in big_state(reused_opt)}
+        assert len(taken) == 2 and taken <= lent and memory.taken == 2 * 16384 * 32 * 4
+        slots = [(s.buffer.data_ptr(), s.buffer.data_ptr() + s.capacity)
+                 for s in hot._slots if s.buffer is not None]  # fmt: skip
+        assert not any(lo <= p < hi for p in taken for lo, hi in slots)
+
+        before = moments[0].clone()
+        for m, o in ((model, opt), (adopted, adopted_opt), (reused, reused_opt)):
+            train(m, o, 2)
+        assert not torch.equal(moments[0], before)  # adopted: the state trained in place
+        for p, q, r in zip(model.parameters(), adopted.parameters(), reused.parameters(),
+                           strict=True):  # fmt: skip
+            assert torch.equal(p.to_local(), q.to_local())
+            assert torch.equal(p.to_local(), r.to_local())
+        kept = hot.get(2).state["tensors"]  # training the reused parts left the backup alone
+        assert torch.equal(kept["optim.state.ngrams.weight.exp_avg"]["chunks"][0]["data"],
+                           before)  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+
+
+def test_memory_lends_only_whole_unshared_tensors_of_a_layout() -> None:
+    from rank_runtime.sharded import Memory
+
+    whole = torch.zeros(64, 8)
+    memory = Memory([whole, whole.view(64, 8), torch.zeros(128, 8)[:64], torch.zeros(0, 8)])
+    assert memory.nbytes == whole.numel() * 4  # the view of ``whole`` once, no partial view
+    assert memory.take(torch.empty(8, 64)) is None  # another layout
+    lent = memory.take(torch.empty(64, 8))
+    assert lent is not None and lent.data_ptr() == whole.data_ptr()
+    assert memory.take(torch.empty(64, 8)) is None and memory.taken == whole.numel() * 4
