@@ -43,19 +43,40 @@ class AdvisoryLock:
             return False
 
     async def acquire(self, stop: asyncio.Event, retry_s: float = 1.0) -> bool:
-        """Wait until the lock is ours (True) or ``stop`` is set (False)."""
+        """Wait until the lock is ours (True) or ``stop`` is set (False).
+
+        A standby waits inside PostgreSQL (``pg_advisory_lock`` under a ``lock_timeout`` of
+        ``retry_s``), so it takes the lock the moment the holder's connection ends, not at
+        its next try; ``stop`` is looked at between waits."""
         waiting = False
         while not stop.is_set():
-            if await self.try_acquire():
+            if await self._wait(retry_s):
                 if waiting:
                     log.info("took over the ingest lock")
                 return True
             if not waiting:
                 log.info("another control plane holds the ingest lock; standing by")
                 waiting = True
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), retry_s)
+            if self._conn is None:  # the server is down: no wait happened inside it
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), retry_s)
         return False
+
+    async def _wait(self, wait_s: float) -> bool:
+        """Take the lock, waiting up to ``wait_s`` for its holder to let it go; False if it
+        did not (the connection is kept) or the server is down (it is closed)."""
+        try:
+            if self._conn is None or self._conn.closed:
+                self._conn = await psycopg.AsyncConnection.connect(self._url, autocommit=True)
+            await self._conn.execute(f"SET lock_timeout = {max(1, round(wait_s * 1000))}")
+            await self._conn.execute("SELECT pg_advisory_lock(%s)", (self._key,))
+            return True
+        except psycopg.errors.LockNotAvailable:
+            return False
+        except psycopg.Error as exc:
+            log.debug("advisory lock not taken: %s", exc)
+            await self.release()
+            return False
 
     async def held(self) -> bool:
         """Whether the lock's connection is still alive (so the lock is still ours)."""

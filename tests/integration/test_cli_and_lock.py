@@ -7,11 +7,13 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
 from controlplane.app import ControlPlane
 from controlplane.core.fold import fold
+from controlplane.lock import AdvisoryLock
 from controlplane.store import migrate
 from controlplane.store.postgres import make_engine
 from controlplane.synth import SyntheticJob
@@ -80,3 +82,37 @@ async def test_a_second_control_plane_stands_by_and_takes_over(settings, pg_stor
         for stop in stops:
             stop.set()
         await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 30)
+
+
+async def test_a_standby_takes_the_lock_as_soon_as_its_holder_lets_it_go(empty_database_url):
+    holder, standby = AdvisoryLock(empty_database_url), AdvisoryLock(empty_database_url)
+    stop = asyncio.Event()
+    try:
+        assert await holder.try_acquire()
+        waiting = asyncio.create_task(standby.acquire(stop, retry_s=5.0))
+        await asyncio.sleep(0.5)
+        assert not waiting.done(), "no split brain"
+        await holder.release()  # as a killed holder's connection ends
+        released = time.monotonic()
+        assert await asyncio.wait_for(waiting, 10)
+        # Within a fraction of the retry interval: it waited inside PostgreSQL.
+        assert time.monotonic() - released < 1.0
+        assert not await holder.try_acquire()
+    finally:
+        await holder.release()
+        await standby.release()
+
+
+async def test_a_waiting_standby_stops_when_told(empty_database_url):
+    holder, standby = AdvisoryLock(empty_database_url), AdvisoryLock(empty_database_url)
+    stop = asyncio.Event()
+    try:
+        assert await holder.try_acquire()
+        waiting = asyncio.create_task(standby.acquire(stop, retry_s=0.2))
+        await asyncio.sleep(0.5)
+        stop.set()
+        assert await asyncio.wait_for(waiting, 5) is False
+        assert await holder.held()
+    finally:
+        await holder.release()
+        await standby.release()
