@@ -55,7 +55,10 @@ class Settings(BaseSettings):
         5.0, description="Longest back-off between retries while NATS or Postgres is down"
     )
     lock_retry_s: PositiveFloat = Field(
-        1.0, description="How often a standby tries the ingest lock, and the holder checks it"
+        1.0,
+        description="How long a standby waits inside PostgreSQL for the ingest lock before it"
+        " looks again (it takes the lock the moment it is free), and how often the holder"
+        " checks it",
     )
     command_stream: str = Field("ELASTIC_COMMANDS", description="JetStream stream of commands")
     command_history: PositiveInt = Field(
