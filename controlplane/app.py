@@ -193,6 +193,7 @@ class ControlPlane:
                 context=Context(rendezvous=base),
                 liveness=table,
                 hear=heartbeats.catch_up,
+                hold=heartbeats.held,
             )
             session = self.ingest = Session(
                 views=folded,

@@ -7,7 +7,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, NamedTuple
@@ -553,6 +553,8 @@ class HeartbeatListener:
         self._sub: Subscription | None = None
         self._logged = 0.0
         self.stats = HeartbeatStats()
+        #: Messages received while ``held`` (subject, data, when it arrived), taken after.
+        self._held: list[tuple[str, bytes, datetime]] | None = None
 
     async def start(self) -> None:
         self._sub = await self._nc.subscribe(
@@ -579,6 +581,28 @@ class HeartbeatListener:
         except Exception as exc:  # unreachable NATS, a timeout: judge on what was heard
             log.warning("heartbeats not caught up before a decision: %s", exc)
 
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Keep the heartbeats that arrive meanwhile, each with the time it arrived, and take
+        them into the table on the way out: a decision's append (its round trips to
+        PostgreSQL, where the loop would take every message that came in) waits for none of
+        them, and the table holds the same beats at the same times after."""
+        if self._held is not None:
+            yield
+            return
+        self._held = []
+        try:
+            yield
+        finally:
+            # Taken once what is ready runs (a command's send just handed over); what
+            # arrives until then is kept behind them, in order.
+            asyncio.get_running_loop().call_soon(self._take_held)
+
+    def _take_held(self) -> None:
+        held, self._held = self._held, None
+        for subject, data, at in held or ():
+            self.receive(subject, data, at)
+
     async def stop(self) -> None:
         sub, self._sub = self._sub, None
         if sub is not None:
@@ -599,10 +623,15 @@ class HeartbeatListener:
     async def _on_message(self, msg: Msg) -> None:
         self.receive(msg.subject, msg.data)
 
-    def receive(self, subject: str, data: bytes) -> None:
-        """Take one message, a member's heartbeat or its node's (never raises)."""
+    def receive(self, subject: str, data: bytes, at: datetime | None = None) -> None:
+        """Take one message, a member's heartbeat or its node's, that arrived ``at`` (now
+        when not given; never raises)."""
+        if at is None:
+            at = on_the_ms(self._clock())
+            if self._held is not None:
+                self._held.append((subject, data, at))
+                return
         self.stats.received += 1
-        at = on_the_ms(self._clock())
         beats = decode_heartbeats(subject, data)
         if isinstance(beats, str):
             self._refuse(subject, beats)

@@ -26,6 +26,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -33,7 +34,9 @@ import nats.errors
 from nats.js import JetStreamContext
 
 from controlplane.core.commands import Owed, owing
+from controlplane.core.compact import compacted
 from controlplane.core.decide import Context, Decided, decide, envelope, next_deadline, wakes
+from controlplane.core.fold import fold
 from controlplane.core.liveness import LivenessTable
 from controlplane.core.records import StoredEvent
 from controlplane.core.statemachine import TERMINAL
@@ -166,6 +169,7 @@ class Decider:
         clock: Callable[[], datetime] = utcnow,
         liveness: LivenessTable | None = None,
         hear: Callable[[], Awaitable[None]] | None = None,
+        hold: Callable[[], AbstractContextManager[None]] | None = None,
     ) -> None:
         self._views = views
         self._apply = apply
@@ -180,6 +184,9 @@ class Decider:
         #: Takes into the table every heartbeat that reached NATS before the call
         #: (``HeartbeatListener.catch_up``): a silence is judged only on what could be heard.
         self._hear = hear
+        #: Keeps the heartbeats arriving meanwhile for after (``HeartbeatListener.held``):
+        #: around a decision's append and command, once the summary is taken.
+        self._hold = hold
         #: One run of this decider: the ``incarnation`` of its events.
         self.incarnation = uuid.uuid4().hex[:16]
         self._seq: dict[str, int] = {}
@@ -188,6 +195,8 @@ class Decider:
         self.next_wake: datetime | None = None
         #: Job -> its next deadline, as this turn's probe of it found (absent: probe again).
         self._deadlines: dict[str, datetime | None] = {}
+        #: The log's last position as far as this process saw (None: not yet known).
+        self._head: int | None = None
         self.rescheduled = asyncio.Event()
         self.stats = DeciderStats()
 
@@ -195,6 +204,7 @@ class Decider:
         """Ask for a turn when a commit stored something a decision may depend on (the
         views are those before its fold, whose state and incidents members' events do not
         change)."""
+        self._saw(result)
         views = self._views()
         for stored in result.stored:
             event = stored.event
@@ -207,9 +217,11 @@ class Decider:
 
         With a liveness table, whether anything is due is asked of the job's *probe* (its
         view with the table's heartbeats, ``LivenessTable.probe``), one round of ``decide``
-        deep; only when something is, the table is summarized into the log and ``decide``
-        runs, once, on the view that folded the summary: the log's own view, so what is
-        recorded is what a replay of the log decides. A job's commands are handed to the
+        deep; only when something is, the table is summarized, the summary folded onto the
+        job's view at the positions it is to take in the log, and ``decide`` runs, once, on
+        that view: the log's own view once the summary and the decisions are appended, in
+        one transaction (``JobHead.log``), so what is recorded is what a replay of the log
+        decides. A job's commands are handed to the
         publisher as soon as its decisions are recorded and folded, before the next job is
         decided; what else is owed (a command to send again, another job's) follows once
         every job is decided."""
@@ -223,6 +235,8 @@ class Decider:
             began, cpu = time.perf_counter(), time.thread_time()
             view = seen
             checked = summarized = began
+            summary: list[EnvelopeBase] = []
+            head = 0
             if liveness is None:
                 decided = decide(view, now, self.context)
             else:
@@ -252,23 +266,40 @@ class Decider:
                     ):
                         await self._summarize(job_id, view, now, "interval")
                     continue
-                # What the decision reads of the heartbeats goes into the log first; the
-                # decision is taken on the view that folded it (a summary with no decision
-                # behind it costs only its record).
-                if not await self._summarize(job_id, view, now, "decision"):
-                    continue
+                # What the decision reads of the heartbeats goes into the log before it, in
+                # the same append: the summary is folded here at the positions it will take
+                # (right after the log's head: ``JobHead.log``), and the decision is taken
+                # on the view that folded it, which is what a replay folds.
+                summary = self._summary_events(job_id, view, now, "decision")
+                heard = view
+                if summary:
+                    head = self._log_head()
+                    heard = fold(
+                        view, [StoredEvent(head + i, now, e) for i, e in enumerate(summary, 1)]
+                    )
                 summarized = time.perf_counter()
-                view = self._views()[job_id]
-                decided = decide(view, now, self.context)
+                decided = decide(heard, now, self.context)
+                if not decided and summary:
+                    # Nothing after all on the log's view: the summary alone is recorded.
+                    if await self._summary_only(job_id, view, summary, now):
+                        liveness.summarized(job_id, now, "decision")
+                    continue
             if not decided:
                 continue
             thought, cpu = time.perf_counter(), time.thread_time() - cpu
-            appended = await self._record(job_id, view, decided, now)
-            if appended is None:
-                continue
-            folded = time.perf_counter()
-            self._offer(job_id)
-            done = time.perf_counter()
+            # The heartbeats that arrive from here on wait until the command is handed over
+            # (the summary is taken; the next turn reads them).
+            with self._hold() if self._hold is not None else contextlib.nullcontext():
+                appended = await self._record(
+                    job_id, view, decided, now, summary=summary, head=head
+                )
+                if appended is None:
+                    continue
+                if summary and liveness is not None:
+                    liveness.summarized(job_id, now, "decision")
+                folded = time.perf_counter()
+                self._offer(job_id)
+                done = time.perf_counter()
             level = logging.WARNING if done - began > SLOW_TURN_S else logging.INFO
             log.log(
                 level,
@@ -288,60 +319,103 @@ class Decider:
         self._reschedule()
 
     async def _record(
-        self, job_id: str, view: JobView, decided: list[Decided], now: datetime
+        self,
+        job_id: str,
+        view: JobView,
+        decided: list[Decided],
+        now: datetime,
+        *,
+        summary: Sequence[EnvelopeBase] = (),
+        head: int = 0,
     ) -> float | None:
-        """Append ``decided`` behind ``view`` and fold what was stored; the moment the
-        append returned, or None when nothing was recorded."""
-        seq = self._seq.get(job_id, 0)
+        """Append ``decided`` behind ``view`` (with ``summary`` before it, at the positions
+        after the log's ``head``, in one transaction) and fold what was stored; the moment
+        the append returned, or None when nothing was recorded."""
+        seq = self._seq.get(job_id, 0) + len(summary)
+        # Each list written against the world in force, where shorter (``core.compact``).
         events = [
-            envelope(job_id, d, now, seq + i, self.incarnation)
-            for i, d in enumerate(decided, start=1)
+            *summary,
+            *(
+                envelope(job_id, d, now, seq + i, self.incarnation)
+                for i, d in enumerate(compacted(view, decided), start=1)
+            ),
         ]
-        result = await self._append(job_id, view, events, "decision")
+        result = await self._append(
+            job_id, view, events, "decision", log_head=head if summary else None
+        )
         if result is None:
             return None
         appended = time.perf_counter()
+        summaries = sum(1 for s in result.stored if s.event.type == "liveness.summary")
+        self.stats.summaries += summaries
         self.stats.batches += 1
-        self.stats.decisions += len(result.stored)
+        self.stats.decisions += len(result.stored) - summaries
         self._apply(result)
         for stored in result.stored:
             _log_decision(stored)
         return appended
 
     async def _append(
-        self, job_id: str, view: JobView, events: Sequence[EnvelopeBase], what: str
+        self,
+        job_id: str,
+        view: JobView,
+        events: Sequence[EnvelopeBase],
+        what: str,
+        *,
+        log_head: int | None = None,
     ) -> AppendResult | None:
         """Append the control plane's ``events`` for ``job_id`` with the view's last position
-        as the expected head, and advance the job's sequence; None when they were not recorded
-        (another writer came first: the view is refreshed and a turn wanted; or the store is
-        down: the next turn tries again)."""
+        as the expected head (and ``log_head`` as the log's, when given), and advance the job's
+        sequence; None when they were not recorded (another writer came first: the view is
+        refreshed and a turn wanted; or the store is down: the next turn tries again)."""
         try:
             result = await self._appender.append(
-                events, expected=JobHead(job_id, view.last_position)
+                events, expected=JobHead(job_id, view.last_position, log_head)
             )
         except ConcurrencyError as exc:
             self.stats.conflicts += 1
-            log.warning("%s for %s not recorded: %s; refreshing the view", what, job_id, exc)
-            if self._refresh is not None:
-                await self._refresh(job_id)
+            if exc.log_head is not None:
+                # Only the log's head was not where this process last saw it (an append it
+                # did not see the result of): decide again behind the head it is at.
+                self._head = exc.log_head
+                log.info("%s for %s not recorded: %s; deciding again", what, job_id, exc)
+            else:
+                log.warning("%s for %s not recorded: %s; refreshing the view", what, job_id, exc)
+                if self._refresh is not None:
+                    await self._refresh(job_id)
             self.wanted.set()
             return None
         except StoreUnavailable as exc:
             log.warning("%s for %s not recorded (%s); later", what, job_id, exc)
             return None
         self._seq[job_id] = self._seq.get(job_id, 0) + len(events)
+        self._saw(result)
         return result
 
-    async def _summarize(self, job_id: str, view: JobView, now: datetime, reason: str) -> bool:
-        """Append the job's ``liveness.summary`` at ``now`` behind ``view`` and fold it;
-        True when it was recorded (or there was nothing to record)."""
+    def _saw(self, result: AppendResult) -> None:
+        """Follow the log's head through an append's result."""
+        if result.stored:
+            last = result.stored[-1].position
+            if self._head is None or last > self._head:
+                self._head = last
+
+    def _log_head(self) -> int:
+        """The log's last position as this process knows it: its own appends' and the
+        ingest's (``on_commit``), else the views' newest (a wrong guess only costs a turn:
+        the store says where the head is, ``JobHead.log``)."""
+        if self._head is None:
+            self._head = max((v.last_position for v in self._views().values()), default=0)
+        return self._head
+
+    def _summary_events(
+        self, job_id: str, view: JobView, now: datetime, reason: str
+    ) -> list[EnvelopeBase]:
+        """The job's ``liveness.summary`` at ``now`` as events of this decider, numbered
+        after its last (empty: nothing to summarize)."""
         assert self.liveness is not None
         parts = self.liveness.summarize(view, now, reason)
-        if not parts:
-            self.liveness.summarized(job_id, now, reason)
-            return True
         seq = self._seq.get(job_id, 0)
-        events = [
+        return [
             LivenessSummaryEvent(
                 event_id=new_event_id(),
                 job_id=job_id,
@@ -356,11 +430,25 @@ class Decider:
             )
             for i, part in enumerate(parts, start=1)
         ]
+
+    async def _summary_only(
+        self, job_id: str, view: JobView, events: list[EnvelopeBase], now: datetime
+    ) -> bool:
+        """Append the summary ``events`` alone behind ``view`` and fold them."""
         result = await self._append(job_id, view, events, "liveness")
         if result is None:
             return False
         self.stats.summaries += len(result.stored)
         self._apply(result)
+        return True
+
+    async def _summarize(self, job_id: str, view: JobView, now: datetime, reason: str) -> bool:
+        """Append the job's ``liveness.summary`` at ``now`` behind ``view`` and fold it;
+        True when it was recorded (or there was nothing to record)."""
+        assert self.liveness is not None
+        events = self._summary_events(job_id, view, now, reason)
+        if events and not await self._summary_only(job_id, view, events, now):
+            return False
         self.liveness.summarized(job_id, now, reason)
         return True
 

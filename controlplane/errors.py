@@ -32,6 +32,11 @@ class SchemaNotMigrated(StoreError):
 class ConcurrencyError(StoreError):
     """The log moved past the position a writer expected."""
 
+    def __init__(self, message: str, *, log_head: int | None = None) -> None:
+        super().__init__(message)
+        #: The log's head when the writer expected another one (``JobHead.log``), else None.
+        self.log_head = log_head
+
 
 class BusError(ControlPlaneError):
     """The message bus failed."""

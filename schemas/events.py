@@ -756,16 +756,29 @@ class TrainCompleted(Strict):
 Holders = Annotated[list[Ident], Field(max_length=8)]
 #: ``placement[r]``: the holders of rank ``r``'s shard (its owner is ``world[r]``).
 Placement = Annotated[list[Holders], Field(max_length=MAX_WORLD)]
+#: A list of members written against the world in force where the event is folded (the
+#: generation before): each item a member's name, or ``[i, j]``, that world's ranks ``i`` to
+#: ``j - 1`` in order (``controlplane.core.compact``). A decision that keeps most of the world
+#: records a few items, not a name per rank.
+Spans = Annotated[list[Ident | tuple[NonNegInt, NonNegInt]], Field(max_length=MAX_WORLD)]
+#: ``[r, holders]``: rank ``r``'s holders where they are not those its member had in the
+#: generation before (every other rank keeps them).
+PlacementChanges = Annotated[list[tuple[NonNegInt, Holders]], Field(max_length=MAX_WORLD)]
 
 
 class GenerationStarted(Strict):
     generation: NonNegInt
-    #: Rank -> member: ``world[r]`` is the member that runs rank ``r``.
+    #: Rank -> member: ``world[r]`` is the member that runs rank ``r``; empty when
+    #: ``world_spans`` gives it.
     world: Members
     rendezvous: ShortText
     placement: Placement = Field(default_factory=list)
     #: Why the placement falls short of the rule, when it does.
     placement_note: Text = ""
+    #: The world against the one before (``Spans``), instead of ``world``.
+    world_spans: Spans | None = None
+    #: The placement as the ranks whose holders changed, instead of ``placement``.
+    placement_changes: PlacementChanges | None = None
 
 
 class Evidence(Strict):
@@ -801,13 +814,17 @@ class ReallocationIssued(Strict):
     #: itself when it holds it); empty when restoring from a checkpoint or the initial state.
     plan: Members = Field(default_factory=list)
     #: ``digests[s]``: the digest shard ``s``'s owner reported for the restore step (its copy
-    #: must hash to it); parallel to ``plan``, empty where ``plan`` is.
+    #: must hash to it); parallel to ``plan``. Recorded by deciders before fold revision 5;
+    #: now empty: the fold takes them from the backup catalog the log holds.
     digests: Annotated[list[Checksum], Field(max_length=MAX_WORLD)] = Field(default_factory=list)
     rendezvous: ShortText
     reason: Text
     #: Members of the replicas a mesh-aware shrink dropped that survive: not in ``world``,
     #: they stay up as warm spares (no one fences them).
     demoted: Members = Field(default_factory=list)
+    #: ``world`` and ``plan`` against the world in force (``Spans``), instead of the lists.
+    world_spans: Spans | None = None
+    plan_spans: Spans | None = None
 
 
 class IncidentResolved(Strict):

@@ -116,6 +116,20 @@ class EventStoreContract:
         fresh = Events("job3")
         store.append([fresh.cp("job.stopped", {"reason": "x"})], expected=JobHead("job3", 0))
 
+    def test_expected_log_head_places_a_batch_where_its_writer_said(self, store):
+        ev, other = Events(), Events("job2")
+        store.append([ev.heartbeat("m0")])
+        store.append([other.heartbeat("m0")])
+        # The job is where the writer saw it, but another job's event moved the log.
+        with pytest.raises(ConcurrencyError, match="the log is at 2, writer expected 1") as err:
+            store.append([ev.cp("job.stopped", {"reason": "x"})], expected=JobHead("job1", 1, 1))
+        assert err.value.log_head == 2
+        assert store.last_position() == 2
+        events = [ev.cp("job.state_changed", {"from": "RUNNING", "to": "DEGRADED", "reason": "a"}),
+                  ev.cp("job.stopped", {"reason": "b"})]  # fmt: skip
+        result = store.append(events, expected=JobHead("job1", 1, 2))
+        assert [s.position for s in result.stored] == [3, 4]
+
     def test_read_filters_by_job_type_and_position(self, store):
         a, b = Events("jobA"), Events("jobB")
         store.append([a.joined("m0"), b.joined("m0"), a.heartbeat("m0"), b.heartbeat("m0")])

@@ -14,8 +14,10 @@ as deployed:
   the holders that kept its copy), as the runtime does.
 
 First ``steady_seconds`` of that without faults, then ``seconds`` with ``faults`` injected at
-even intervals, alternating a crash (the node's launcher reports ``member.exited``) and a hang
-(the member's heartbeats stop). What the report says:
+even intervals, alternating a crash (the member's heartbeats stop and its node's launcher
+reports ``member.exited``, on a connection of the launchers' own: a launcher is a process of
+its own, its report waits for no member's send) and a hang (the member's heartbeats stop).
+What the report says:
 
 - ``hang_detect_p50_s`` / ``_p99_s``: a hung member's last heartbeat sent, to the commit of the
   ``fault.detected`` that names it (the timeout in force included);
@@ -187,6 +189,10 @@ class _Fleet:
     _nodes: dict[str, list[str]] = field(default_factory=dict)
     _order: dict[str, int] = field(default_factory=dict)
     _sending: asyncio.Lock = field(default_factory=asyncio.Lock)
+    #: The launchers' own connection: a launcher is a process of its own, and its report of
+    #: a member's exit does not wait for the members' backup reports to be sent (None: the
+    #: members' connection, in turn).
+    launchers: loadgen.Publisher | None = None
 
     @property
     def current(self) -> Start | Reallocate:
@@ -200,6 +206,16 @@ class _Fleet:
             if messages:
                 self.refused += await self.events.send(loadgen.frames(messages))
                 self.published += len(messages)
+
+    async def report(self, build: Callable[[], list[Outgoing]]) -> None:
+        """Publish a launcher's report on the launchers' connection, beside the members'
+        sends (a launcher's events are in ``seq`` order on it: it sends one at a time)."""
+        if self.launchers is None:
+            await self.send(build)
+            return
+        messages = build()
+        self.refused += await self.launchers.send(loadgen.frames(messages))
+        self.published += len(messages)
 
     async def on_command(self, msg: Any) -> None:
         self.command_bytes = max(self.command_bytes, len(msg.data))
@@ -364,6 +380,7 @@ async def _scenario(
         interval_s,
         backup_interval,
         relay=relay,
+        launchers=await loadgen.Publisher.connect(services_nats),
     )
     policy = {
         "world_size": ranks,
@@ -439,7 +456,7 @@ async def _scenario(
                 fleet.silence(victim)
                 if fault.kind == "crash":
                     exit_ = {"member": victim, "signal": 9}
-                    await fleet.send(
+                    await fleet.report(
                         lambda v=victim, p=exit_: [  # type: ignore[misc]
                             job.envelope(v, "member.exited", p, by=job.launcher(v))
                         ]
@@ -486,6 +503,8 @@ async def _scenario(
             await nc.close()
         await fleet.events.close()
         await fleet.beats.close()
+        if fleet.launchers is not None:
+            await fleet.launchers.close()
     window, steady = t1 - t0, steady_window
     accepted = fleet.published - fleet.refused
     grown = {

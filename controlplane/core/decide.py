@@ -52,7 +52,7 @@ from controlplane.core.fold import fold
 from controlplane.core.mesh import Layout, full_layout, layout
 from controlplane.core.placement import SilentNode, place_columns, silent_nodes
 from controlplane.core.records import StoredEvent
-from controlplane.core.restore import plan_restore, refused_sources, restore_digests
+from controlplane.core.restore import plan_restore, refused_sources
 from controlplane.core.statemachine import TERMINAL
 from controlplane.core.timeline import timeline
 from controlplane.core.view import Decision, Incident, JobView, Member, MemberStatus
@@ -613,7 +613,9 @@ class _Round:
                 restore_step=plan.restore_step,
                 restore_from=plan.restore_from,
                 plan=list(plan.sources),
-                digests=list(restore_digests(self.view, plan.restore_step, plan.sources)),
+                # No digests: the fold takes each shard's from the catalog the log holds
+                # (``restore_digests``), which is where they came from; a 16,384-rank
+                # decision's 1.2 MB of them stayed out of the append a fault waits for.
                 rendezvous=self._rendezvous(generation),
                 reason=plan.reason[:_MAX_TEXT],
                 demoted=list(plan.demoted),

@@ -18,8 +18,10 @@ from dataclasses import fields
 from typing import Any, TypeVar
 
 from controlplane.core.catalog import is_catalog, unpacked
+from controlplane.core.compact import expand, placed
 from controlplane.core.detect import PEER_FAULTS
 from controlplane.core.records import StoredEvent
+from controlplane.core.restore import restore_digests
 from controlplane.core.statemachine import TERMINAL, can_transition
 from controlplane.core.steps import JobSteps
 from controlplane.core.view import (
@@ -933,15 +935,21 @@ class _Fold:
             self._anomaly(stored, f"generation {p.generation} after {view.generation}")
             return
         view.generation = p.generation
-        view.world = tuple(p.world)
+        before = view.world
+        world = p.world if p.world_spans is None else expand(p.world_spans, before)
+        view.world = tuple(world)
         view.rendezvous = p.rendezvous
-        view.placement = tuple(map(tuple, p.placement))
+        if p.placement_changes is None:
+            view.placement = tuple(map(tuple, p.placement))
+        else:
+            previous = dict(zip(before, view.placement, strict=False))
+            view.placement = placed(world, p.placement_changes, previous)
         view.placement_note = p.placement_note
         view.generation_mark = Mark(stored.position, stored.recorded_at)
         if view.started_position is None:
             view.started_position = stored.position
         self._start_timeline(stored, p.generation, len(view.world))
-        ranks = dict(zip(p.world, range(len(p.world)), strict=True))
+        ranks = dict(zip(world, range(len(world)), strict=True))
         for member_id, member in list(view.members.items()):
             rank = ranks.get(member_id)
             if member.rank != rank:
@@ -950,7 +958,7 @@ class _Fold:
                 owned.rank = rank
                 if rank is not None:
                     owned.demoted_position = None  # a warm spare no more
-        missing = [m for m in p.world if m not in view.members]
+        missing = [m for m in world if m not in view.members]
         if missing:
             self._anomaly(stored, f"world names members that never joined: {missing[:5]}")
 
@@ -1061,6 +1069,8 @@ class _Fold:
     def _reallocation(self, stored: StoredEvent, p: Any) -> None:
         view = self.view
         incident_id = str(p.incident_id)
+        world = p.world if p.world_spans is None else expand(p.world_spans, view.world)
+        plan = p.plan if p.plan_spans is None else expand(p.plan_spans, view.world)
         incident = self._incident(incident_id)
         if incident is None and p.mode is ReallocationMode.GROW:
             # A planned growth has no fault behind it: the decision opens its own record.
@@ -1068,7 +1078,7 @@ class _Fold:
                 incident_id=incident_id,
                 opened_at=stored.recorded_at,
                 opened_position=stored.position,
-                members=[m for m in p.world if m not in view.world],
+                members=[m for m in world if m not in view.world],
                 reasons=[p.reason],
                 detections=[],
                 step_at_fault=view.last_step,
@@ -1088,11 +1098,13 @@ class _Fold:
                 generation=p.generation,
                 mode=p.mode,
                 # One string per member name, not one per decision naming it.
-                world=tuple(map(sys.intern, p.world)),
+                world=tuple(map(sys.intern, world)),
                 restore_step=p.restore_step,
                 restore_from=p.restore_from,
-                plan=tuple(map(sys.intern, p.plan)),
-                digests=tuple(p.digests),
+                plan=tuple(map(sys.intern, plan)),
+                # Recorded (logs before fold revision 5), else what the catalog the log
+                # holds says each shard's owner reported: what the decision read.
+                digests=tuple(p.digests) or restore_digests(view, p.restore_step, plan),
                 rendezvous=p.rendezvous,
                 reason=p.reason,
                 demoted=tuple(p.demoted),

@@ -22,10 +22,12 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from controlplane.core.catalog import unpacked
+from controlplane.core.compact import expand, placed
 from controlplane.core.decide import Context, Decided, decide, envelope, next_deadline
 from controlplane.core.detect import SILENCE_BEATS
 from controlplane.core.fold import fold
 from controlplane.core.records import StoredEvent
+from controlplane.core.restore import restore_digests
 from controlplane.core.timeline import timeline
 from controlplane.core.view import Incident, JobView
 from schemas.common import CONTROLPLANE_SOURCE, Phase
@@ -49,10 +51,19 @@ class Redecided:
 
     recorded: tuple[StoredEvent, ...]
     redecided: tuple[Decided, ...]
+    #: Position of a recorded ``reallocation.issued`` that carries its digests (logs before
+    #: fold revision 5) -> the digests the fold takes from the log's catalogs instead, which a
+    #: decision now leaves to it: the two must agree.
+    derived: Mapping[int, list[str]] = field(default_factory=dict)
+    #: The world and placement in force before the batch: what a decision's lists are
+    #: written against (``core.compact``), so that a list recorded whole (logs before fold
+    #: revision 5) and one written against them compare as the lists they are.
+    base: tuple[Sequence[str], Sequence[Sequence[str]]] = ((), ())
 
     @property
     def matches(self) -> bool:
-        return _comparable_recorded(self.recorded) == _comparable_decided(self.redecided)
+        recorded = _expanded(_comparable_recorded(self.recorded, self.derived), self.base)
+        return recorded == _expanded(_comparable_decided(self.redecided), self.base)
 
 
 def decision_batches(log: Sequence[StoredEvent]) -> list[tuple[int, int]]:
@@ -102,7 +113,8 @@ def redecide(log: Sequence[StoredEvent], context: Context | None = None) -> list
             current = _recorded_context(batch) or current
         now = batch[0].event.emitted_at
         decided = decide(view, now, current) if view is not None else []
-        out.append(Redecided(batch, tuple(decided)))
+        base = (view.world, view.placement) if view is not None else ((), ())
+        out.append(Redecided(batch, tuple(decided), _derived_digests(view, batch), base))
         view = fold(view, batch)  # go on from what was recorded
         done = end
     return out
@@ -120,10 +132,57 @@ def _recorded_context(batch: Sequence[StoredEvent]) -> Context | None:
     return None
 
 
-def _comparable_recorded(batch: Sequence[StoredEvent]) -> list[tuple[str, str, Any]]:
-    return [
-        (s.event.event_id, s.event.type, s.event.payload.model_dump(mode="json")) for s in batch
-    ]
+def _derived_digests(view: JobView | None, batch: Sequence[StoredEvent]) -> dict[int, list[str]]:
+    """The digests the fold of ``view`` gives each ``reallocation.issued`` of ``batch`` that
+    recorded its own (see ``Redecided.derived``)."""
+    if view is None:
+        return {}
+    out = {}
+    for s in batch:
+        p = s.event.payload
+        if isinstance(p, ReallocationIssued) and p.digests:
+            plan = p.plan if p.plan_spans is None else expand(p.plan_spans, view.world)
+            out[s.position] = list(restore_digests(view, p.restore_step, plan))
+    return out
+
+
+def _expanded(
+    batch: list[tuple[str, str, Any]], base: tuple[Sequence[str], Sequence[Sequence[str]]]
+) -> list[tuple[str, str, Any]]:
+    """``batch`` (comparable payloads, in order) with each decision's lists whole: written
+    against the world and placement in force (``base``, then each generation's)."""
+    world, placement = base
+    for _, type_, payload in batch:
+        if type_ == "reallocation.issued":
+            if payload.get("world_spans") is not None:
+                payload["world"] = expand(payload["world_spans"], world)
+            if payload.get("plan_spans") is not None:
+                payload["plan"] = expand(payload["plan_spans"], world)
+            payload["world_spans"] = payload["plan_spans"] = None
+        elif type_ == "generation.started":
+            new = payload["world"]
+            if payload.get("world_spans") is not None:
+                new = payload["world"] = expand(payload["world_spans"], world)
+            if payload.get("placement_changes") is not None:
+                previous = {m: tuple(h) for m, h in zip(world, placement, strict=False)}
+                payload["placement"] = [
+                    list(h) for h in placed(new, payload["placement_changes"], previous)
+                ]
+            payload["world_spans"] = payload["placement_changes"] = None
+            world, placement = new, payload["placement"]
+    return batch
+
+
+def _comparable_recorded(
+    batch: Sequence[StoredEvent], derived: Mapping[int, list[str]] | None = None
+) -> list[tuple[str, str, Any]]:
+    out = []
+    for s in batch:
+        payload = s.event.payload.model_dump(mode="json")
+        if derived and s.position in derived and derived[s.position] == payload["digests"]:
+            payload["digests"] = []  # recorded as the fold derives them: the same decision
+        out.append((s.event.event_id, s.event.type, payload))
+    return out
 
 
 def _comparable_decided(batch: Sequence[Decided]) -> list[tuple[str, str, Any]]:

@@ -82,6 +82,10 @@ class InMemoryEventStore:
                     raise ConcurrencyError(
                         f"job {expected.job_id} is at {last}, writer expected {expected.position}"
                     )
+                if expected.log is not None and head != expected.log:
+                    raise ConcurrencyError(
+                        f"the log is at {head}, writer expected {expected.log}", log_head=head
+                    )
             for event in events:
                 if (why := refusal(event)) is not None:
                     raise StoreRefused(f"event {event.event_id}: {why}")

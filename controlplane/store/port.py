@@ -13,10 +13,14 @@ from schemas.events import EnvelopeBase
 
 
 class JobHead(NamedTuple):
-    """What a decider expects: the position of the newest event of ``job_id`` in the log."""
+    """What a decider expects: the position of the newest event of ``job_id`` in the log,
+    and with ``log`` the log's own last position (of any job) too: a batch whose events
+    cite one another's positions (a decision citing the summary appended with it) is
+    stored at ``log + 1`` on, or not at all."""
 
     job_id: str
     position: int
+    log: int | None = None
 
 
 @dataclass(slots=True)
@@ -62,7 +66,9 @@ class EventLog(Protocol):
 
         With ``expected``, raise ``ConcurrencyError`` unless the newest event of that job is
         at that position (optimistic concurrency for decisions: whatever the decider did not
-        see makes the append fail). ``encoded``, parallel to ``events``, is what the store's
+        see makes the append fail), and with ``expected.log`` unless the log's newest
+        position is that one (``ConcurrencyError.log_head`` says where it is): the batch
+        then takes the positions after it. ``encoded``, parallel to ``events``, is what the store's
         own ``encode`` made of them ahead of time.
         """
         ...

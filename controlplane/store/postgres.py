@@ -1041,6 +1041,10 @@ def _append_steps(
             raise ConcurrencyError(
                 f"job {expected.job_id} is at {last}, writer expected {expected.position}"
             )
+        if expected.log is not None and head != expected.log:
+            raise ConcurrencyError(
+                f"the log is at {head}, writer expected {expected.log}", log_head=head
+            )
     read = _cursor_rows(next(results)) if wanted else {}
     valid = cache is not None and token == cache.token
     if cached and not valid:

@@ -5,6 +5,7 @@ timeout replayed from the summaries (exact at or above their resolution, and sai
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 from dataclasses import replace
@@ -339,6 +340,30 @@ def test_one_bad_heartbeat_or_a_failing_taker_never_stops_the_listener():
     assert listener.stats.received == 4 and listener.stats.accepted == 1
     assert listener.stats.refused == {"not JSON": 1, "undecodable": 1, "stale_incarnation": 1}
     assert taken[-1] == ("n0", ["m0"], T0)
+
+
+def test_heartbeats_held_during_a_decision_s_append_are_taken_after_at_their_arrival():
+    taken = []
+    now = [T0]
+    listener = HeartbeatListener(  # type: ignore[arg-type]
+        None, lambda beats, at: taken.append((beats.step[0], at)) or [], clock=lambda: now[0]
+    )
+    subject = "elastic.hb.job1.n0.m0"
+
+    async def turn():
+        with listener.held():
+            for step in (1, 2):
+                now[0] = T0 + timedelta(seconds=step)
+                listener.receive(subject, _beat(payload={"step": step, "phase": "train"}))
+            assert taken == []  # the append waits for none of them
+        now[0] = T0 + timedelta(seconds=3)
+        listener.receive(subject, _beat(payload={"step": 3, "phase": "train"}))
+        assert taken == []  # kept behind the held ones, in order
+        await asyncio.sleep(0)
+
+    asyncio.run(turn())
+    assert taken == [(s, T0 + timedelta(seconds=s)) for s in (1, 2, 3)]
+    assert listener.stats.received == 3 and listener.stats.accepted == 3
 
 
 def _node(beats, **over):

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from controlplane.core.commands import owed
 from controlplane.core.fold import fold
 from controlplane.core.placement import Slot
+from controlplane.core.replay import redecide
 from controlplane.core.restore import plan_restore, surviving_copies
 from schemas.commands import Reallocate
 from tests.factories import Events, recorded
@@ -193,10 +196,44 @@ def recovering_with_digests() -> tuple[Scenario, object]:
 def test_the_decision_and_the_command_carry_each_shard_s_recorded_digest():
     s, first = recovering_with_digests()
     backup = s.v.backups[first.restore_step]
-    assert first.digests == [backup.shards[n].checksum for n in range(4)]
+    digests = [backup.shards[n].checksum for n in range(4)]
+    # The recorded decision leaves them to the fold, which takes them from the catalog.
+    assert first.digests == []
+    decision = s.v.incidents[str(first.incident_id)].decisions[-1]
+    assert list(decision.digests) == digests
     [command] = owed(s.v)
-    assert isinstance(command, Reallocate) and command.digests == first.digests
-    assert Reallocate.model_validate_json(command.model_dump_json()).digests == first.digests
+    assert isinstance(command, Reallocate) and command.digests == digests
+    assert Reallocate.model_validate_json(command.model_dump_json()).digests == digests
+
+
+def _with_recorded_digests(log: list, digests: list[str]) -> list:
+    """``log`` as a decider before fold revision 5 recorded it: each ``reallocation.issued``
+    carrying its digests."""
+    out = []
+    for stored in log:
+        event = stored.event
+        if event.type == "reallocation.issued":
+            payload = event.payload.model_copy(update={"digests": digests})
+            event = event.model_copy(update={"payload": payload})
+        out.append(replace(stored, event=event))
+    return out
+
+
+def test_a_log_that_recorded_the_digests_folds_and_re_decides_the_same():
+    s, first = recovering_with_digests()
+    backup = s.v.backups[first.restore_step]
+    digests = [backup.shards[n].checksum for n in range(4)]
+    old = _with_recorded_digests(s.log, digests)
+    view = fold(None, old)
+    decision = view.incidents[str(first.incident_id)].decisions[-1]
+    assert list(decision.digests) == digests
+    [command] = owed(view)
+    assert isinstance(command, Reallocate) and command.digests == digests
+    assert all(r.matches for r in redecide(old))
+    # Digests the catalog does not hold are a decision this decider does not make.
+    forged = _with_recorded_digests(s.log, ["sha256:" + "0" * 64] * 4)
+    assert not all(r.matches for r in redecide(forged))
+    assert all(r.matches for r in redecide(s.log))
 
 
 def test_a_forged_copy_refused_at_restore_is_re_planned_around_and_never_resolved_on():
@@ -218,7 +255,9 @@ def test_a_forged_copy_refused_at_restore_is_re_planned_around_and_never_resolve
     [second] = [d.payload for d in decided if d.type == "reallocation.issued"]
     assert second.incident_id == first.incident_id and second.generation == first.generation + 1
     assert second.restore_step == first.restore_step and second.plan[1] not in {forger, "w01"}
-    assert second.digests == first.digests
+    assert second.digests == first.digests == []
+    decisions = s.v.incidents[str(first.incident_id)].decisions
+    assert decisions[-1].digests == decisions[-2].digests != ()
     assert s.v.members[forger].status.value == "active"  # the copy is refuted, not the member
     assert any("refused shard 1 from" in d.payload.reason for d in decided
                if d.type == "job.state_changed")  # fmt: skip
