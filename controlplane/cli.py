@@ -756,6 +756,10 @@ def demo(
     as_json: Annotated[
         bool, typer.Option("--json", help="Print the summary as one JSON object on stdout.")
     ] = False,
+    export: Annotated[
+        Path | None,
+        typer.Option(help="Write the job's log to FILE (`elasticctl export`'s JSONL) at the end."),
+    ] = None,
 ) -> None:
     """See the whole loop work on this machine: faults injected, detected, recovered.
 
@@ -767,8 +771,9 @@ def demo(
     (--hang-at: found by its silent heartbeats; the world shrinks to 3), showing the step, the
     job's state and the incidents as it goes. Alongside, a fault-free reference runs the same
     script, seed and steps on one rank. The summary gives, per incident, the detect, decide,
-    ack, restore and resume phases, the downtime and the steps lost; the final loss against
-    the reference; the URL of the job's timeline page.
+    ack, restore and resume phases, the downtime and the steps lost; the job's goodput (its
+    wall time by term and its ETTR, as `elasticctl goodput` gives them); the final loss
+    against the reference; the URL of the job's timeline page.
 
     --json prints the summary as one JSON object on stdout (progress goes to stderr). --keep
     leaves the stack up for browsing until Ctrl-C. Ctrl-C (or SIGTERM) stops everything at any
@@ -799,6 +804,7 @@ def demo(
         api_port=api_port,
         live=False if plain else None,
         script=script.resolve() if script is not None else EXAMPLE,
+        export=export,
     )
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     try:
@@ -1111,6 +1117,47 @@ def timeline(
     settings = Settings()  # no logging set-up: stdout may be the log itself
     try:
         commands.timeline(settings.database_url, job, as_json=as_json)
+    except commands.CommandError as exc:
+        raise _fail(str(exc), exc.code) from exc
+
+
+@app.command()
+def goodput(
+    job: Annotated[str, typer.Argument(help="The job.")],
+    *,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """A job's goodput: where its wall time went, from the database (ELASTIC_DATABASE_URL).
+
+    The wall time runs from the job's registration to its end (completed or stopped), or to
+    now while it runs, and is split into disjoint terms, each bounded by events of the log
+    (docs/design.md, "Goodput accounting"):
+
+    productive: steps beyond the highest step any older generation reported.
+    recomputation: steps at or below it (redone after a restore to an older backup; a
+    restored world's first step is in resume).
+    backup: each backup's copy into CPU memory, which holds the loop (the slowest rank's
+    backup.snapshot seconds), taken out of the steps it lies between.
+    detection: an incident's fault (its earliest evidence) to fault.detected.
+    decision: fault.detected to the reallocation.issued that counts (the last).
+    restore: that decision to the last member's restore.completed (acks and restores).
+    resume: that restore to the new generation's first train.step.
+    waiting: registration to the job's first train.step (members joining, the first group
+    forming, the first build and step).
+    idle: the rest (a world's time after its last step, until its fault or the job's end).
+
+    ETTR is productive / wall. Per incident: its window by phase, the recomputation of the
+    generation it started, and their sum as its cost; per generation (its generation.started
+    to the next one's): the same terms.
+    """
+    from datetime import UTC, datetime
+
+    from controlplane.postmortem import commands
+    from controlplane.settings import Settings
+
+    settings = Settings()  # no logging set-up: stdout may be read by a program
+    try:
+        commands.goodput(settings.database_url, job, as_json=as_json, now=datetime.now(UTC))
     except commands.CommandError as exc:
         raise _fail(str(exc), exc.code) from exc
 

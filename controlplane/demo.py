@@ -35,6 +35,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from types import FrameType
 from typing import Any, Protocol
@@ -46,7 +47,9 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from controlplane.core.fold import fold
+from controlplane.api import render
+from controlplane.core.fold import fold_noting
+from controlplane.core.goodput import GoodputCounter, goodput
 from controlplane.core.timeline import timeline
 from controlplane.core.view import Incident, JobView
 from controlplane.settings import DATABASE_URL_ENV, NATS_URL_ENV, Settings
@@ -105,6 +108,8 @@ class DemoConfig:
     state_dir: Path | None = None
     keep: bool = False
     as_json: bool = False
+    #: Write the demo job's log here (``elasticctl export``'s JSONL) before the stack stops.
+    export: Path | None = None
     host: str = "127.0.0.1"
     #: Port of the API (0: a free one).
     api_port: int = 0
@@ -340,6 +345,8 @@ class Watch:
         self.store = store
         self.job_id = job_id
         self.view: JobView | None = None
+        #: Its generations' step and backup records (``core.goodput``).
+        self.counter = GoodputCounter()
         #: position of each ``fault.detected`` -> its reason (exited, reported, ...).
         self.reasons: dict[int, str] = {}
 
@@ -352,7 +359,8 @@ class Watch:
         except StoreUnavailable:
             return self.view
         if events:
-            self.view = fold(self.view, events)
+            self.view, ignored = fold_noting(self.view, events)
+            self.counter.count(events, ignored)
             for stored in events:
                 if stored.event.type == "fault.detected":
                     self.reasons[stored.position] = str(stored.event.payload.reason)
@@ -778,6 +786,12 @@ class Demo:
                                 spares=config.spares, faults=faults)  # fmt: skip
             runs.insert(0, demo)
             self._follow(runs, serve)
+            if config.export is not None:
+                from controlplane.postmortem import commands
+
+                with config.export.open("wb") as out:
+                    commands.export(stack.database_url, out, job_id=self.job_id, after=0,
+                                    show_progress=False)  # fmt: skip
         finally:
             store.close()
         self._phase("done")
@@ -1015,6 +1029,8 @@ class Demo:
         elif config.reference:
             loss_ok = False
         timeline_url = f"{stack.api_url}/ui/jobs/{view.job_id}" if stack.api_url else None
+        found = goodput(view, watch.counter, view.last_recorded_at or datetime.now(UTC))
+        breakdown = render.goodput(found).model_dump(mode="json") if found is not None else None
         return {
             "job_id": view.job_id,
             "job_state": view.state.value,
@@ -1030,6 +1046,8 @@ class Demo:
             "loss_rel_diff": None if rel is None else float(f"{rel:.3g}"),
             "loss_tolerance": config.loss_tolerance,
             "loss_ok": loss_ok,
+            "ettr": None if breakdown is None else breakdown["ettr"],
+            "goodput": breakdown,
             "reference": {
                 "job_id": None if reference is None else reference.job_id,
                 "what": REFERENCE_KIND.format(ranks=config.reference_ranks)
@@ -1192,6 +1210,14 @@ def render_summary(summary: dict[str, Any], console: Console) -> None:
     else:
         console.print(f"final loss {final}, fault-free reference {reference}", highlight=False)
     console.print(f"reference: {summary['reference']['what']}", highlight=False)
+    found = summary.get("goodput")
+    if found is not None:
+        terms = ", ".join(f"{k} {v:.2f}s" for k, v in found["seconds"].items() if v > 0)
+        console.print(
+            f"ETTR {found['ettr']:.3f} of {found['wall_s']:.1f}s of the job's wall time: {terms}"
+            " (elasticctl goodput)",
+            highlight=False,
+        )
     timings = ", ".join(f"{k[:-2]} {v:.1f}s" for k, v in summary["timings_s"].items())
     console.print(f"wall time {summary.get('wall_s', 0):.1f}s ({timings})", highlight=False)
     if summary["timeline_url"]:

@@ -239,3 +239,53 @@ class Health(ApiModel):
     status: str
     database: bool
     last_position: int
+
+
+class IncidentCostOut(ApiModel):
+    """What one incident cost: its window by phase and the recomputation it caused."""
+
+    incident_id: str
+    kind: str
+    outcome: str | None = None
+    #: detection, decision, restore, resume (seconds).
+    phases: dict[str, float]
+    recomputation_s: float
+    steps_lost: int | None = None
+    cost_s: float = Field(description="Its window and its recomputation, in seconds.")
+    ettr_lost: float = Field(description="cost_s over the job's wall time.")
+
+
+class GenerationGoodputOut(ApiModel):
+    """One generation: from its generation.started to the next one's (or the job's end)."""
+
+    generation: int
+    started_at: datetime
+    ended_at: datetime
+    wall_s: float
+    seconds: dict[str, float]
+    productive_steps: int
+    recomputed_steps: int
+    ettr: float | None = None
+    goodput_steps_per_s: float | None = None
+
+
+class GoodputOut(ApiModel):
+    """``GET /jobs/{job}/goodput``: the job's wall time by term (docs/design.md, "Goodput
+    accounting"), ETTR, and the cost of each incident and generation."""
+
+    job_id: str
+    started_at: datetime
+    ended_at: datetime
+    final: bool = Field(description="The job ended: ended_at is its end, not the time asked.")
+    wall_s: float
+    seconds: dict[str, float] = Field(
+        description="productive, recomputation, backup, detection, decision, restore, resume,"
+        " waiting, idle: seconds, summing to wall_s."
+    )
+    ettr: float | None = Field(None, description="productive / wall.")
+    productive_steps: int
+    recomputed_steps: int
+    goodput_steps_per_s: float | None = None
+    incidents: list[IncidentCostOut]
+    generations: list[GenerationGoodputOut]
+    not_measured: list[str]

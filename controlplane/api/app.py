@@ -12,7 +12,7 @@ import hashlib
 import importlib
 import logging
 import re
-from collections.abc import AsyncIterator, Callable, Hashable, Mapping
+from collections.abc import AsyncIterator, Callable, Hashable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
@@ -37,6 +37,8 @@ from controlplane.api import examples, render, sql
 from controlplane.api.auth import Denied, TokenAuth
 from controlplane.api.metrics import CONTENT_TYPE, LogMetrics
 from controlplane.api.views import JobEntry, LiveViews, Reader, Rendered, store_reader
+from controlplane.core.goodput import Goodput
+from controlplane.core.records import StoredEvent
 from controlplane.core.view import JobView
 from controlplane.errors import StoreError
 from controlplane.settings import Settings
@@ -46,6 +48,7 @@ from schemas.api import (
     Cluster,
     EventOut,
     EventPage,
+    GoodputOut,
     Health,
     IncidentSummary,
     IncidentTimeline,
@@ -157,7 +160,10 @@ class Api:
         def views() -> list[JobView]:
             return self.views.views()
 
-        self.metrics = LogMetrics(views)
+        def goodputs() -> list[Goodput]:
+            return self.views.goodputs(self.read_types, datetime.now(UTC))
+
+        self.metrics = LogMetrics(views, goodputs)
         #: Pages of events straight from PostgreSQL (None: filtered here from ``store.read``).
         self.pages = (
             sql.PageReader(store.engine.url.render_as_string(hide_password=False))
@@ -245,6 +251,27 @@ class Api:
             return render.incident_timeline(view.incidents[incident])
 
         return self.rendered(entry, ("timeline", incident), make, final)
+
+    def read_types(
+        self, job: str, after: int, limit: int, types: Sequence[str]
+    ) -> list[StoredEvent]:
+        """Up to ``limit`` of ``job``'s events of ``types`` after ``after`` (the goodput
+        counter of a job the views started from a snapshot reads them once)."""
+        return self.store.read(job_id=job, after=after, limit=limit, types=types)
+
+    async def goodput(self, job: str) -> Rendered:
+        """``GET /jobs/{job}/goodput`` (404: no such job, or not registered yet). A job
+        that ended never changes again (``final``)."""
+        await self.entry(job)
+
+        def make() -> Rendered:
+            found = self.views.goodput(job, self.read_types, datetime.now(UTC))
+            if found is None:
+                raise HTTPException(404, f"job {job!r} is not registered yet")
+            body = render.goodput(found).model_dump_json().encode()
+            return Rendered(0, body, _etag(body), final=found.final)
+
+        return await to_thread.run_sync(make)
 
     async def events(self, job: str, params: EventParams) -> Rendered:
         """``GET /jobs/{job}/events``: a page of events as PostgreSQL wrote them (404: no such
@@ -391,6 +418,20 @@ def _view_routes(api: Api, router: APIRouter) -> None:
         if rendered is None:
             rendered = await to_thread.run_sync(make)
         return api.send(request, rendered)
+
+    @router.get(
+        "/jobs/{job}/goodput",
+        response_model=GoodputOut,
+        summary="A job's goodput: its wall time by term, ETTR, each incident's cost",
+        responses={200: _example(examples.GOODPUT), **_NOT_MODIFIED, **_NOT_FOUND},
+    )
+    async def goodput(request: Request, job: JobId) -> Response:
+        """The job's wall time, from its registration to its end (or now), split into
+        productive, recomputation, backup, detection, decision, restore, resume, waiting and
+        idle seconds (docs/design.md, "Goodput accounting"); its ETTR (productive / wall);
+        per incident its window by phase and the recomputation it caused; per generation
+        the same terms. A job that ended never changes: its answer may be cached for good."""
+        return api.send(request, await api.goodput(job))
 
 
 class EventParams(BaseModel):

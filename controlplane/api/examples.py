@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from controlplane.core.goodput import NOT_MEASURED
+
 _AT = "2026-01-01T00:00:20Z"
 
 JOB_SUMMARY: dict[str, Any] = {
@@ -162,3 +164,116 @@ LOSS: dict[str, Any] = {
 HEALTH: dict[str, Any] = {"status": "ok", "database": True, "last_position": 1327}
 
 PROBLEM_NOT_FOUND: dict[str, Any] = {"detail": "no job 'job-x'"}
+
+
+#: The recorded two-incident run (tests/recorded.py) at its end.
+GOODPUT: dict[str, Any] = {
+    "job_id": "job-recorded",
+    "started_at": "2026-01-01T00:00:00Z",
+    "ended_at": "2026-01-01T00:00:55.500000Z",
+    "final": True,
+    "wall_s": 55.5,
+    "seconds": {
+        "productive": 44.33,
+        "recomputation": 1.4,
+        "backup": 0.18,
+        "detection": 5.0,
+        "decision": 0.0,
+        "restore": 1.0,
+        "resume": 0.6,
+        "waiting": 1.0,
+        "idle": 1.99,
+    },
+    "ettr": 0.798739,
+    "productive_steps": 90,
+    "recomputed_steps": 6,
+    "goodput_steps_per_s": 1.621622,
+    "incidents": [
+        {
+            "incident_id": "96444964-18c8-5654-a54d-e4b74025b13b",
+            "kind": "fault",
+            "outcome": "recovered",
+            "phases": {"detection": 0.0, "decision": 0.0, "restore": 0.5, "resume": 0.3},
+            "recomputation_s": 0.7,
+            "steps_lost": 3,
+            "cost_s": 1.5,
+            "ettr_lost": 0.027027,
+        },
+        {
+            "incident_id": "66e54e45-0fd8-547c-9d23-caaeb87ed01d",
+            "kind": "fault",
+            "outcome": "recovered",
+            "phases": {"detection": 5.0, "decision": 0.0, "restore": 0.5, "resume": 0.3},
+            "recomputation_s": 0.7,
+            "steps_lost": 3,
+            "cost_s": 6.5,
+            "ettr_lost": 0.117117,
+        },
+    ],
+    "generations": [
+        {
+            "generation": 1,
+            "started_at": "2026-01-01T00:00:00Z",
+            "ended_at": "2026-01-01T00:00:20Z",
+            "wall_s": 20.0,
+            "seconds": {
+                "productive": 18.43,
+                "recomputation": 0.0,
+                "backup": 0.07,
+                "detection": 0.0,
+                "decision": 0.0,
+                "restore": 0.0,
+                "resume": 0.0,
+                "waiting": 1.0,
+                "idle": 0.5,
+            },
+            "productive_steps": 38,
+            "recomputed_steps": 0,
+            "ettr": 0.9215,
+            "goodput_steps_per_s": 1.9,
+        },
+        {
+            "generation": 2,
+            "started_at": "2026-01-01T00:00:20Z",
+            "ended_at": "2026-01-01T00:00:45Z",
+            "wall_s": 25.0,
+            "seconds": {
+                "productive": 17.43,
+                "recomputation": 0.7,
+                "backup": 0.07,
+                "detection": 5.0,
+                "decision": 0.0,
+                "restore": 0.5,
+                "resume": 0.3,
+                "waiting": 0.0,
+                "idle": 1.0,
+            },
+            "productive_steps": 35,
+            "recomputed_steps": 3,
+            "ettr": 0.6972,
+            "goodput_steps_per_s": 1.4,
+        },
+        {
+            "generation": 3,
+            "started_at": "2026-01-01T00:00:45Z",
+            "ended_at": "2026-01-01T00:00:55.500000Z",
+            "wall_s": 10.5,
+            "seconds": {
+                "productive": 8.47,
+                "recomputation": 0.7,
+                "backup": 0.04,
+                "detection": 0.0,
+                "decision": 0.0,
+                "restore": 0.5,
+                "resume": 0.3,
+                "waiting": 0.0,
+                "idle": 0.49,
+            },
+            "productive_steps": 17,
+            "recomputed_steps": 3,
+            "ettr": 0.806667,
+            "goodput_steps_per_s": 1.619048,
+        },
+    ],
+    "not_measured": list(NOT_MEASURED),
+}

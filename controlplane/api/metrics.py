@@ -11,7 +11,10 @@ plane's exporter (``ELASTIC_METRICS_PORT``).
   ``stopped``) and kind (``fault``, ``growth``);
 - ``elastic_mttr_seconds``: histogram of the downtime of every recovered fault (its fault to
   the first step of the new generation);
-- ``elastic_jobs{state}``: jobs by state.
+- ``elastic_jobs{state}``: jobs by state;
+- ``elastic_job_wall_seconds{job}``, ``elastic_job_goodput_seconds{job, term}`` and
+  ``elastic_job_ettr{job}``: each registered job's wall time, its split by term and its
+  ETTR (``core.goodput``; the API's ``/metrics`` only).
 
 Everything but the counter, the position and the lag is computed from the views at scrape
 time, so nothing on the ingest path is added for it.
@@ -37,6 +40,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from controlplane.api.auth import Denied, TokenAuth
+from controlplane.core.goodput import TERMS, Goodput
 from controlplane.core.records import StoredEvent
 from controlplane.core.view import DiscountReason, JobView
 from schemas.common import CONTROLPLANE_SOURCE, JobState
@@ -51,8 +55,13 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 class _ViewCollector(Collector):
     """Metrics derived from the job views when scraped."""
 
-    def __init__(self, views: Callable[[], Iterable[JobView]]) -> None:
+    def __init__(
+        self,
+        views: Callable[[], Iterable[JobView]],
+        goodputs: Callable[[], Iterable[Goodput]] | None = None,
+    ) -> None:
         self._views = views
+        self._goodputs = goodputs
 
     def collect(self) -> Iterator[Metric]:
         states: Tally[JobState] = Tally()
@@ -97,6 +106,35 @@ class _ViewCollector(Collector):
             "Downtime of recovered faults: the fault to the first step of the new generation.",
             downtimes,
         )
+        if self._goodputs is not None:
+            yield from _goodput_metrics(self._goodputs())
+
+
+def _goodput_metrics(found: Iterable[Goodput]) -> Iterator[Metric]:
+    wall = GaugeMetricFamily(
+        "elastic_job_wall_seconds",
+        "A job's wall time: its registration to its end, or now.",
+        labels=["job"],
+    )
+    terms = GaugeMetricFamily(
+        "elastic_job_goodput_seconds",
+        "A job's wall time by term (docs/design.md, Goodput accounting): productive,"
+        " recomputation, backup, detection, decision, restore, resume, waiting, idle.",
+        labels=["job", "term"],
+    )
+    ettr = GaugeMetricFamily(
+        "elastic_job_ettr", "A job's effective training time ratio: productive / wall.",
+        labels=["job"],
+    )  # fmt: skip
+    for g in found:
+        wall.add_metric([g.job_id], g.wall_s)
+        for term in TERMS:
+            terms.add_metric([g.job_id, term], g.seconds[term])
+        if g.ettr is not None:
+            ettr.add_metric([g.job_id], g.ettr)
+    yield wall
+    yield terms
+    yield ettr
 
 
 def _histogram(name: str, documentation: str, values: list[float]) -> HistogramMetricFamily:
@@ -113,7 +151,11 @@ def _histogram(name: str, documentation: str, values: list[float]) -> HistogramM
 class LogMetrics:
     """The metrics of one process, in a registry of their own."""
 
-    def __init__(self, views: Callable[[], Iterable[JobView]]) -> None:
+    def __init__(
+        self,
+        views: Callable[[], Iterable[JobView]],
+        goodputs: Callable[[], Iterable[Goodput]] | None = None,
+    ) -> None:
         self.registry = CollectorRegistry()
         self._events = Counter(
             "elastic_events_ingested",
@@ -128,7 +170,7 @@ class LogMetrics:
             "recorded_at - emitted_at of the newest member event folded.",
             registry=self.registry,
         )
-        self.registry.register(_ViewCollector(views))
+        self.registry.register(_ViewCollector(views, goodputs))
 
     def started(self, views: Sequence[JobView], position: int) -> None:
         """The views start from a snapshot at ``position``: count the events it holds."""

@@ -8,6 +8,7 @@ from datetime import datetime
 
 from controlplane.core.decide import natural_key
 from controlplane.core.detect import accusations
+from controlplane.core.goodput import Goodput
 from controlplane.core.timeline import PHASES, POINTS, timeline
 from controlplane.core.view import Decision, Heartbeat, Incident, JobView, Member, StepBackup
 from schemas.api import (
@@ -15,6 +16,9 @@ from schemas.api import (
     Cluster,
     DecisionOut,
     DiscountOut,
+    GenerationGoodputOut,
+    GoodputOut,
+    IncidentCostOut,
     IncidentSummary,
     IncidentTimeline,
     JobDetail,
@@ -239,3 +243,47 @@ def loss_curve(view: JobView, points: Iterable[tuple[int, float, datetime]]) -> 
             i.incident_id: i.step_at_fault for i in view.incidents.values() if i.kind == "fault"
         },
     )
+
+
+def _rounded(seconds: dict[str, float]) -> dict[str, float]:
+    return {term: round(value, 6) for term, value in seconds.items()}
+
+
+def goodput(found: Goodput) -> GoodputOut:
+    """``GET /jobs/{job}/goodput`` (and ``elasticctl goodput --json``): the breakdown."""
+    return GoodputOut(
+        job_id=found.job_id,
+        started_at=found.started_at,
+        ended_at=found.ended_at,
+        final=found.final,
+        wall_s=round(found.wall_s, 6),
+        seconds=_rounded(found.seconds),
+        ettr=None if found.ettr is None else round(found.ettr, 6),
+        productive_steps=found.productive_steps,
+        recomputed_steps=found.recomputed_steps,
+        goodput_steps_per_s=None
+        if found.goodput_steps_per_s is None
+        else round(found.goodput_steps_per_s, 6),
+        incidents=[
+            IncidentCostOut(
+                incident_id=i.incident_id, kind=i.kind, outcome=i.outcome,
+                phases=_rounded(i.phases), recomputation_s=round(i.recomputation_s, 6),
+                steps_lost=i.steps_lost, cost_s=round(i.cost_s, 6),
+                ettr_lost=round(i.ettr_lost, 6),
+            )
+            for i in found.incidents
+        ],
+        generations=[
+            GenerationGoodputOut(
+                generation=g.generation, started_at=g.started_at, ended_at=g.ended_at,
+                wall_s=round(g.wall_s, 6), seconds=_rounded(g.seconds),
+                productive_steps=g.productive_steps, recomputed_steps=g.recomputed_steps,
+                ettr=None if g.ettr is None else round(g.ettr, 6),
+                goodput_steps_per_s=None
+                if g.goodput_steps_per_s is None
+                else round(g.goodput_steps_per_s, 6),
+            )
+            for g in found.generations
+        ],
+        not_measured=list(found.not_measured),
+    )  # fmt: skip

@@ -26,6 +26,7 @@ from anyio import to_thread
 
 from controlplane import gctune
 from controlplane.core.fold import by_job, fold_noting
+from controlplane.core.goodput import GOODPUT_TYPES, Goodput, GoodputCounter, goodput
 from controlplane.core.records import StoredEvent
 from controlplane.core.steps import (
     JobSteps,
@@ -46,6 +47,8 @@ Observer = Callable[[Sequence[StoredEvent]], None]
 SnapshotReader = Callable[[], ViewSnapshot | None]
 #: Called with the views a start from a snapshot found, and the snapshot's position.
 Started = Callable[[Sequence[JobView], int], None]
+#: Reads one job's events of some types: (job, after, limit, types) -> up to ``limit`` of them.
+TypedReader = Callable[[str, int, int, Sequence[str]], list[StoredEvent]]
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +76,11 @@ class JobEntry:
     #: every event of the job was folded here).
     history: StepHistory | None = None
     rendered: dict[Hashable, Rendered] = field(default_factory=dict)
+    #: Its generations' step and backup records (``core.goodput``), counted from its events;
+    #: ``counted_all``: from its first one (not so after a start from a snapshot, until
+    #: ``LiveViews.goodput`` read the rest).
+    goodput: GoodputCounter = field(default_factory=GoodputCounter)
+    counted_all: bool = True
 
     def after(self, since: datetime) -> int:
         """A position whose events and all before it were recorded before ``since`` (0 when
@@ -214,6 +222,40 @@ class LiveViews:
         if self._freeze_heap:
             gctune.settle_heap()
 
+    def goodput(self, job: str, read: TypedReader, now: datetime) -> Goodput | None:
+        """``job``'s goodput at ``now`` (``core.goodput``; None before its registration).
+        After a start from a snapshot, its records up to the views' position are read once
+        (``read``), as the counter needs them from its first event."""
+        with self._lock:
+            entry = self._jobs[job]
+            return goodput(entry.view, self._counted(entry, read), now)
+
+    def goodputs(self, read: TypedReader, now: datetime) -> list[Goodput]:
+        """Every registered job's goodput at ``now``."""
+        with self._lock:
+            found = [goodput(e.view, self._counted(e, read), now) for e in self._jobs.values()]
+        return [g for g in found if g is not None]
+
+    def _counted(self, entry: JobEntry, read: TypedReader, batch: int = 10_000) -> GoodputCounter:
+        if entry.counted_all:
+            return entry.goodput
+        counter = GoodputCounter()
+        # What the fold did not believe, as far as the view still names it.
+        ignored = frozenset(d.position for d in entry.view.discounts)
+        after = 0
+        while after < self._position:
+            events = [
+                e
+                for e in read(entry.view.job_id, after, batch, GOODPUT_TYPES)
+                if e.position <= self._position
+            ]
+            if not events:
+                break
+            counter.count(events, ignored)
+            after = events[-1].position
+        entry.goodput, entry.counted_all = counter, True
+        return counter
+
     @contextmanager
     def locked(self) -> Iterator[None]:
         """Hold off catching up (to read the loss tables, which it mutates)."""
@@ -253,7 +295,9 @@ class LiveViews:
             return marks[0] if marks else views[job].last_position
 
         order = sorted(views, key=first_position)
-        self._jobs = {job: JobEntry(views[job], history=histories[job]) for job in order}
+        self._jobs = {
+            job: JobEntry(views[job], history=histories[job], counted_all=False) for job in order
+        }
         self._position = self.started_from = snapshot.position
         if self._started is not None:
             self._started([views[job] for job in order], snapshot.position)
@@ -276,6 +320,7 @@ class LiveViews:
             else:
                 entry.view = view
             entry.steps.count(batch, ignored)
+            entry.goodput.count(batch, ignored)
         if added:
             self._jobs = {**jobs, **added}
         self._position = events[-1].position

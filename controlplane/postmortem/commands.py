@@ -8,6 +8,7 @@ import json
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
+from datetime import datetime
 from pathlib import Path
 from typing import IO, Any, BinaryIO
 
@@ -22,7 +23,9 @@ from rich.progress import (
 )
 
 from controlplane import gctune
-from controlplane.core.fold import fold
+from controlplane.core.fold import fold, fold_noting
+from controlplane.core.goodput import GoodputCounter
+from controlplane.core.goodput import goodput as goodput_of
 from controlplane.core.replay import PolicyError, counterfactual
 from controlplane.errors import ControlPlaneError, SchemaNotMigrated
 from controlplane.postmortem import report
@@ -272,3 +275,42 @@ def timeline(database_url: str, job_id: str, *, as_json: bool) -> None:
         print(json.dumps(report.timeline_json(view)))
     else:
         report.print_timelines(_stdout_console(), view)
+
+
+def goodput(database_url: str, job_id: str, *, as_json: bool, now: datetime) -> None:
+    """Print a job's goodput at ``now`` (its end, once it ended), from the database's log."""
+    store = _open_store(database_url)
+    try:
+        view = None
+        counter = GoodputCounter()
+        chunk: list[Any] = []
+
+        def flush() -> None:
+            nonlocal view
+            view, ignored = fold_noting(view, chunk)
+            counter.count(chunk, ignored)
+            chunk.clear()
+
+        with gctune.relaxed():
+            for stored in store.iter_events(job_id=job_id):
+                chunk.append(stored)
+                if len(chunk) >= FOLD_CHUNK:
+                    flush()
+            if chunk:
+                flush()
+        if view is None:
+            known = ", ".join(store.job_ids()[:10]) or "none"
+            raise CommandError(f"no job {job_id!r} in the log (jobs: {known})", 1)
+    except ControlPlaneError as exc:
+        raise CommandError(f"goodput failed: {exc}", 1) from exc
+    finally:
+        store.close()
+    found = goodput_of(view, counter, now)
+    if found is None:
+        raise CommandError(f"job {job_id!r} is not registered yet", 1)
+    if as_json:
+        from controlplane.api.render import goodput as rendered
+
+        print(rendered(found).model_dump_json())
+    else:
+        report.print_goodput(_stdout_console(), found)

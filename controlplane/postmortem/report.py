@@ -15,6 +15,7 @@ from rich.text import Text
 
 from controlplane.api.render import history_out, incident_timeline, member_out
 from controlplane.core.decide import natural_key
+from controlplane.core.goodput import INCIDENT_TERMS, TERMS, Goodput
 from controlplane.core.replay import Counterfactual, IncidentFacts
 from controlplane.core.timeline import PHASES, POINTS, timeline
 from controlplane.core.view import Incident, JobView, Member
@@ -343,3 +344,51 @@ def print_counterfactual(
     )
     for note in result.notes:
         console.print(f"[dim]note: {note}[/dim]")
+
+
+def print_goodput(console: Console, found: Goodput) -> None:
+    """``elasticctl goodput``: the job's wall time by term, each incident's cost, each
+    generation's terms."""
+    end = "ended" if found.final else "so far"
+    ettr = "-" if found.ettr is None else f"{found.ettr:.4f}"
+    console.print(
+        f"[bold]{found.job_id}[/bold] wall {found.wall_s:.2f}s ({end}) · ETTR {ettr} ·"
+        f" {found.productive_steps} productive step(s), {found.recomputed_steps} recomputed"
+    )
+    terms = Table(title="wall time by term", title_justify="left")
+    terms.add_column("term")
+    terms.add_column("seconds", justify="right")
+    terms.add_column("share", justify="right")
+    for term in TERMS:
+        value = found.seconds[term]
+        share = f"{value / found.wall_s:.2%}" if found.wall_s else "-"
+        terms.add_row(term, f"{value:.3f}", share)
+    console.print(terms)
+    if found.incidents:
+        costs = Table(title="incidents", title_justify="left")
+        for column in ("incident", "kind", "outcome", *INCIDENT_TERMS, "recomputation",
+                       "steps lost", "cost", "ETTR lost"):  # fmt: skip
+            left = column in ("incident", "kind", "outcome")
+            costs.add_column(column, justify="left" if left else "right")
+        for i in found.incidents:
+            costs.add_row(
+                i.incident_id[:8], i.kind, i.outcome or "open",
+                *(f"{i.phases[t]:.3f}" for t in INCIDENT_TERMS), f"{i.recomputation_s:.3f}",
+                "-" if i.steps_lost is None else str(i.steps_lost), f"{i.cost_s:.3f}",
+                f"{i.ettr_lost:.2%}",
+            )  # fmt: skip
+        console.print(costs)
+    gens = Table(title="generations", title_justify="left")
+    gens.add_column("generation", justify="right")
+    gens.add_column("wall", justify="right")
+    for term in TERMS:
+        gens.add_column(term, justify="right")
+    gens.add_column("ETTR", justify="right")
+    for g in found.generations:
+        gens.add_row(
+            str(g.generation), f"{g.wall_s:.3f}", *(f"{g.seconds[t]:.3f}" for t in TERMS),
+            "-" if g.ettr is None else f"{g.ettr:.4f}",
+        )  # fmt: skip
+    console.print(gens)
+    for note in found.not_measured:
+        console.print(f"not measured: {note}", highlight=False)

@@ -18,6 +18,7 @@ import pytest
 from pydantic import SecretStr
 
 from controlplane.api import create_app, render
+from controlplane.core.goodput import TERMS
 from controlplane.core.records import StoredEvent
 from controlplane.core.timeline import POINTS
 from controlplane.devstack import free_port
@@ -29,6 +30,7 @@ from schemas.api import (
     Cluster,
     EventOut,
     EventPage,
+    GoodputOut,
     Health,
     IncidentSummary,
     IncidentTimeline,
@@ -529,6 +531,24 @@ async def test_metrics_count_the_log(api, recorded):
     assert metric(text, "elastic_mttr_seconds_sum") == pytest.approx(sum(downtimes))
     assert metric(text, 'elastic_mttr_seconds_bucket{le="1.0"}') == sum(d <= 1 for d in downtimes)
     assert metric(text, 'elastic_mttr_seconds_bucket{le="+Inf"}') == 2
+    # Goodput per job: its wall time, split by term, and its ETTR.
+    job = view.job_id
+    wall = metric(text, f'elastic_job_wall_seconds{{job="{job}"}}')
+    assert wall == pytest.approx(55.5)
+    terms = re.findall(
+        rf'^elastic_job_goodput_seconds{{job="{job}",term="(\w+)"}} (\S+)$', text, re.M
+    )
+    assert {t for t, _ in terms} == set(TERMS)
+    assert sum(float(v) for _, v in terms) == pytest.approx(wall)
+    productive = metric(text, f'elastic_job_goodput_seconds{{job="{job}",term="productive"}}')
+    assert metric(text, f'elastic_job_ettr{{job="{job}"}}') == pytest.approx(productive / wall)
+
+    answer = await api.get(f"/api/v1/jobs/{job}/goodput")
+    assert answer.status_code == 200, answer.text
+    body = GoodputOut.model_validate(answer.json())
+    assert body.final and body.wall_s == pytest.approx(wall) and len(body.incidents) == 2
+    assert "immutable" in answer.headers["cache-control"]  # the job ended
+    assert (await api.get("/api/v1/jobs/nope/goodput")).status_code == 404
 
 
 @pytest.mark.usefixtures("clean_stream")

@@ -229,3 +229,34 @@ def test_timeline_command(source, database_url):
     assert "first_step" in text.stdout and "downtime 5.800s" in text.stdout
     missing = _cli(["timeline", "nope"], database_url)
     assert missing.exit_code == 1 and "no job 'nope'" in missing.stderr
+
+
+def test_goodput_command_prints_the_breakdown_of_a_recorded_two_incident_run(source, database_url):
+    result = _cli(["goodput", JOB, "--json"], database_url)
+    assert result.exit_code == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["job_id"] == JOB and out["final"] is True
+    # The job's wall time: its registration (t=0) to job.completed (t=55.5), every second in
+    # exactly one term.
+    assert out["wall_s"] == pytest.approx(55.5)
+    assert sum(out["seconds"].values()) == pytest.approx(out["wall_s"])
+    assert out["ettr"] == pytest.approx(out["seconds"]["productive"] / out["wall_s"])
+    crash, hang = out["incidents"]
+    # The hang's window: 5 s of detection (the heartbeat timeout of 4 s and the tick), then
+    # 0.5 s of ack and restore and 0.3 s to the first step: its downtime of 5.8 s.
+    assert hang["phases"] == pytest.approx(
+        {"detection": 5.0, "decision": 0.0, "restore": 0.5, "resume": 0.3}
+    )
+    assert sum(crash["phases"].values()) == pytest.approx(0.8)
+    for incident in (crash, hang):
+        # 3 steps lost each: the first redone is in resume, the next two took 0.2 + 0.5 s.
+        assert incident["steps_lost"] == 3 and incident["recomputation_s"] == pytest.approx(0.7)
+    assert out["recomputed_steps"] == 6 and out["productive_steps"] == 90
+    assert [g["generation"] for g in out["generations"]] == [1, 2, 3]
+    assert sum(g["wall_s"] for g in out["generations"]) == pytest.approx(out["wall_s"])
+
+    text = _cli(["goodput", JOB], database_url)
+    assert text.exit_code == 0, text.stderr
+    assert "ETTR" in text.stdout and "recomputation" in text.stdout
+    missing = _cli(["goodput", "nope"], database_url)
+    assert missing.exit_code == 1 and "no job 'nope'" in missing.stderr

@@ -18,6 +18,7 @@ from controlplane.store.memory import InMemoryEventStore
 from schemas.api import (
     Cluster,
     EventPage,
+    GoodputOut,
     Health,
     IncidentSummary,
     IncidentTimeline,
@@ -79,6 +80,7 @@ def test_the_event_type_parameter_knows_every_type():
         (LossCurve, examples.LOSS),
         (Health, examples.HEALTH),
         (Problem, examples.PROBLEM_NOT_FOUND),
+        (GoodputOut, examples.GOODPUT),
     ],
 )
 def test_the_openapi_examples_are_valid_answers(model, example):

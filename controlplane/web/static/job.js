@@ -123,6 +123,56 @@
     document.querySelector("#history tbody").replaceChildren(...rows);
   }
 
+  // ---------------------------------------------------------------- goodput
+
+  const TERMS = ["productive", "recomputation", "backup", "detection", "decision", "restore",
+    "resume", "waiting", "idle"];
+
+  /** One bar of the wall time, a segment per term, and each incident's cost. */
+  function renderGoodput(found) {
+    const target = document.getElementById("goodput-bar");
+    const body = document.querySelector("#goodput-incidents tbody");
+    if (!found || !(found.wall_s > 0)) {
+      target.replaceChildren(el("p", { class: "hint", text: "No wall time yet." }));
+      body.replaceChildren();
+      return;
+    }
+    const left = 24, right = 24, top = 24, band = 30;
+    const width = WIDTH - left - right;
+    const root = svg("svg", {
+      class: "chart-svg", viewBox: `0 0 ${WIDTH} ${top + band + 8}`, role: "img",
+      "aria-label": "the job's wall time by term",
+    });
+    root.append(svg("text", { x: left, y: 16, text:
+      `wall ${seconds(found.wall_s)} · ETTR ${number(found.ettr, 4)} · ` +
+      `${found.productive_steps} productive step(s), ${found.recomputed_steps} recomputed` }));
+    let x = left;
+    for (const term of TERMS) {
+      const value = found.seconds[term] || 0;
+      if (!(value > 0)) continue;
+      const w = (value / found.wall_s) * width;
+      const share = ((100 * value) / found.wall_s).toFixed(1) + "%";
+      const g = svg("g", { class: "segment", dataset: { term } },
+        svg("title", { text: `${term}: ${seconds(value)} (${share})` }),
+        svg("rect", { class: "seg term-" + term, x, y: top, width: Math.max(1, w), height: band }));
+      if (w > 7 * term.length) {
+        g.append(svg("text", { class: "seg-label", x: x + w / 2, y: top + band / 2 + 4, "text-anchor": "middle", text: term }));
+      }
+      root.append(g);
+      x += w;
+    }
+    target.replaceChildren(root);
+    body.replaceChildren(...found.incidents.map((i) => el("tr", { dataset: { incident: i.incident_id } },
+      el("td", { text: i.incident_id.slice(0, 8) }),
+      el("td", { text: i.kind }),
+      ...["detection", "decision", "restore", "resume"].map((t) => el("td", { text: seconds(i.phases[t]) })),
+      el("td", { text: seconds(i.recomputation_s) }),
+      el("td", { text: i.steps_lost ?? "—" }),
+      el("td", { text: seconds(i.cost_s) }),
+      el("td", { text: (100 * i.ettr_lost).toFixed(2) + "%" }),
+    )));
+  }
+
   // ---------------------------------------------------------------- loss curve
 
   function renderLoss(curve, incidents) {
@@ -353,8 +403,9 @@
 
   async function load() {
     if (refresh !== null) clearTimeout(refresh);
-    const [job, listed, curve] = await Promise.all([
+    const [job, listed, curve, found] = await Promise.all([
       get(JOB_PATH), get(JOB_PATH + "/incidents"), get(JOB_PATH + "/loss"),
+      get(JOB_PATH + "/goodput").catch((e) => (e instanceof ApiError && e.status === 404 ? null : Promise.reject(e))),
     ]);
     const summaries = Array.isArray(listed) ? listed : listed.incidents || [];
     const incidents = await Promise.all(summaries.map(
@@ -362,6 +413,7 @@
     incidents.sort((a, b) => a.opened_position - b.opened_position);
     renderSummary(job);
     renderStates(job);
+    renderGoodput(found);
     renderLoss(curve, incidents);
     const list = document.getElementById("incident-list");
     list.replaceChildren(...incidents.map((inc, i) => renderIncident(inc, i + 1)));
