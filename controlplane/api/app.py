@@ -403,18 +403,35 @@ def _view_routes(api: Api, router: APIRouter) -> None:
         summary="A job's loss by step, with fault markers",
         responses={200: _example(examples.LOSS), **_NOT_MODIFIED, **_NOT_FOUND},
     )
-    async def loss(request: Request, job: JobId) -> Response:
+    async def loss(
+        request: Request,
+        job: JobId,
+        points: Annotated[
+            int | None,
+            Query(
+                ge=2,
+                le=1_000_000,
+                description="At most this many points, for a chart: the steps cut into "
+                "points/2 runs, and of each run its lowest and highest loss (a one-step spike "
+                "is kept). Default: every step.",
+            ),
+        ] = None,
+    ) -> Response:
         """The mean of the ranks' losses at each step (a newer generation's reports replace
         an older one's, after a roll-back), and the step each fault opened at."""
         entry = await api.entry(job)
+        key = ("loss", points)
 
         def make() -> Rendered:
             with api.views.locked():  # the loss table is the tail's to mutate
                 return api.rendered(
-                    entry, "loss", lambda view: render.loss_curve(view, entry.loss_points()), False
+                    entry,
+                    key,
+                    lambda view: render.loss_curve(view, entry.loss_points(points)),
+                    False,
                 )
 
-        rendered = entry.cached("loss", entry.view.last_position)
+        rendered = entry.cached(key, entry.view.last_position)
         if rendered is None:
             rendered = await to_thread.run_sync(make)
         return api.send(request, rendered)

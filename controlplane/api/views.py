@@ -32,6 +32,8 @@ from controlplane.core.steps import (
     JobSteps,
     StepHistory,
     StepsUnreadable,
+    decimated,
+    loss_count,
     loss_points,
     start_after,
 )
@@ -87,9 +89,13 @@ class JobEntry:
         none is known): where a scan for events recorded since then may start."""
         return start_after(self.history, self.steps, since)
 
-    def loss_points(self) -> Iterator[tuple[int, float, datetime]]:
-        """(step, mean loss, time of its last report) by step (``core.steps.loss_points``)."""
-        return loss_points(self.history, self.steps)
+    def loss_points(self, limit: int | None = None) -> Iterator[tuple[int, float, datetime]]:
+        """(step, mean loss, time of its last report) by step (``core.steps.loss_points``);
+        with ``limit``, at most that many (``core.steps.decimated``)."""
+        points = loss_points(self.history, self.steps)
+        if limit is None:
+            return points
+        return decimated(points, loss_count(self.history, self.steps), limit)
 
     def cached(self, key: Hashable, version: int) -> Rendered | None:
         """The body rendered for ``key`` from this version of the view, if any."""

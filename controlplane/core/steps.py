@@ -312,6 +312,42 @@ def loss_points(
         yield step, loss.total / loss.count, loss.at
 
 
+def loss_count(history: StepHistory | None, tail: JobSteps) -> int:
+    """How many points ``loss_points`` gives."""
+    tail_steps = sorted(tail.losses)
+    if history is None or not len(history):
+        return len(tail_steps)
+    end = len(history.steps) if not tail_steps else bisect.bisect_left(history.steps, tail_steps[0])
+    return end + len(set(history.steps[end:]) | set(tail_steps))
+
+
+def decimated(
+    points: Iterable[tuple[int, float, datetime]], count: int, limit: int
+) -> Iterator[tuple[int, float, datetime]]:
+    """At most ``limit`` (≥ 2) of ``count`` ``points`` in step order, for a chart: the points
+    cut into ``limit // 2`` runs of consecutive steps, and of each run its lowest and its
+    highest loss (one point when they are the same), so a spike or a dip of a single step is
+    kept however long the curve. All of them when ``count`` ≤ ``limit``."""
+    if count <= limit:
+        yield from points
+        return
+    size = -(-count // (limit // 2))  # steps per run
+    run: list[tuple[int, float, datetime]] = []
+    for point in points:
+        run.append(point)
+        if len(run) == size:
+            yield from _extremes(run)
+            run = []
+    if run:
+        yield from _extremes(run)
+
+
+def _extremes(run: list[tuple[int, float, datetime]]) -> list[tuple[int, float, datetime]]:
+    low = min(run, key=lambda p: p[1])
+    high = max(run, key=lambda p: p[1])
+    return [low] if low is high else sorted((low, high), key=lambda p: p[0])
+
+
 def start_after(history: StepHistory | None, tail: JobSteps, since: datetime) -> int:
     """``JobSteps.after`` over the history and then the tail: exact where times were seen to
     follow positions across both."""

@@ -163,6 +163,13 @@ async def test_every_route_answers_with_the_views_of_the_recorded_log(api, recor
     assert steps[0] == 1 and steps[-1] >= LAST_STEP
     assert all(p.loss == pytest.approx(loss_at(p.step)) for p in loss.points)
     assert loss.faults == {i.incident_id: i.step_at_fault for i in view.incidents.values()}
+    few = LossCurve.model_validate(await get_json(api, f"{API}/jobs/{JOB}/loss", points=10))
+    assert 0 < len(few.points) <= 10 and few.faults == loss.faults
+    assert {p.step for p in few.points} <= set(steps)
+    assert max(p.loss for p in few.points) == max(p.loss for p in loss.points)
+    assert min(p.loss for p in few.points) == min(p.loss for p in loss.points)
+    for bad in (1, 0, "x"):
+        assert (await api.get(f"{API}/jobs/{JOB}/loss", params={"points": bad})).status_code == 422
 
     health = Health.model_validate(await get_json(api, "/healthz"))
     assert health == Health(status="ok", database=True, last_position=len(recorded))

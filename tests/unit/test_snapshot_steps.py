@@ -22,7 +22,9 @@ from controlplane.core.steps import (
     JobSteps,
     StepHistory,
     StepsUnreadable,
+    decimated,
     encode_steps,
+    loss_count,
     loss_points,
     start_after,
 )
@@ -87,6 +89,30 @@ def test_chunks_between_any_snapshots_make_the_loss_curve_of_every_event(seed):
         start = start_after(history, tail, since)
         assert all(s.recorded_at < since for s in log if s.position <= start)
     assert start_after(history, tail, log[-1].recorded_at) > 0
+
+
+def test_the_count_of_loss_points_is_what_they_are_whichever_the_chunks():
+    log = recorded()
+    for cuts in ([], [len(log) // 3], [10, len(log) // 2, len(log) - 5]):
+        history, tail = chunked(log, cuts)
+        assert loss_count(history, tail) == len(list(loss_points(history, tail)))
+    assert loss_count(None, JobSteps()) == 0
+
+
+def test_a_decimated_curve_keeps_every_run_s_extremes_in_step_order():
+    at = datetime(2026, 1, 1, tzinfo=UTC)
+    rng = random.Random(5)
+    points = [(s, 2.0 - s / 20_000 + rng.random() / 100, at) for s in range(1, 10_001)]
+    points[7_345] = (7_346, 9.5, at)  # a one-step spike
+    points[2_222] = (2_223, -3.0, at)  # a one-step dip
+    for limit in (2, 3, 10, 100, 1_000):
+        kept = list(decimated(iter(points), len(points), limit))
+        assert len(kept) <= limit
+        assert [p[0] for p in kept] == sorted({p[0] for p in kept})  # step order, no repeat
+        assert (7_346, 9.5, at) in kept and (2_223, -3.0, at) in kept
+    assert list(decimated(iter(points), len(points), len(points))) == points
+    flat = [(s, 1.0, at) for s in range(1, 101)]
+    assert len(list(decimated(iter(flat), 100, 10))) == 5  # a run of one loss: one point
 
 
 def test_a_time_out_of_order_across_chunks_gives_no_shortcut():

@@ -11,6 +11,8 @@
   const TERMINAL = new Set(["COMPLETED", "STOPPED"]);
   const REFRESH_MS = 5000;
   const WIDTH = 960;
+  // The loss curve asks for at most this many points (a long job has a step a second).
+  const LOSS_POINTS = 4 * WIDTH;
   const POINT_LABELS = {
     fault: "fault", detected: "detected", decided: "decided", acked: "acked by all",
     restored: "restored by all", first_step: "first step",
@@ -404,7 +406,7 @@
   async function load() {
     if (refresh !== null) clearTimeout(refresh);
     const [job, listed, curve, found] = await Promise.all([
-      get(JOB_PATH), get(JOB_PATH + "/incidents"), get(JOB_PATH + "/loss"),
+      get(JOB_PATH), get(JOB_PATH + "/incidents"), get(JOB_PATH + "/loss?points=" + LOSS_POINTS),
       get(JOB_PATH + "/goodput").catch((e) => (e instanceof ApiError && e.status === 404 ? null : Promise.reject(e))),
     ]);
     const summaries = Array.isArray(listed) ? listed : listed.incidents || [];
