@@ -551,6 +551,7 @@ def _ddp_rank(rank: int, config: _DdpConfig, out: Any) -> None:
         prime_buckets(model, lambda ddp: ddp(x[:1]))
         optimizer = ZeroRedundancyOptimizer(net.parameters(), torch.optim.Adam, lr=args.lr)
         parts = Parts(model, optimizer)
+        optimizer.register_step_pre_hook(lambda *_: elastic.settle())  # as the session does
         assert parts.kind == "zero"
 
         members = tuple(f"m{r}" for r in range(config.world))
@@ -592,7 +593,8 @@ def _ddp_rank(rank: int, config: _DdpConfig, out: Any) -> None:
         def backup(step: int) -> float:
             """What ``step_done`` does at a backup step; the seconds the step waits."""
             started = time.perf_counter()
-            elastic.backup(step, unique_state(parts, state), parts.replicated())
+            elastic.backup(step, unique_state(parts, state), parts.replicated(),
+                           later=parts.stepped())  # fmt: skip
             return time.perf_counter() - started
 
         def replicated_everywhere(step: int) -> None:
@@ -892,6 +894,9 @@ def _run_transformer(
             data.sampler.step = step
 
         hot = HotSnapshot()
+        # As the session does: what the optimizer's step writes is copied beside the next
+        # forward and backward, and the step waits for it.
+        optimizer.register_step_pre_hook(lambda *_: hot.settle())
         step = 0
         for _ in range(2):
             step += 1
@@ -907,7 +912,7 @@ def _run_transformer(
                 nonlocal step
                 started = time.perf_counter()
                 if with_backup:
-                    info = hot.take(step, unique_state(parts, state))
+                    info = hot.take(step, unique_state(parts, state), later=parts.stepped())
                     if info is not None:
                         takes.append(info.seconds)
                         replicator.steps.put(step)

@@ -984,10 +984,11 @@ class Elastic:
         seconds: float = 0.0,
         state: Callable[[], Any] | None = None,
         replicated: Callable[[], Any] | None = None,
+        later: Callable[[], Callable[[Any], bool]] | None = None,
     ) -> None:
         """Report a finished step; back up when due (``state()``: what only this rank has,
-        copied to peers; ``replicated()``: what every rank has alike, kept here only); carry
-        out injected faults."""
+        copied to peers; ``replicated()``: what every rank has alike, kept here only;
+        ``later()``: ``backup``'s ``later``); carry out injected faults."""
         world = self._world()
         # Every member's step and step time go on its heartbeats (not stored).
         self.client.finished_step(step, max(0.0, seconds))
@@ -1002,9 +1003,19 @@ class Elastic:
                  "samples": samples},
             )  # fmt: skip
         if state is not None and step % self.policy.backup_interval == 0:
-            self.backup(step, state(), replicated() if replicated is not None else None)
+            self.backup(
+                step,
+                state(),
+                replicated() if replicated is not None else None,
+                later=later() if later is not None else None,
+            )
         faults.inject(self._faults, step, world.rank, self._faults_state)
         self._superseded(world.generation)
+
+    def settle(self) -> None:
+        """Wait until the copies a backup left to a thread (``later``) landed."""
+        self.hot_replicated.settle()
+        self.hot.settle()
 
     def _superseded(self, generation: int) -> None:
         """Between steps, without waiting: when a newer generation was decided meanwhile,
@@ -1022,17 +1033,29 @@ class Elastic:
         if self.world is None:  # demoted: this generation ends here, the member waits
             raise GenerationSuperseded(command)
 
-    def backup(self, step: int, state: Any, replicated: Any = None) -> None:
+    def backup(
+        self,
+        step: int,
+        state: Any,
+        replicated: Any = None,
+        *,
+        later: Callable[[Any], bool] | None = None,
+    ) -> None:
         """Copy ``state`` (this rank's unique shard) into preallocated memory now; checksum,
         report and replicate it from the background thread. ``replicated`` (state every rank
-        of the group has alike) is copied too, but stays in this process."""
+        of the group has alike) is copied too, but stays in this process. ``later``: the
+        tensors it selects are copied on a thread while training goes on
+        (``HotSnapshot.take``); the caller calls ``settle`` before they change."""
         self._world()
         self.client.phase = Phase.BACKUP
         try:
-            if replicated is not None and self.hot_replicated.take(step, replicated) is None:
+            if (
+                replicated is not None
+                and self.hot_replicated.take(step, replicated, later=later) is None
+            ):
                 log.warning("backup of step %d skipped: its replicated part is being read", step)
                 return
-            info = self.hot.take(step, state)
+            info = self.hot.take(step, state, later=later)
         finally:
             self.client.phase = Phase.TRAIN
         self._backup_shard = self._world().rank

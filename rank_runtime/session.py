@@ -63,6 +63,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from rank_runtime import sharded, trace
@@ -182,6 +183,28 @@ class _Parts:
         if self.kind == "local":
             return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
         return {}
+
+    def stepped(self) -> Callable[[torch.Tensor], bool]:
+        """Whether a tensor of a backup is memory only the optimizer's step writes (its
+        parameters' and its state's): a backup copies those on a thread while the next
+        step's forward and backward run, and the optimizer's step waits for the copy
+        (``Session`` hooks it); anything else (buffers a forward updates, registered state)
+        is copied at once."""
+        owned: set[int] = set()
+        optimizers = [self.optimizer, getattr(self.optimizer, "optim", None)]  # ZeRO's local
+        for optimizer in optimizers:
+            if not isinstance(optimizer, Optimizer):
+                continue
+            values: list[Any] = [p for group in optimizer.param_groups for p in group["params"]]
+            values += [
+                v for state in optimizer.state.values() if isinstance(state, Mapping)
+                for v in state.values()
+            ]  # fmt: skip
+            for value in values:
+                local = value.to_local() if isinstance(value, DTensor) else value
+                if isinstance(local, torch.Tensor) and not local.is_cuda:
+                    owned.add(local.untyped_storage().data_ptr())
+        return lambda tensor: tensor.untyped_storage().data_ptr() in owned
 
     def replicated(self) -> dict[str, Any] | None:
         """What every rank of the group has alike (None: nothing)."""
@@ -457,6 +480,9 @@ class Session:
         self._first = generation
         log.info("generation %d: built in %.3fs, state loaded in %.3fs", self.world.generation,
                  built - started, loaded - loading)  # fmt: skip
+        # A backup's copy of what the optimizer's step writes (``_Parts.stepped``) runs beside
+        # the next forward and backward; the step waits for it.
+        parts.optimizer.register_step_pre_hook(lambda *_: elastic.settle())
         self._parts = parts
 
     def _share_replicated(self, mine: Any) -> Any:
@@ -510,14 +536,19 @@ class Session:
         self._next = step + 1
         first, self._first = self._first, None
         done = time.time()
+        assert self._parts is not None
         self.elastic.step_done(step, loss=loss, samples=samples, seconds=seconds,
-                               state=self._unique, replicated=self._replicated)  # fmt: skip
+                               state=self._unique, replicated=self._replicated,
+                               later=self._parts.stepped)  # fmt: skip
         if first is not None:  # the generation's first step, and its report
             trace.mark("first_step", done - seconds, seconds, generation=first)
             trace.mark("step_done", done, time.time() - done, generation=first)
 
     def _recover(self, error: BaseException, step: int) -> None:
         """Drop the parts (they hold the broken group) and follow the control plane."""
+        # A backup's copy still reading the parts' memory lands first: that memory is
+        # reused below, and written by the next load.
+        self.elastic.settle()
         parts, self._parts = self._parts, None
         # The local tensors of FSDP2 state hold no group: their memory serves the next load.
         if parts is not None and parts.kind == "sharded":

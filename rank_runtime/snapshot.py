@@ -430,6 +430,31 @@ class _Slot:
         return _bytes_of(self.buffer[: self.size]).toreadonly()
 
 
+class _Behind:
+    """CPU tensors copied into a slot on a thread of their own (``take``'s ``later``), while
+    the caller goes on: ``synchronize`` waits until they landed."""
+
+    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(pairs,), name="elastic-take", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        try:
+            with torch.no_grad():
+                for dst, src in pairs:
+                    dst.copy_(src)  # lets go of the GIL: the step goes on beside it
+        except BaseException as exc:  # handed to synchronize's caller
+            self._error = exc
+
+    def synchronize(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise RuntimeError(f"a snapshot's copy failed: {self._error}") from self._error
+
+
 class HotSnapshot:
     """Keep the two newest snapshots of one rank's state in preallocated CPU memory."""
 
@@ -453,11 +478,22 @@ class HotSnapshot:
 
     # -- writing --------------------------------------------------------------------------------
 
-    def take(self, step: int, state: object) -> SnapshotInfo | None:
+    def take(
+        self,
+        step: int,
+        state: object,
+        *,
+        later: Callable[[torch.Tensor], bool] | None = None,
+    ) -> SnapshotInfo | None:
         """Copy ``state`` into the slot that is not the newest complete one, then mark it complete.
 
         Returns ``None`` (and counts a skip) when that slot is being read. An exception raised
         during the copy leaves that slot empty and the newest complete snapshot untouched.
+
+        ``later``: the CPU tensors it selects are copied on a thread of their own while the
+        caller goes on (``SnapshotInfo.seconds`` is then what the caller waited): they must
+        not change until ``settle`` returned (the session calls it before the optimizer's
+        next step). Readers of the slot wait for them.
         """
         if step < 0:
             raise ValueError(f"step must be non-negative, got {step}")
@@ -478,9 +514,15 @@ class HotSnapshot:
                 if pinned:
                     slot.pending = self._copy_on_side_stream(slot.views, tensors, cuda)
                 else:
+                    behind: list[tuple[torch.Tensor, torch.Tensor]] = []
                     with torch.no_grad():
                         for dst, src in zip(slot.views, tensors, strict=True):
-                            dst.copy_(src)
+                            if later is not None and not src.is_cuda and later(src):
+                                behind.append((dst, src))
+                            else:
+                                dst.copy_(src)
+                    if behind:
+                        slot.pending = _Behind(behind)
             except BaseException:
                 if cuda:  # no copy still in flight may land in a slot that is reused
                     for device in cuda:
@@ -494,6 +536,13 @@ class HotSnapshot:
                 slot.skeleton = skeleton
             nbytes = sum(spec.nbytes for spec in specs)
             return SnapshotInfo(step, nbytes, time.perf_counter() - started, slot.index, allocated)
+
+    def settle(self) -> None:
+        """Wait until the copies ``take`` left to a thread (``later``) landed."""
+        for slot in self._slots:
+            pending = slot.pending
+            if isinstance(pending, _Behind):
+                pending.synchronize()
 
     def _copy_on_side_stream(
         self, views: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor], devices: set[Any]

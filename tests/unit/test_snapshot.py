@@ -199,6 +199,49 @@ def test_copies_are_independent_of_the_source_and_of_the_slot():
     assert again.state["data"]["step"] == 1
 
 
+def test_a_later_copy_runs_beside_the_caller_and_readers_and_settle_wait_for_it(monkeypatch):
+    release = threading.Event()
+    run = snap._Behind._run
+
+    def held(self, pairs):
+        release.wait(10)
+        run(self, pairs)
+
+    monkeypatch.setattr(snap._Behind, "_run", held)
+    state = {"w": torch.full((64, 32), 1.0), "b": torch.full((8,), 2.0)}
+    hot = HotSnapshot()
+    info = hot.take(1, state, later=lambda t: t is state["w"])
+    assert info is not None  # returned while the copy of "w" is held
+    state["b"].add_(5)  # copied at once: the snapshot keeps 2.0
+    settled = threading.Event()
+    waiter = threading.Thread(target=lambda: (hot.settle(), settled.set()))
+    waiter.start()
+    assert not settled.wait(0.2), "settle returned before the copy landed"
+    release.set()
+    waiter.join(10)
+    assert settled.is_set()
+    state["w"].add_(7)  # after settle: the optimizer's step may write it
+    got = hot.latest()
+    assert got is not None
+    assert torch.equal(got.state["w"], torch.full((64, 32), 1.0))
+    assert torch.equal(got.state["b"], torch.full((8,), 2.0))
+
+
+def test_a_reader_waits_for_a_later_copy(monkeypatch):
+    release = threading.Event()
+    run = snap._Behind._run
+    monkeypatch.setattr(
+        snap._Behind, "_run", lambda self, pairs: (release.wait(10), run(self, pairs))
+    )
+    hot = HotSnapshot()
+    state = {"w": torch.full((16,), 3.0)}
+    hot.take(4, state, later=lambda t: True)
+    threading.Timer(0.2, release.set).start()
+    got = hot.latest()  # waits for the copy, then reads it
+    assert got is not None and torch.equal(got.state["w"], torch.full((16,), 3.0))
+    assert release.is_set()
+
+
 def test_views_share_the_slot_until_it_is_rewritten():
     hot = HotSnapshot()
     hot.take(1, small_state(1.0, 1))
