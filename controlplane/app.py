@@ -58,6 +58,8 @@ class ControlPlane:
         self.heartbeats: bus.HeartbeatListener | None = None
         #: How many times this process took the ingest lock and started ingesting.
         self.sessions = 0
+        #: Whether this process holds the ingest lock (``elastic_leader``).
+        self.leading = False
         #: How the views of the current session were folded at its start.
         self.loaded: snapshots.Loaded | None = None
         #: Records the views as the log grows (None: ``snapshot_interval_s`` is 0).
@@ -119,12 +121,14 @@ class ControlPlane:
             while not stop.is_set():
                 if not await lock.acquire(stop, retry_s=settings.lock_retry_s):
                     break
+                self.leading = True
                 try:
                     # Fold what the log holds now: another process may have ingested before.
                     loaded = self.loaded = await asyncio.to_thread(snapshots.load, store)
                     gctune.freeze()  # the folded views are no garbage: keep them out of collections
                 except StoreUnavailable as exc:
                     log.warning("waiting for PostgreSQL: %s", exc)
+                    self.leading = False
                     await lock.release()
                     await backoff.sleep(stop)
                     continue
@@ -144,8 +148,10 @@ class ControlPlane:
                 )
                 self.sessions += 1
                 await self._ingest_while_held(store, lock, stop)
+                self.leading = False
                 await lock.release()
         finally:
+            self.leading = False
             await lock.release()
             if self.rendezvous is not None:
                 self.rendezvous.close()
@@ -261,6 +267,7 @@ def _metrics_exporter(settings: Settings, plane: ControlPlane) -> MetricsExporte
         settings.metrics_host,
         settings.metrics_port,
         TokenAuth.from_setting(settings.api_tokens),
+        leader=lambda: plane.leading,
     )
     plane.metrics = served.metrics
     log.info("metrics at http://%s:%d/metrics", settings.metrics_host, served.port)

@@ -14,6 +14,7 @@ import typer
 from controlplane.errors import ControlPlaneError, SchemaNotMigrated
 from rank_runtime.launcher_cli import RUN_CONTEXT
 from rank_runtime.launcher_cli import run as launcher_run
+from schemas import logjson
 
 if TYPE_CHECKING:
     from controlplane.settings import Settings
@@ -35,12 +36,13 @@ def _settings() -> Settings:
     from controlplane.settings import Settings
 
     settings = Settings()
-    logging.basicConfig(
-        level=settings.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    logjson.configure(settings.log_level, settings.log_format)
     return settings
+
+
+def _log_warnings() -> None:
+    """Log warnings and above to stderr, as ``ELASTIC_LOG_FORMAT`` says (text by default)."""
+    logjson.configure(logging.WARNING, logjson.env_format(), text_format=logging.BASIC_FORMAT)
 
 
 def _fail(message: str, code: int = 2) -> typer.Exit:
@@ -261,7 +263,7 @@ def bench_ingest(
     """
     from controlplane.bench.ingest import run_ingest_bench
 
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    _log_warnings()
     result = run_ingest_bench(events=events, members=members, prefill=prefill, progress=not as_json)
     typer.echo(json.dumps(result))
 
@@ -278,7 +280,7 @@ def bench_rows(
     NATS and PostgreSQL unless ELASTIC_NATS_URL / ELASTIC_DATABASE_URL are set)."""
     from controlplane.bench.rows import run_rows_bench
 
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    _log_warnings()
     typer.echo(json.dumps(run_rows_bench(seconds=seconds, nproc=nproc, policy=policy)))
 
 
@@ -340,7 +342,7 @@ def bench_mttr(
     from controlplane.bench import BenchError
     from controlplane.bench.mttr import run_mttr_bench
 
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    _log_warnings()
     progress = None if as_json else (lambda m: typer.echo(m, err=True))
     try:
         result = run_mttr_bench(
@@ -387,7 +389,7 @@ def bench_fuzz(
     from controlplane.bench import BenchError
     from controlplane.bench.fuzz import run_fuzz_bench
 
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    _log_warnings()
     try:
         result = run_fuzz_bench(
             cases=cases,
@@ -441,7 +443,7 @@ def bench_decide(
                 f"the mesh {parsed.describe()} has {parsed.size} ranks; --members is {members}",
                 param_hint="--mesh",
             )
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    _log_warnings()
     result = run_decide_bench(members=members, faults=faults, progress=not as_json, mesh=parsed)
     typer.echo(json.dumps(result))
 
@@ -500,7 +502,7 @@ def bench_scale(
             f" ({heartbeat_interval:g}s)",
             param_hint="--hang-timeout",
         )
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    _log_warnings()
     try:
         result = run_scale_bench(
             ranks=ranks,
@@ -553,7 +555,7 @@ def bench_takeover(
 
     if history_rows is not None and 0 < history_rows < 4:
         raise typer.BadParameter(f"{history_rows}: 0 or at least 4", param_hint="--history-rows")
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    _log_warnings()
     try:
         result = run_takeover_bench(
             ranks=ranks, days=days, history_rows=history_rows, api_wait_s=api_wait,
@@ -612,7 +614,7 @@ def bench_api(
     from controlplane.bench import BenchError
     from controlplane.bench.api import run_api_bench
 
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    _log_warnings()
     if client not in ("raw", "httpx"):
         raise _fail(f"--client must be raw or httpx, not {client!r}")
     try:
@@ -760,6 +762,13 @@ def demo(
         Path | None,
         typer.Option(help="Write the job's log to FILE (`elasticctl export`'s JSONL) at the end."),
     ] = None,
+    metrics_out: Annotated[
+        Path | None,
+        typer.Option(
+            help="Write the final scrapes of the API's and the control plane's /metrics to FILE"
+            ' at the end (one JSON object: {"api": TEXT, "controlplane": TEXT}).'
+        ),
+    ] = None,
 ) -> None:
     """See the whole loop work on this machine: faults injected, detected, recovered.
 
@@ -805,8 +814,9 @@ def demo(
         live=False if plain else None,
         script=script.resolve() if script is not None else EXAMPLE,
         export=export,
+        metrics_out=metrics_out,
     )
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    _log_warnings()
     try:
         code = run_demo(config)
     except (ValueError, DemoError) as exc:

@@ -47,6 +47,7 @@ from schemas.auth import SIGNATURE_HEADER, CommandSigner, command_message
 from schemas.common import CONTROLPLANE_SOURCE, FaultReason
 from schemas.events import EnvelopeBase, LivenessSummaryEvent
 from schemas.ids import new_event_id
+from schemas.logjson import about
 from schemas.subjects import MSG_ID_HEADER, command_subject
 
 log = logging.getLogger(__name__)
@@ -135,10 +136,13 @@ class CommandPublisher:
             # Sent again it fails again: say what to change (deploy/nats/nats.conf).
             log.error("command %s for %s is %d bytes, over the NATS server's max_payload: raise"
                       " it (max_payload: 8MB takes a job of 16,384 ranks); it will be sent"
-                      " again", key, job_id, len(body))  # fmt: skip
+                      " again", key, job_id, len(body), extra=about(job=job_id))  # fmt: skip
             self._sent.pop(key, None)
         except Exception as exc:
-            log.warning("publishing command %s failed (%s); it will be sent again", key, exc)
+            log.warning(
+                "publishing command %s failed (%s); it will be sent again", key, exc,
+                extra=about(job=job_id),
+            )  # fmt: skip
             self._sent.pop(key, None)
 
     def forget(self, keep: set[str]) -> None:
@@ -378,15 +382,23 @@ class Decider:
                 # Only the log's head was not where this process last saw it (an append it
                 # did not see the result of): decide again behind the head it is at.
                 self._head = exc.log_head
-                log.info("%s for %s not recorded: %s; deciding again", what, job_id, exc)
+                log.info(
+                    "%s for %s not recorded: %s; deciding again", what, job_id, exc,
+                    extra=about(job=job_id),
+                )  # fmt: skip
             else:
-                log.warning("%s for %s not recorded: %s; refreshing the view", what, job_id, exc)
+                log.warning(
+                    "%s for %s not recorded: %s; refreshing the view", what, job_id, exc,
+                    extra=about(job=job_id),
+                )  # fmt: skip
                 if self._refresh is not None:
                     await self._refresh(job_id)
             self.wanted.set()
             return None
         except StoreUnavailable as exc:
-            log.warning("%s for %s not recorded (%s); later", what, job_id, exc)
+            log.warning(
+                "%s for %s not recorded (%s); later", what, job_id, exc, extra=about(job=job_id)
+            )
             return None
         self._seq[job_id] = self._seq.get(job_id, 0) + len(events)
         self._saw(result)
@@ -519,7 +531,15 @@ def _log_decision(stored: StoredEvent) -> None:
         return
     payload = event.payload
     detail = getattr(payload, "reason", None) or getattr(payload, "detail", None) or ""
-    log.info("#%d %s %s: %s", stored.position, event.job_id, event.type, str(detail)[:200])
+    concerns = about(
+        job=event.job_id,
+        member=getattr(payload, "member", None),
+        incident=getattr(payload, "incident_id", None),
+    )
+    log.info(
+        "#%d %s %s: %s", stored.position, event.job_id, event.type, str(detail)[:200],
+        extra=concerns,
+    )  # fmt: skip
 
 
 def _silences(decided: Sequence[Decided]) -> bool:

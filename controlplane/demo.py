@@ -110,6 +110,9 @@ class DemoConfig:
     as_json: bool = False
     #: Write the demo job's log here (``elasticctl export``'s JSONL) before the stack stops.
     export: Path | None = None
+    #: Write the final scrapes of the API's and the control plane's ``/metrics`` here, as one
+    #: JSON object (``{"api": TEXT, "controlplane": TEXT}``), before the stack stops.
+    metrics_out: Path | None = None
     host: str = "127.0.0.1"
     #: Port of the API (0: a free one).
     api_port: int = 0
@@ -557,6 +560,8 @@ class Stack:
     secret: bytes = b""
     #: Where ``elasticctl creds`` wrote the per-node NATS credentials (embedded NATS only).
     creds_dir: Path | None = None
+    #: The control plane's Prometheus exporter (``--metrics-out`` only).
+    metrics_url: str | None = None
 
     def control_env(self) -> dict[str, str]:
         """What the control plane's processes get: the secret and their NATS credential."""
@@ -792,6 +797,8 @@ class Demo:
                 with config.export.open("wb") as out:
                     commands.export(stack.database_url, out, job_id=self.job_id, after=0,
                                     show_progress=False)  # fmt: skip
+            if config.metrics_out is not None:
+                self._scrape(stack, config.metrics_out)
         finally:
             store.close()
         self._phase("done")
@@ -906,6 +913,13 @@ class Demo:
         ):
             if key not in os.environ:
                 env[key] = value
+        if self.config.metrics_out is not None:
+            from controlplane.devstack import free_port
+
+            host = env.setdefault("ELASTIC_METRICS_HOST", self.config.host)
+            port = env.get("ELASTIC_METRICS_PORT") or str(free_port(host))
+            env["ELASTIC_METRICS_PORT"] = port
+            stack.metrics_url = f"http://{host}:{port}/metrics"
         child = self.children.start("serve", [sys.executable, "-m", "controlplane", "serve"], env)
         self.stop.sleep(0.3)
         if not child.alive:
@@ -933,6 +947,28 @@ class Demo:
         else:
             stack.api_note = f"`elasticctl api` did not come up (see {child.log})"
             self._phase(f"API: {stack.api_note}")
+
+    def _scrape(self, stack: Stack, out: Path) -> None:
+        """Write what the API's and the control plane's ``/metrics`` say now (``--metrics-out``;
+        a source that does not answer is ``null``, and the reason shown)."""
+        import urllib.request
+
+        urls = {
+            "api": f"{stack.api_url}/metrics" if stack.api_url else None,
+            "controlplane": stack.metrics_url,
+        }
+        scrapes: dict[str, str | None] = {}
+        for source, url in urls.items():
+            scrapes[source] = None
+            if url is None:
+                continue
+            try:
+                with urllib.request.urlopen(url, timeout=10) as answer:
+                    scrapes[source] = answer.read().decode()
+            except OSError as exc:
+                self._phase(f"metrics: could not scrape {url}: {exc}")
+        out.write_text(json.dumps(scrapes))
+        self._phase(f"metrics written to {out}")
 
     def _launch(
         self, store: Any, job_id: str, label: str, *, nproc: int, spares: int, faults: list[str]

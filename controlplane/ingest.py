@@ -23,6 +23,7 @@ from controlplane.errors import BusUnavailable, StoreError, StoreRefused, StoreU
 from controlplane.store.port import Appender, AppendResult, EventStore, JobHead
 from schemas.common import MAX_EVENT_BYTES
 from schemas.events import EnvelopeBase
+from schemas.logjson import about
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +172,10 @@ async def _events_apart(
             refused = exc
     if len(events) == 1:
         letter = refused_letter(events[0], refused, None if origins is None else origins[0])
-        log.warning("event %s refused by the store: %s", events[0].event_id, refused)
+        log.warning(
+            "event %s refused by the store: %s", events[0].event_id, refused,
+            extra=about(job=events[0].job_id),
+        )  # fmt: skip
         return await _letters_apart(appender, [letter], None)
     mid = len(events) // 2
     result = AppendResult()
@@ -380,4 +384,5 @@ class Fetcher:
             log.warning(
                 "sequence gap from %s (incarnation %s): %d events after seq %d not received",
                 gap.source, gap.incarnation, gap.missing, gap.after_seq,
+                extra=about(job=gap.job_id),
             )  # fmt: skip

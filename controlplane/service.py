@@ -38,6 +38,7 @@ from controlplane.errors import StoreUnavailable
 from controlplane.ingest import Batch, Fetcher, IngestStats, commit
 from controlplane.snapshots import Snapshotter
 from controlplane.store.port import Appender, AppendResult, EventLog
+from schemas.logjson import about
 
 if TYPE_CHECKING:
     from controlplane.api.metrics import LogMetrics
@@ -64,6 +65,8 @@ class Views:
 
     def apply(self, result: AppendResult) -> None:
         """Fold what an append stored (each event once, in log order)."""
+        if self.metrics is not None:
+            self.metrics.appended(result.dead_letters)
         if not result.stored:
             return
         if self.snapshotter is not None:
@@ -240,6 +243,6 @@ class Session:
         try:
             events = await asyncio.to_thread(self._store.read, job_id=job_id, after=after)
         except StoreUnavailable as exc:
-            log.warning("could not refresh %s: %s", job_id, exc)
+            log.warning("could not refresh %s: %s", job_id, exc, extra=about(job=job_id))
             return
         self.views.refreshed(job_id, events)

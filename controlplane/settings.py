@@ -6,7 +6,7 @@ import ast
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any, Literal, get_args, get_origin
 
 from pydantic import Field, NonNegativeFloat, PositiveFloat, PositiveInt, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -113,6 +113,11 @@ class Settings(BaseSettings):
         " rendezvous store and signs commands; unset: neither (a warning is logged)",
     )
     log_level: str = Field("INFO", description="Python logging level")
+    log_format: Literal["text", "json"] = Field(
+        "text",
+        description="Log records as text lines, or as JSON objects one a line (time, level,"
+        " logger, message, and the job, member and incident a record concerns)",
+    )
     api_host: str = Field("127.0.0.1", description="Address `elasticctl api` listens on")
     api_port: int = Field(8080, ge=0, le=65535, description="Port `elasticctl api` listens on")
     api_tokens: SecretStr | None = Field(
@@ -181,6 +186,8 @@ class EnvVariable:
 
 def _type_name(annotation: Any) -> str:
     names = {str: "string", int: "integer", float: "number", bool: "boolean"}
+    if get_origin(annotation) is Literal:
+        return " or ".join(f"`{value}`" for value in get_args(annotation))
     args = [a for a in get_args(annotation) if a is not type(None)]
     if args and len(args) < len(get_args(annotation)):
         return _type_name(args[0])

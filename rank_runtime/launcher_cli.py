@@ -11,11 +11,11 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sys
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from schemas import logjson
 from schemas.overrides import parse_overrides
 
 if TYPE_CHECKING:
@@ -98,7 +98,7 @@ def run(
     from rank_runtime.faults import FaultSpecError
     from rank_runtime.identity import NATS_URL_ENV
 
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+    logjson.configure(logging.INFO, logjson.env_format(), text_format="%(message)s")
     try:
         launcher.script_path(script)
         job_policy = launch_policy(policy, nproc)

@@ -163,7 +163,7 @@ class Api:
         def goodputs() -> list[Goodput]:
             return self.views.goodputs(self.read_types, datetime.now(UTC))
 
-        self.metrics = LogMetrics(views, goodputs)
+        self.metrics = LogMetrics(views, goodputs, dead_letters=store.count_dead_letters)
         #: Pages of events straight from PostgreSQL (None: filtered here from ``store.read``).
         self.pages = (
             sql.PageReader(store.engine.url.render_as_string(hide_password=False))

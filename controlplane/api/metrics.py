@@ -7,14 +7,25 @@ plane's exporter (``ELASTIC_METRICS_PORT``).
 - ``elastic_log_position``: the last log position folded;
 - ``elastic_ingest_lag_seconds``: ``recorded_at - emitted_at`` of the newest member event
   folded (how long the newest event took from its producer into the log);
-- ``elastic_incidents{outcome, kind}``: incidents by outcome (``open``, ``recovered``,
-  ``stopped``) and kind (``fault``, ``growth``);
-- ``elastic_mttr_seconds``: histogram of the downtime of every recovered fault (its fault to
-  the first step of the new generation);
+- ``elastic_incidents{job_id, outcome, kind}``: a job's incidents by outcome (``open``,
+  ``recovered``, ``stopped``) and kind (``fault``, ``growth``);
+- ``elastic_mttr_seconds{job_id}``: histogram of the downtime of a job's recovered faults (its
+  fault to the first step of the new generation), buckets from 10 ms;
+- ``elastic_events_discounted_total{job_id, reason}``: evidence the fold did not believe;
+- ``elastic_dead_letters_total``: input the log refused (the control plane counts what it
+  commits, the API what the store keeps);
+- ``elastic_leader``: 1 on the control plane holding the ingest lock, 0 on a standby (the
+  control plane's exporter only);
 - ``elastic_jobs{state}``: jobs by state;
-- ``elastic_job_wall_seconds{job}``, ``elastic_job_goodput_seconds{job, term}`` and
-  ``elastic_job_ettr{job}``: each registered job's wall time, its split by term and its
+- ``elastic_job_wall_seconds{job_id}``, ``elastic_job_goodput_seconds{job_id, term}`` and
+  ``elastic_job_ettr{job_id}``: each registered job's wall time, its split by term and its
   ETTR (``core.goodput``; the API's ``/metrics`` only).
+
+Per-job metrics are labelled ``job_id``, not ``job``: Prometheus gives every scraped series
+the ``job`` of its scrape configuration, and would rename an exposed one ``exported_job``.
+Every counter is exposed with the ``_total`` suffix (``prometheus_client`` adds it to the
+names given here); ``METRICS`` lists every family and ``tests/unit/test_metrics_names.py``
+checks the exporters expose exactly those.
 
 Everything but the counter, the position and the lag is computed from the views at scrape
 time, so nothing on the ingest path is added for it.
@@ -23,6 +34,7 @@ time, so nothing on the ingest path is added for it.
 from __future__ import annotations
 
 import bisect
+import logging
 import threading
 from collections import Counter as Tally
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -43,13 +55,49 @@ from controlplane.api.auth import Denied, TokenAuth
 from controlplane.core.goodput import TERMS, Goodput
 from controlplane.core.records import StoredEvent
 from controlplane.core.view import DiscountReason, JobView
+from controlplane.errors import StoreError
 from schemas.common import CONTROLPLANE_SOURCE, JobState
 
 #: Upper bounds of the MTTR histogram's buckets, in seconds.
-MTTR_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+#: From 10 ms: a recovery from a hot backup takes about 0.1 s (docs/benchmarks.md).
+MTTR_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+)
 INCIDENT_OUTCOMES = ("open", "recovered", "stopped")
+#: Every metric family the exporters expose: name -> (type, labels). The API's ``/metrics``
+#: has all but ``elastic_leader``; the control plane's all but the goodput gauges.
+METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "elastic_events_ingested_total": ("counter", ()),
+    "elastic_log_position": ("gauge", ()),
+    "elastic_ingest_lag_seconds": ("gauge", ()),
+    "elastic_jobs": ("gauge", ("state",)),
+    "elastic_incidents": ("gauge", ("job_id", "outcome", "kind")),
+    "elastic_events_discounted_total": ("counter", ("job_id", "reason")),
+    "elastic_mttr_seconds": ("histogram", ("job_id",)),
+    "elastic_dead_letters_total": ("counter", ()),
+    "elastic_leader": ("gauge", ()),
+    "elastic_job_wall_seconds": ("gauge", ("job_id",)),
+    "elastic_job_goodput_seconds": ("gauge", ("job_id", "term")),
+    "elastic_job_ettr": ("gauge", ("job_id",)),
+}
 #: The content type of the text exposition format.
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+log = logging.getLogger(__name__)
 
 
 class _ViewCollector(Collector):
@@ -65,12 +113,30 @@ class _ViewCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         states: Tally[JobState] = Tally()
-        outcomes: Tally[tuple[str, str]] = Tally()
-        downtimes: list[float] = []
-        discounted: Tally[str] = Tally()
+        jobs = GaugeMetricFamily("elastic_jobs", "Jobs by state.", labels=["state"])
+        incidents = GaugeMetricFamily(
+            "elastic_incidents",
+            "A job's incidents by outcome (open, recovered, stopped) and kind.",
+            labels=["job_id", "outcome", "kind"],
+        )
+        discounted = CounterMetricFamily(
+            "elastic_events_discounted",
+            "Events stored in the log that the control plane did not believe, by job and"
+            " reason (see the discounts of GET /api/v1/jobs/{job}/cluster).",
+            labels=["job_id", "reason"],
+        )
+        mttr = HistogramMetricFamily(
+            "elastic_mttr_seconds",
+            "Downtime of a job's recovered faults: the fault to the first step of the new"
+            " generation.",
+            labels=["job_id"],
+        )
+        reasons = sorted(r.value for r in DiscountReason)
         for view in self._views():
+            job = view.job_id
             states[view.state] += 1
-            discounted.update(view.discount_counts)
+            outcomes: Tally[tuple[str, str]] = Tally()
+            downtimes: list[float] = []
             for incident in view.incidents.values():
                 outcome = incident.outcome or "open"
                 outcomes[outcome, incident.kind] += 1
@@ -80,51 +146,72 @@ class _ViewCollector(Collector):
                     and incident.downtime_s is not None
                 ):
                     downtimes.append(incident.downtime_s)
-        jobs = GaugeMetricFamily("elastic_jobs", "Jobs by state.", labels=["state"])
+            kinds = sorted({"fault", "growth", *(kind for _, kind in outcomes)})
+            for outcome in INCIDENT_OUTCOMES:
+                for kind in kinds:
+                    incidents.add_metric([job, outcome, kind], outcomes[outcome, kind])
+            counts = view.discount_counts
+            for reason in sorted({*reasons, *counts}):
+                discounted.add_metric([job, reason], counts.get(reason, 0))
+            buckets, total = _buckets(downtimes)
+            mttr.add_metric([job], buckets, total)
         for state in JobState:
             jobs.add_metric([state.value], states[state])
         yield jobs
-        incidents = GaugeMetricFamily(
-            "elastic_incidents", "Incidents by outcome and kind.", labels=["outcome", "kind"]
-        )
-        kinds = sorted({"fault", "growth", *(kind for _, kind in outcomes)})
-        for outcome in INCIDENT_OUTCOMES:
-            for kind in kinds:
-                incidents.add_metric([outcome, kind], outcomes[outcome, kind])
         yield incidents
-        events = CounterMetricFamily(
-            "elastic_events_discounted",
-            "Events stored in the log that the control plane did not believe, by reason"
-            " (see the discounts of GET /api/v1/jobs/{job}/cluster).",
-            labels=["reason"],
-        )
-        for reason in sorted({*(r.value for r in DiscountReason), *discounted}):
-            events.add_metric([reason], discounted[reason])
-        yield events
-        yield _histogram(
-            "elastic_mttr_seconds",
-            "Downtime of recovered faults: the fault to the first step of the new generation.",
-            downtimes,
-        )
+        yield discounted
+        yield mttr
         if self._goodputs is not None:
             yield from _goodput_metrics(self._goodputs())
+
+
+class _ProcessCollector(Collector):
+    """What this process is: the ingest leader or a standby (the control plane only), and
+    the dead letters the store keeps (the API only, counted when scraped)."""
+
+    def __init__(
+        self, leader: Callable[[], bool] | None, dead_letters: Callable[[], int] | None
+    ) -> None:
+        self._leader = leader
+        self._dead_letters = dead_letters
+
+    def collect(self) -> Iterator[Metric]:
+        if self._leader is not None:
+            yield GaugeMetricFamily(
+                "elastic_leader",
+                "1 on the control plane holding the ingest lock (ingesting and deciding),"
+                " 0 on a standby.",
+                value=1.0 if self._leader() else 0.0,
+            )
+        if self._dead_letters is not None:
+            try:
+                kept = self._dead_letters()
+            except StoreError as exc:  # the rest is still served; healthz reports the database
+                log.warning("elastic_dead_letters_total left out: %s", exc)
+                return
+            yield CounterMetricFamily(
+                "elastic_dead_letters",
+                "Input the log refused (schema violations, forged sources, out-of-order"
+                " sequence numbers, ...), as the dead letters table keeps it.",
+                value=float(kept),
+            )
 
 
 def _goodput_metrics(found: Iterable[Goodput]) -> Iterator[Metric]:
     wall = GaugeMetricFamily(
         "elastic_job_wall_seconds",
         "A job's wall time: its registration to its end, or now.",
-        labels=["job"],
+        labels=["job_id"],
     )
     terms = GaugeMetricFamily(
         "elastic_job_goodput_seconds",
         "A job's wall time by term (docs/design.md, Goodput accounting): productive,"
         " recomputation, backup, detection, decision, restore, resume, waiting, idle.",
-        labels=["job", "term"],
+        labels=["job_id", "term"],
     )
     ettr = GaugeMetricFamily(
         "elastic_job_ettr", "A job's effective training time ratio: productive / wall.",
-        labels=["job"],
+        labels=["job_id"],
     )  # fmt: skip
     for g in found:
         wall.add_metric([g.job_id], g.wall_s)
@@ -137,15 +224,14 @@ def _goodput_metrics(found: Iterable[Goodput]) -> Iterator[Metric]:
     yield ettr
 
 
-def _histogram(name: str, documentation: str, values: list[float]) -> HistogramMetricFamily:
+def _buckets(values: list[float]) -> tuple[list[tuple[str, float]], float]:
+    """The cumulative buckets of ``values`` (``MTTR_BUCKETS``) and their sum."""
     values.sort()
     buckets: list[tuple[str, float]] = [
         (repr(bound), float(bisect.bisect_right(values, bound))) for bound in MTTR_BUCKETS
     ]
     buckets.append(("+Inf", float(len(values))))
-    family = HistogramMetricFamily(name, documentation)
-    family.add_metric([], buckets, sum(values))
-    return family
+    return buckets, sum(values)
 
 
 class LogMetrics:
@@ -155,8 +241,24 @@ class LogMetrics:
         self,
         views: Callable[[], Iterable[JobView]],
         goodputs: Callable[[], Iterable[Goodput]] | None = None,
+        *,
+        leader: Callable[[], bool] | None = None,
+        dead_letters: Callable[[], int] | None = None,
     ) -> None:
+        """``leader``: whether this process holds the ingest lock (the control plane's);
+        ``dead_letters``: how many the store keeps (the API's); without it, the dead letters
+        of the appends ``appended`` is told of are counted."""
         self.registry = CollectorRegistry()
+        self._dead_letters = (
+            Counter(
+                "elastic_dead_letters",
+                "Input the log refused (schema violations, forged sources, out-of-order"
+                " sequence numbers, ...), as this process committed it.",
+                registry=self.registry,
+            )
+            if dead_letters is None
+            else None
+        )
         self._events = Counter(
             "elastic_events_ingested",
             "Events folded from the log by this process.",
@@ -171,6 +273,7 @@ class LogMetrics:
             registry=self.registry,
         )
         self.registry.register(_ViewCollector(views, goodputs))
+        self.registry.register(_ProcessCollector(leader, dead_letters))
 
     def started(self, views: Sequence[JobView], position: int) -> None:
         """The views start from a snapshot at ``position``: count the events it holds."""
@@ -188,6 +291,11 @@ class LogMetrics:
                 lag = (stored.recorded_at - stored.event.emitted_at).total_seconds()
                 self._lag.set(max(lag, 0.0))
                 return
+
+    def appended(self, dead_letters: int) -> None:
+        """An append committed ``dead_letters`` dead letters."""
+        if dead_letters and self._dead_letters is not None:
+            self._dead_letters.inc(dead_letters)
 
     def exposition(self) -> bytes:
         """The text exposition of every metric."""
@@ -245,7 +353,13 @@ class MetricsExporter:
 
 
 def exporter(
-    views: Callable[[], Iterable[JobView]], host: str, port: int, auth: TokenAuth | None = None
+    views: Callable[[], Iterable[JobView]],
+    host: str,
+    port: int,
+    auth: TokenAuth | None = None,
+    *,
+    leader: Callable[[], bool] | None = None,
 ) -> MetricsExporter:
-    """Start serving metrics of ``views`` on ``host:port`` (0: any free port)."""
-    return MetricsExporter(LogMetrics(views), host, port, auth)
+    """Start serving metrics of ``views`` on ``host:port`` (0: any free port); ``leader``:
+    whether this process holds the ingest lock."""
+    return MetricsExporter(LogMetrics(views, leader=leader), host, port, auth)

@@ -531,24 +531,35 @@ async def test_metrics_count_the_log(api, recorded):
     assert metric(text, "elastic_ingest_lag_seconds") >= 0
     assert metric(text, 'elastic_jobs{state="COMPLETED"}') == 1
     assert metric(text, 'elastic_jobs{state="RUNNING"}') == 0
-    assert metric(text, 'elastic_incidents{kind="fault",outcome="recovered"}') == 2
-    assert metric(text, 'elastic_incidents{kind="fault",outcome="open"}') == 0
-    downtimes = sorted(i.downtime_s for i in view.incidents.values())
-    assert metric(text, "elastic_mttr_seconds_count") == 2
-    assert metric(text, "elastic_mttr_seconds_sum") == pytest.approx(sum(downtimes))
-    assert metric(text, 'elastic_mttr_seconds_bucket{le="1.0"}') == sum(d <= 1 for d in downtimes)
-    assert metric(text, 'elastic_mttr_seconds_bucket{le="+Inf"}') == 2
-    # Goodput per job: its wall time, split by term, and its ETTR.
     job = view.job_id
-    wall = metric(text, f'elastic_job_wall_seconds{{job="{job}"}}')
+    assert (
+        metric(text, f'elastic_incidents{{job_id="{job}",kind="fault",outcome="recovered"}}') == 2
+    )
+    assert metric(text, f'elastic_incidents{{job_id="{job}",kind="fault",outcome="open"}}') == 0
+    downtimes = sorted(i.downtime_s for i in view.incidents.values())
+    assert metric(text, f'elastic_mttr_seconds_count{{job_id="{job}"}}') == 2
+    assert metric(text, f'elastic_mttr_seconds_sum{{job_id="{job}"}}') == pytest.approx(
+        sum(downtimes)
+    )
+    for le in ("0.01", "0.1", "1.0", "10.0"):
+        below = sum(d <= float(le) for d in downtimes)
+        assert metric(text, f'elastic_mttr_seconds_bucket{{job_id="{job}",le="{le}"}}') == below
+    assert metric(text, f'elastic_mttr_seconds_bucket{{job_id="{job}",le="+Inf"}}') == 2
+    assert (
+        metric(text, f'elastic_events_discounted_total{{job_id="{job}",reason="stale_exit"}}') == 0
+    )
+    assert metric(text, "elastic_dead_letters_total") == 0
+    assert "elastic_leader" not in text  # the API is no control plane
+    # Goodput per job: its wall time, split by term, and its ETTR.
+    wall = metric(text, f'elastic_job_wall_seconds{{job_id="{job}"}}')
     assert wall == pytest.approx(55.5)
     terms = re.findall(
-        rf'^elastic_job_goodput_seconds{{job="{job}",term="(\w+)"}} (\S+)$', text, re.M
+        rf'^elastic_job_goodput_seconds{{job_id="{job}",term="(\w+)"}} (\S+)$', text, re.M
     )
     assert {t for t, _ in terms} == set(TERMS)
     assert sum(float(v) for _, v in terms) == pytest.approx(wall)
-    productive = metric(text, f'elastic_job_goodput_seconds{{job="{job}",term="productive"}}')
-    assert metric(text, f'elastic_job_ettr{{job="{job}"}}') == pytest.approx(productive / wall)
+    productive = metric(text, f'elastic_job_goodput_seconds{{job_id="{job}",term="productive"}}')
+    assert metric(text, f'elastic_job_ettr{{job_id="{job}"}}') == pytest.approx(productive / wall)
 
     answer = await api.get(f"/api/v1/jobs/{job}/goodput")
     assert answer.status_code == 200, answer.text
@@ -589,8 +600,10 @@ async def test_the_control_plane_exports_its_metrics(settings):
                 assert time.monotonic() < deadline, text
                 await _sleep(0.2)
         assert sum(metric(text, f'elastic_jobs{{state="{s}"}}') for s in _STATES) == 1
-        assert metric(text, "elastic_mttr_seconds_count") == 0
+        assert metric(text, 'elastic_mttr_seconds_count{job_id="job-m"}') == 0
         assert "elastic_ingest_lag_seconds" in text
+        assert metric(text, "elastic_leader") == 1  # it holds the ingest lock
+        assert metric(text, "elastic_dead_letters_total") == 0
     finally:
         serve.terminate()
         serve.wait(30)

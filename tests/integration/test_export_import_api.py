@@ -235,7 +235,9 @@ def _log_metrics(text: str) -> list[str]:
         series = line.split(" ")[0]
         if any(part in series for part in PROCESS_METRICS):
             continue
-        clocked = series.startswith(CLOCK_METRICS) and any(f'job="{j}"' in series for j in RUNNING)
+        clocked = series.startswith(CLOCK_METRICS) and any(
+            f'job_id="{j}"' in series for j in RUNNING
+        )
         out.append(series if clocked else line)  # clocked: the series, not its value
     return out
 

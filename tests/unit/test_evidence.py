@@ -346,6 +346,8 @@ def test_discounts_are_served_by_the_api_and_counted_by_prometheus():
     # The loss curve has the steps that were believed, and not 10^15.
     assert [p.step for p in loss_curve(entry.view, entry.loss_points()).points] == [10, 20, 23]
     text = LogMetrics(lambda: [entry.view]).exposition().decode()
-    assert 'elastic_events_discounted_total{reason="exit_not_from_launcher"} 1.0' in text
-    assert 'elastic_events_discounted_total{reason="step_implausible"} 1.0' in text
-    assert 'elastic_events_discounted_total{reason="generation_ahead"} 0.0' in text
+    assert (
+        'elastic_events_discounted_total{job_id="job1",reason="exit_not_from_launcher"} 1.0' in text
+    )
+    assert 'elastic_events_discounted_total{job_id="job1",reason="step_implausible"} 1.0' in text
+    assert 'elastic_events_discounted_total{job_id="job1",reason="generation_ahead"} 0.0' in text
