@@ -186,12 +186,72 @@ def ettr_of(log: str) -> float:
     return productive / (end - start).total_seconds()
 
 
+def check_metrics(scrapes: dict, summary: dict, incidents: tuple[dict, ...]) -> None:
+    """The final scrapes of the API's and the control plane's ``/metrics``, after the demo's
+    faults: the names and labels declared, the job's recoveries in the MTTR histogram (each in
+    the bucket its downtime falls in), and the crash's below 1 s."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from controlplane.api.metrics import METRICS, MTTR_BUCKETS
+
+    job = summary["job_id"]
+    downtimes = [i["downtime_s"] for i in incidents]
+    for source in ("api", "controlplane"):
+        text = scrapes[source]
+        assert text, (source, scrapes)
+        values: dict[tuple[str, frozenset], float] = {}
+        labels: dict[str, set[frozenset[str]]] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                values[sample.name, frozenset(sample.labels.items())] = sample.value
+                labels.setdefault(sample.name, set()).add(frozenset(sample.labels))
+        for name, (kind, names) in METRICS.items():
+            if source == "api" and name == "elastic_leader":
+                continue
+            if source == "controlplane" and name.startswith("elastic_job_"):
+                continue
+            exposed = name + "_count" if kind == "histogram" else name
+            assert labels.get(exposed) == {frozenset(names)}, (source, name, labels.get(exposed))
+
+        def at(name: str, values: dict = values, **label: str) -> float:
+            return values[name, frozenset(label.items())]
+
+        assert at("elastic_incidents", job_id=job, outcome="recovered", kind="fault") == 2
+        assert at("elastic_incidents", job_id=job, outcome="open", kind="fault") == 0
+        assert at("elastic_mttr_seconds_count", job_id=job) == 2
+        assert at("elastic_mttr_seconds_sum", job_id=job) == pytest.approx(sum(downtimes), abs=0.01)
+        for bound in MTTR_BUCKETS:
+            # Rounded to 1 ms in the summary: a downtime within 1 ms of a bound is not checked.
+            if all(abs(d - bound) > 0.001 for d in downtimes):
+                below = sum(d <= bound for d in downtimes)
+                assert at("elastic_mttr_seconds_bucket", job_id=job, le=repr(bound)) == below
+        # The crash (a replacement from a hot backup, no detection delay) is resolved below
+        # 1 s; the hang's downtime holds the heartbeat timeout it was found by.
+        crash = incidents[0]["downtime_s"]
+        assert crash < 1.0, incidents[0]
+        under = min(b for b in MTTR_BUCKETS if b >= crash + 0.001)
+        assert under < 1.0 and at("elastic_mttr_seconds_bucket", job_id=job, le=repr(under)) >= 1
+        assert at("elastic_events_discounted_total", job_id=job, reason="stale_exit") >= 0
+        assert at("elastic_dead_letters_total") >= 0
+        assert at("elastic_events_ingested_total") > 0
+    assert "elastic_leader 1.0" in scrapes["controlplane"]  # it held the ingest lock
+    ettr = float(
+        next(
+            line.split()[-1]
+            for line in scrapes["api"].splitlines()
+            if line.startswith(f'elastic_job_ettr{{job_id="{job}"}}')
+        )
+    )
+    assert ettr == pytest.approx(summary["ettr"], rel=0.01)
+
+
 @pytest.mark.timeout(420)
 def test_demo_recovers_every_fault_and_ends_at_the_reference_loss(tmp_path, state):
     started = time.monotonic()
     exported = tmp_path / "demo.jsonl"
+    scraped = tmp_path / "metrics.json"
     proc, stderr = demo(tmp_path, "--json", "--state-dir", str(state), "--export", str(exported),
-                        *SHORT)  # fmt: skip
+                        "--metrics-out", str(scraped), *SHORT)  # fmt: skip
     family = Family(proc.pid)
     with reaped(proc):
         proc.wait(timeout=400)
@@ -248,6 +308,8 @@ def test_demo_recovers_every_fault_and_ends_at_the_reference_loss(tmp_path, stat
     assert breakdown["seconds"]["backup"] < 0.002 * breakdown["wall_s"]
     ettr = ettr_of(exported.read_text())
     assert ettr == pytest.approx(summary["ettr"], rel=0.01), (ettr, summary["ettr"])
+
+    check_metrics(json.loads(scraped.read_text()), summary, (crash, hang))
 
     kinds = " ".join(family.names())
     assert "nats-server" in kinds and "examples/train.py" in kinds, kinds
