@@ -129,7 +129,7 @@ def ettr_of(log: str) -> float:
     the job's end; productive, each generation's step records from the first beyond the
     highest step an older generation reported (or its first) to its last, less every
     incident's window (its earliest evidence to its new generation's first step beyond the
-    restore step). Backup copies are left in (the caller checks they are negligible)."""
+    restore step). Backup copies are left in (the caller bounds their share)."""
 
     def at(text: str) -> datetime:
         return datetime.fromisoformat(text)
@@ -304,10 +304,14 @@ def test_demo_recovers_every_fault_and_ends_at_the_reference_loss(tmp_path, stat
     ]
     for incident, line in zip(breakdown["incidents"], (crash, hang), strict=True):
         assert sum(incident["phases"].values()) == pytest.approx(line["downtime_s"], abs=2e-3)
-    # The backup copies of this small model are too short to matter to the check below.
-    assert breakdown["seconds"]["backup"] < 0.002 * breakdown["wall_s"]
+    # The backup copies of this small model are short; the test's own reading leaves them in
+    # its productive time, so it lies between the ETTR and the ETTR with every backup second
+    # added back (a demo's ETTR is a few percent: its backup copies are not negligible beside it).
+    seconds, wall = breakdown["seconds"], breakdown["wall_s"]
+    assert seconds["backup"] < 0.002 * wall
     ettr = ettr_of(exported.read_text())
-    assert ettr == pytest.approx(summary["ettr"], rel=0.01), (ettr, summary["ettr"])
+    ceiling = (seconds["productive"] + seconds["backup"]) / wall
+    assert summary["ettr"] * 0.99 <= ettr <= ceiling * 1.01, (ettr, summary["ettr"], ceiling)
 
     check_metrics(json.loads(scraped.read_text()), summary, (crash, hang))
 
