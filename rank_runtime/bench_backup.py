@@ -17,7 +17,10 @@ this rank's own memory):
 - ``transformer``: ``examples/tinygpt.py``'s decoder under FSDP2 (one gloo rank in this
   process), AdamW, a snapshot every ``every`` steps replicated in the background to
   ``redundancy`` real peer stores in a process of their own (as ``mlp`` below, ABBA blocks):
-  ``overhead``, ``blocking_ms_per_gb`` (the step's wait per GB snapshotted), then, training
+  ``overhead``, ``blocking_ms_per_gb`` (the step's wait per GB snapshotted: the take, whose
+  parameters and optimizer state are copied on a thread beside the next forward and
+  backward, plus the optimizer step's wait for that copy, ``settle_s``), ``snapshot_gbps``
+  (a whole take with nothing left to a thread, training paused), then, training
   paused, the replicator's phases on the same bytes, as ``Elastic._replicate`` runs them
   (``digest_s``: one pass of sha256 and the snapshot trailer's crc32,
   ``HotSnapshot.stream_digest``; ``serialize_s``: pinning the slot's views,
@@ -895,8 +898,15 @@ def _run_transformer(
 
         hot = HotSnapshot()
         # As the session does: what the optimizer's step writes is copied beside the next
-        # forward and backward, and the step waits for it.
-        optimizer.register_step_pre_hook(lambda *_: hot.settle())
+        # forward and backward, and the step waits for it (that wait is timed: it blocks).
+        waited = [0.0]
+
+        def settle(*_: object) -> None:
+            started = time.perf_counter()
+            hot.settle()
+            waited[0] += time.perf_counter() - started
+
+        optimizer.register_step_pre_hook(settle)
         step = 0
         for _ in range(2):
             step += 1
@@ -904,6 +914,7 @@ def _run_transformer(
         first = hot.take(step, unique_state(parts, state))  # allocates both slots
         assert first is not None
         takes: list[float] = []
+        settles: list[float] = []
         plain: list[float] = []
         backed: list[float] = []
         with _Replicator(hot, redundancy) as replicator:
@@ -911,15 +922,19 @@ def _run_transformer(
             def block(with_backup: bool) -> float:
                 nonlocal step
                 started = time.perf_counter()
+                info = None
                 if with_backup:
                     info = hot.take(step, unique_state(parts, state), later=parts.stepped())
                     if info is not None:
-                        takes.append(info.seconds)
                         replicator.steps.put(step)
+                waited[0] = 0.0
                 for _ in range(every):
                     step += 1
                     train_step(step)
                 elapsed = time.perf_counter() - started
+                if info is not None:  # what the step waited for: the take and its settle
+                    takes.append(info.seconds)
+                    settles.append(waited[0])
                 replicator.steps.join()  # untimed: training never waits for it
                 return elapsed
 
@@ -949,6 +964,12 @@ def _run_transformer(
                             replicator.steps.join()
             del payload
             isolated = list(replicator.phases)
+            # The copy's own rate, untimed in the blocks: whole takes, nothing left behind.
+            copies = []
+            for _ in range(rounds):
+                info = hot.take(step, unique_state(parts, state))
+                if info is not None:
+                    copies.append(info.seconds)
         if replicator.errors:
             raise RuntimeError(f"replication failed: {replicator.errors[0]}")
     finally:
@@ -957,7 +978,8 @@ def _run_transformer(
     formula = sizing("sharded", params=params, param_bytes=4, optimizer_bytes=8, world=1,
                      redundancy=redundancy)  # fmt: skip
     step_plain, step_backed = _median(plain), _median(backed)
-    take_s = _median(takes)
+    take_s, settle_s = _median(takes), _median(settles)
+    blocking_s = _median([a + b for a, b in zip(takes, settles, strict=True)])
     serialize_s = _median([p[0] for p in isolated])
     digest_s = _median([p[1] for p in isolated])
     send_s = _median([p[2] for p in isolated]) / redundancy  # to one holder
@@ -986,10 +1008,11 @@ def _run_transformer(
         "step_s_backup": round(step_backed, 6),
         "overhead": round(step_backed / step_plain - 1, 4),
         "overhead_target_met": step_backed / step_plain - 1 <= 0.01,
-        "take_share": round(take_s / (every * step_plain), 4),
+        "take_share": round(blocking_s / (every * step_plain), 4),
         "take_s": round(take_s, 6),
-        "blocking_ms_per_gb": round(take_s * 1e3 / (unique_bytes / GB), 3),
-        "snapshot_gbps": round(first.nbytes / take_s / GB, 3),
+        "settle_s": round(settle_s, 6),
+        "blocking_ms_per_gb": round(blocking_s * 1e3 / (unique_bytes / GB), 3),
+        "snapshot_gbps": round(first.nbytes / _median(copies) / GB, 3),
         "replicate_s_during_training": round(_median([sum(p) for p in during]), 6),
         "serialize_s": round(serialize_s, 6),
         "digest_s": round(digest_s, 6),

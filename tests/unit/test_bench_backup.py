@@ -89,3 +89,20 @@ def test_an_unknown_security_mode_or_example_is_refused():
         run_backup_bench(example="ddp", steps=10, security="on", progress=False)
     with pytest.raises(ValueError, match="example must be one of"):
         run_backup_bench(example="gpt5", progress=False)
+
+
+# torch.distributed.optim scripts its functional optimizers when first imported.
+@pytest.mark.filterwarnings("ignore:`torch.jit.:DeprecationWarning")
+def test_the_transformer_counts_what_the_step_waits_for_the_copy_left_to_a_thread():
+    result = run_backup_bench(example="transformer", params_mb=1.0, steps=40, every=5, rounds=2,
+                              progress=False)  # fmt: skip
+    assert result["kind"] == "sharded" and result["replication_errors"] == 0
+    # Parameters and both AdamW moments, as the formula says, and the RNG and sampler beside.
+    assert 0 <= result["unique_bytes"] - result["formula_unique_bytes"] < 32 * 1024
+    assert result["take_s"] > 0 and result["settle_s"] >= 0 and result["snapshot_gbps"] > 0
+    # The blocking figure is the take and the settle together (a median of their sums).
+    blocking = result["blocking_ms_per_gb"] * result["unique_bytes"] / 1e12
+    assert blocking >= result["take_s"] * 0.999
+    assert result["take_share"] == pytest.approx(
+        blocking / (result["every"] * result["step_s_no_backup"]), abs=1e-4
+    )
