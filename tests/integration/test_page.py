@@ -355,6 +355,20 @@ def test_the_page_renders_a_recorded_run_with_two_incidents(
         t.step_at_fault for t in timelines
     )
 
+    # Goodput: a bar segment per term that took any of the wall time, each titled with its
+    # seconds, and a row per incident, as the API's goodput route answers them.
+    found = httpx.get(f"{recorded_app}/api/v1/jobs/{view.job_id}/goodput", timeout=10).json()
+    segments = dom.by_id("goodput-bar").find_all("g", "segment")
+    assert [g.attrs["data-term"] for g in segments] == [
+        term for term, value in found["seconds"].items() if value > 0
+    ]
+    assert "productive" in [g.attrs["data-term"] for g in segments]
+    assert f"ETTR {found['ettr']:.4f}" in dom.by_id("goodput-bar").all_text
+    rows = dom.by_id("goodput-incidents").find_all("tr")
+    rows = [r for r in rows if "data-incident" in r.attrs]
+    assert [r.attrs["data-incident"] for r in rows] == [t.incident_id for t in timelines]
+    assert [i["incident_id"] for i in found["incidents"]] == [t.incident_id for t in timelines]
+
     # A point links to its event: the page opened at a point shows that event.
     fault_point = timelines[0].points[0]
     event = next(s for s in two_incidents() if s.position == fault_point.position)
