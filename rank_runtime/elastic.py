@@ -502,7 +502,8 @@ class Elastic:
     def recover(self, error: BaseException, step: int, timeout_s: float = 300.0) -> None:
         """After a collective failed: report it, wait for the control plane's decision, join
         the new generation and fetch the state to restore (``restored``, ``resume_step``;
-        with ``defer_restore``, ``complete_restore`` waits for the state and keeps it).
+        with ``defer_restore``, ``complete_restore`` waits for the state and keeps it). After
+        ``LossAnomaly`` (reported already) the member waits in its group for the rollback.
 
         Raises ``JobStoppedError`` when the job stops or goes on without this member. Returns
         with ``world`` None when a shrink demoted this member to a spare and the job ended

@@ -14,7 +14,7 @@ from controlplane.core.anomaly import describe, merged, spike_threshold, window
 from controlplane.core.commands import owed
 from controlplane.core.decide import Decided, decision_id, next_deadline, wakes
 from controlplane.core.goodput import GoodputCounter, goodput
-from controlplane.core.replay import redecide
+from controlplane.core.replay import counterfactual, redecide
 from controlplane.core.timeline import timeline
 from controlplane.core.view import DiscountReason, MemberStatus
 from schemas.commands import Reallocate
@@ -329,3 +329,18 @@ def test_goodput_counts_a_rollback_s_replayed_steps_as_recomputed_and_not_its_sk
     assert incident.kind == "anomaly"
     # Generation 1 made steps 10 to 25; generation 2 redid 21-24 and made 26-27.
     assert (result.productive_steps, result.recomputed_steps) == (16 + 2, 4)
+
+
+def test_a_counterfactual_re_decides_the_rollback_under_another_policy():
+    s = running()
+    s.at(2)
+    non_finite(s, "w01", 24)
+    s.decide()
+    s.recover()
+    s.decide()
+    wider = counterfactual(s.log, {"anomaly_skip_steps": 3})
+    assert wider.replayed.skipped == ((22, 24),)
+    [facts] = wider.incidents
+    assert (facts.kind, facts.mode, facts.restore_step) == ("anomaly", "rollback", 20)
+    stopped = counterfactual(s.log, {"anomaly_action": "stop"})
+    assert stopped.replayed.state is S.STOPPED
