@@ -28,6 +28,15 @@ from rank_runtime.elastic import World
 from rank_runtime.session import Session
 
 
+def step_list(text: str) -> list[int]:
+    """``25,31-33`` -> [25, 31, 32, 33]."""
+    out: list[int] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        first, _, last = part.partition("-")
+        out.extend(range(int(first), int(last or first) + 1))
+    return out
+
+
 def arguments(description: str | None) -> argparse.ArgumentParser:
     """The model, data and run options (shared with ``train_torchrun.py``, the baseline)."""
     parser = argparse.ArgumentParser(description=description)
@@ -39,6 +48,13 @@ def arguments(description: str | None) -> argparse.ArgumentParser:
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="", help="rank 0 saves the final parameters here")
+    parser.add_argument(
+        "--skip-steps",
+        type=step_list,
+        default=[],
+        help="steps whose batches the run skips, e.g. 25,31-33 (a fault-free run that skips"
+        " what a rollback skipped)",
+    )
     return parser
 
 
@@ -84,7 +100,7 @@ def main() -> None:
         dist.all_reduce(total)
         return total.item() / args.global_batch, len(index)
 
-    session = Session(build, state={"sampler": sampler})
+    session = Session(build, state={"sampler": sampler}, skip=args.skip_steps)
     loss = float("nan")
     for step in session.steps(args.steps):
         with session.step():

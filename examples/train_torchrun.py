@@ -86,6 +86,8 @@ def main() -> None:
     loss_value = float("nan")
     while step < args.steps:
         step += 1
+        if step in args.skip_steps:
+            continue
         index = torch.tensor(sampler.shard(step, rank, size), dtype=torch.long)
         per_sample = ((model(x[index]) - y[index]) ** 2).sum()
         loss = per_sample * (size / args.global_batch)

@@ -29,6 +29,7 @@ import gc
 import importlib
 import json
 import logging
+import math
 import os
 import queue
 import threading
@@ -66,7 +67,7 @@ from rank_runtime.snapshot import (
 )
 from schemas.auth import JOB_SECRET_ENV, parse_secret
 from schemas.commands import Reallocate, Start, Stop
-from schemas.common import FaultKind, Phase, ReallocationMode, RestoreFrom, Role
+from schemas.common import AnomalyKind, FaultKind, Phase, ReallocationMode, RestoreFrom, Role
 from schemas.events import JobPolicy
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,8 @@ _REPLICATION_QUEUE = 4
 REPLICATED_KEY = "__replicated__"
 #: How often a member waiting at a rendezvous looks for a newer command.
 _ARRIVAL_POLL_S = 0.05
+#: Modes whose world keeps the restore step's layout: a rank needs only its own shard.
+_SAME_LAYOUT = frozenset({ReallocationMode.REPLACE, ReallocationMode.ROLLBACK})
 
 
 #: What the first DDP (or FSDP) construction in a process imports — ``torch._dynamo`` alone
@@ -114,6 +117,26 @@ class GenerationSuperseded(RuntimeError):
     def __init__(self, command: Start | Reallocate) -> None:
         super().__init__(f"generation {command.generation} was decided")
         self.command = command
+
+
+class LossAnomaly(RuntimeError):
+    """This rank's step came out non-finite (its loss or its gradients' norm); ``step_done``
+    reported it (``train.anomaly``) and raises it: pass it to ``recover``, which waits, in the
+    group, for the control plane's decision (a rollback to an older backup, or a stop)."""
+
+    def __init__(self, step: int, kind: AnomalyKind, detail: str) -> None:
+        super().__init__(f"step {step}: {detail} ({kind.value})")
+        self.step = step
+        self.kind = kind
+
+
+def _non_finite(loss: float, grad_norm: float | None) -> tuple[AnomalyKind, str] | None:
+    """What is not finite of a step's numbers (None: both are)."""
+    if not math.isfinite(loss):
+        return AnomalyKind.NON_FINITE_LOSS, f"loss={loss}"
+    if grad_norm is not None and not math.isfinite(grad_norm):
+        return AnomalyKind.NON_FINITE_GRAD_NORM, f"grad_norm={grad_norm}"
+    return None
 
 
 class _Superseded(Exception):  # control flow, not an error
@@ -280,6 +303,11 @@ class Elastic:
         self._backup_shard: int | None = None
         self._faults = faults.from_env()
         self._faults_state = os.environ.get(faults.FAULTS_STATE_ENV)
+        #: The steps the loop does not run (inclusive ranges): those the job's rollbacks
+        #: skipped, as the command this member follows says (``Reallocate.skip``).
+        self.skip: tuple[tuple[int, int], ...] = ()
+        #: Called when an injected ``nan@STEP`` fires: spoils the model (the session's).
+        self.poison: Callable[[], None] | None = None
         #: A newer command ``step_done`` found, for ``recover`` to follow.
         self._pending: Start | Reallocate | None = None
         #: Let ``start`` and ``recover`` return once the new group formed, the state to
@@ -474,7 +502,8 @@ class Elastic:
     def recover(self, error: BaseException, step: int, timeout_s: float = 300.0) -> None:
         """After a collective failed: report it, wait for the control plane's decision, join
         the new generation and fetch the state to restore (``restored``, ``resume_step``;
-        with ``defer_restore``, ``complete_restore`` waits for the state and keeps it).
+        with ``defer_restore``, ``complete_restore`` waits for the state and keeps it). After
+        ``LossAnomaly`` (reported already) the member waits in its group for the rollback.
 
         Raises ``JobStoppedError`` when the job stops or goes on without this member. Returns
         with ``world`` None when a shrink demoted this member to a spare and the job ended
@@ -482,7 +511,11 @@ class Elastic:
         """
         log.warning("step %d failed (%s); waiting for the control plane", step, error)
         self._drop_restore()  # a restore still on its way belongs to the failed generation
-        if not isinstance(error, GenerationSuperseded):  # no fault: a newer decision
+        # A loss anomaly was reported as such, and its rank is well: it stays in the group
+        # until the decision comes, so the peers it holds in a collective fail only then,
+        # in a generation the decision ended (their reports are stale, not evidence).
+        anomaly = isinstance(error, LossAnomaly)
+        if not isinstance(error, GenerationSuperseded | LossAnomaly):  # no fault: a decision
             self.report_fault(
                 FaultKind.COLLECTIVE_ERROR, f"{type(error).__name__}: {error}", step=step
             )
@@ -495,7 +528,8 @@ class Elastic:
         # Leave the broken group now: closing its connections fails the collectives that
         # peers still wait in, so every survivor gets here in milliseconds, not at the
         # collective timeout. (The caller drops its DDP and optimizer first: they hold it.)
-        self._leave_group()
+        if not anomaly:
+            self._leave_group()
         # Stop the replication of the old world now, while the control plane decides, rather
         # than after the decision came (``_rejoin`` then finds it stopped). What it still
         # digests or sends is abandoned: the decision restores what was recorded before the
@@ -550,6 +584,7 @@ class Elastic:
         self.restored_from = command.restore_from
         self.restored_mode = command.mode
         self.resume_step = command.restore_step
+        self.skip = tuple((first, last) for first, last in command.skip)
         if self.defer_restore:
             self._restoring = (command, fetching, formed)
             return
@@ -625,7 +660,7 @@ class Elastic:
                 if replicated is None:
                     replicated = state[REPLICATED_KEY]
         self.restored_shards = shards
-        own_only = command.mode is ReallocationMode.REPLACE and set(shards) <= {world.rank}
+        own_only = command.mode in _SAME_LAYOUT and set(shards) <= {world.rank}
         self.restored = shards.get(world.rank) if own_only else None
         self.restored_from = command.restore_from
         self.restored_mode = command.mode
@@ -695,9 +730,7 @@ class Elastic:
         # A replacement in a world laid out as the restore step's (as many shards as ranks)
         # needs only its own shard; otherwise (a shrink, a growth, or a replacement restoring
         # a step an earlier, larger world backed up) every shard, to re-partition.
-        own_only = command.mode is ReallocationMode.REPLACE and len(command.plan) == len(
-            command.world
-        )
+        own_only = command.mode in _SAME_LAYOUT and len(command.plan) == len(command.world)
         wanted = [rank] if own_only else range(len(command.plan))
         shards: dict[int, Any] = {}
         sources: dict[str, str] = {}
@@ -778,7 +811,7 @@ class Elastic:
         world = self._world()
         step = command.restore_step
         wanted = checkpoint.shards_at(self.checkpoint_dir, self.identity.job_id, step)
-        if command.mode is ReallocationMode.REPLACE and len(wanted) == world.size:
+        if command.mode in _SAME_LAYOUT and len(wanted) == world.size:
             wanted = [world.rank]  # the same layout: its own shard is all it needs
         shards: dict[int, Any] = {}
         sources: dict[str, str] = {}
@@ -985,11 +1018,25 @@ class Elastic:
         state: Callable[[], Any] | None = None,
         replicated: Callable[[], Any] | None = None,
         later: Callable[[], Callable[[Any], bool]] | None = None,
+        grad_norm: float | None = None,
     ) -> None:
         """Report a finished step; back up when due (``state()``: what only this rank has,
         copied to peers; ``replicated()``: what every rank has alike, kept here only;
-        ``later()``: ``backup``'s ``later``); carry out injected faults."""
+        ``later()``: ``backup``'s ``later``); carry out injected faults. A non-finite
+        ``loss`` or ``grad_norm`` is reported as a ``train.anomaly`` instead, and raised
+        (``LossAnomaly``: pass it to ``recover``); that step is not backed up."""
         world = self._world()
+        if faults.poisons(self._faults, step, world.rank, self._faults_state):
+            log.warning("fault injection: step %d's loss is NaN on this rank", step)
+            loss = float("nan")
+            if self.poison is not None:
+                self.poison()
+        anomaly = _non_finite(loss, grad_norm)
+        if anomaly is not None:
+            kind, detail = anomaly
+            self.client.publish("train.anomaly", {"step": step, "kind": kind.value,
+                                                  "detail": detail})  # fmt: skip
+            raise LossAnomaly(step, kind, detail)
         # Every member's step and step time go on its heartbeats (not stored).
         self.client.finished_step(step, max(0.0, seconds))
         # The log keeps one record per step for the job, rank 0's (its loss is the job's
@@ -1011,6 +1058,10 @@ class Elastic:
             )
         faults.inject(self._faults, step, world.rank, self._faults_state)
         self._superseded(world.generation)
+
+    def skips(self, step: int) -> bool:
+        """Whether the loop does not run ``step`` (a rollback skipped its batch: ``skip``)."""
+        return any(first <= step <= last for first, last in self.skip)
 
     def settle(self) -> None:
         """Wait until the copies a backup left to a thread (``later``) landed."""

@@ -1,6 +1,10 @@
 """Fault injection: ``crash@STEP:rank=R``, ``hang@STEP:rank=R``, ``slow@STEP:rank=R:SECONDS``,
-``crash@recover:rank=R``, ``tamper@serve:rank=R`` and ``random:every=S[:seed=N]`` (the launcher
-kills a random member every S seconds).
+``nan@STEP:rank=R``, ``crash@recover:rank=R``, ``tamper@serve:rank=R`` and
+``random:every=S[:seed=N]`` (the launcher kills a random member every S seconds).
+
+``nan@STEP:rank=R`` makes the step's loss NaN on rank R, and its model's parameters with it (a
+step whose update went wrong): the member reports the non-finite step (``train.anomaly``) and
+waits for the control plane to roll the job back.
 
 ``crash@recover:rank=R`` fires in the member that had rank R when it receives a reallocation,
 before it acks: a second fault while the job recovers (and, when that member holds a copy the
@@ -39,7 +43,7 @@ SERVE = -2
 FORGE_FACTOR = 50.0
 
 _STEP_FAULT = re.compile(
-    r"^(?P<kind>crash|hang|slow|tamper)@(?P<step>\d+|recover|serve):rank=(?P<rank>\d+)"
+    r"^(?P<kind>crash|hang|slow|nan|tamper)@(?P<step>\d+|recover|serve):rank=(?P<rank>\d+)"
     r"(?::(?P<seconds>\d+(\.\d+)?))?$"
 )
 _RANDOM = re.compile(r"^random:every=(?P<every>\d+(\.\d+)?)(?::seed=(?P<seed>\d+))?$")
@@ -96,7 +100,8 @@ def parse(spec: str) -> StepFault | RandomFaults:
         return RandomFaults(every, int(m["seed"] or 0))
     raise FaultSpecError(
         f"{spec!r}: expected crash@STEP:rank=R, hang@STEP:rank=R, slow@STEP:rank=R:SECONDS,"
-        " crash@recover:rank=R, tamper@serve:rank=R or random:every=SECONDS[:seed=N]"
+        " nan@STEP:rank=R, crash@recover:rank=R, tamper@serve:rank=R or"
+        " random:every=SECONDS[:seed=N]"
     )
 
 
@@ -128,10 +133,20 @@ def claim(fault: StepFault, state_dir: str | None) -> bool:
     return True
 
 
+def poisons(faults: list[StepFault], step: int, rank: int, state_dir: str | None = None) -> bool:
+    """Whether ``step``'s loss is to be NaN on ``rank`` (``nan@STEP``; claimed once per job)."""
+    return any(
+        f.kind == "nan" and f.step == step and f.rank == rank and claim(f, state_dir)
+        for f in faults
+    )
+
+
 def inject(faults: list[StepFault], step: int, rank: int, state_dir: str | None = None) -> None:
     """Carry out the faults due at ``step`` (``RECOVER`` on a reallocation) for ``rank`` (a
-    crash does not return)."""
+    crash does not return). A ``nan`` fault is the step's own (``poisons``)."""
     for fault in faults:
+        if fault.kind == "nan":
+            continue
         if fault.step != step or fault.rank != rank or not claim(fault, state_dir):
             continue
         if fault.kind == "slow":

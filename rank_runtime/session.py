@@ -46,6 +46,13 @@ torch.distributed's ``DistError`` family, gloo's and NCCL's transport errors and
 the runtime's own ``GenerationSuperseded``. Any other exception (a shape error, an out-of-memory,
 a ``ValueError`` of the loop) leaves the ``with`` block as it would without the session.
 
+A step whose reported loss (or ``grad_norm``, when the loop gives it) is NaN or infinite is a
+loss anomaly: the rank reports it (``train.anomaly``), is not backed up at that step, and
+waits for the control plane, which rolls the job back to an older backup (every rank restores
+in process, as after a fault) and may skip the batches of the anomaly: ``steps`` then never
+yields those steps (``Reallocate.skip``; ``Session(skip=...)`` adds steps of the loop's own,
+e.g. a fault-free run that skips the same batches).
+
 The low-level ``Elastic`` calls (``start``, ``step_done``, ``recover``, ``finish``) stay
 available for loops that need another shape.
 """
@@ -55,8 +62,9 @@ from __future__ import annotations
 import gc
 import io
 import logging
+import math
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import TracebackType
 from typing import Any, Protocol
 
@@ -67,7 +75,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from rank_runtime import sharded, trace
-from rank_runtime.elastic import Elastic, GenerationSuperseded, World
+from rank_runtime.elastic import Elastic, GenerationSuperseded, LossAnomaly, World
 from schemas.common import RestoreFrom
 
 log = logging.getLogger(__name__)
@@ -107,7 +115,7 @@ def is_peer_failure(error: BaseException) -> bool:
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
         seen.add(id(current))
-        if isinstance(current, GenerationSuperseded | dist.DistError):
+        if isinstance(current, GenerationSuperseded | LossAnomaly | dist.DistError):
             return True
         if isinstance(current, RuntimeError) and any(m in str(current) for m in _PEER_MARKS):
             return True
@@ -284,8 +292,13 @@ class Session:
         state: Mapping[str, Stateful | tuple[Callable[[], Any], Callable[[Any], Any]]]
         | None = None,
         elastic: Elastic | None = None,
+        skip: Iterable[int] = (),
     ) -> None:
         self.elastic = elastic if elastic is not None else Elastic()
+        #: Steps this loop never runs, besides those the job's rollbacks skip.
+        self._skip = frozenset(skip)
+        # An injected ``nan@STEP`` spoils the model as a bad update would.
+        self.elastic.poison = self._poison
         # The state a newcomer fetches arrives while ``build`` runs (``_enter_generation``).
         self.elastic.defer_restore = True
         self._build = build
@@ -297,7 +310,7 @@ class Session:
         self._parts: _Parts | None = None
         self._next = 1
         self._step: int | None = None
-        self._report: tuple[float, int] | None = None
+        self._report: tuple[float, int, float | None] | None = None
         self._last_loss: float | None = None
         self._running = False
         #: The generation whose first step is still to finish (timed: ``rank_runtime.trace``).
@@ -367,6 +380,9 @@ class Session:
                         raise
                     self._recover(exc, self._next)
                     continue
+            if self.skips(self._next):
+                self._next += 1
+                continue
             self._step = self._next
             yield self._next
 
@@ -393,10 +409,16 @@ class Session:
             raise RuntimeError("session.step() belongs inside `for step in session.steps(n)`")
         return _StepGuard(self)
 
-    def report(self, *, loss: float, samples: int) -> None:
+    def skips(self, step: int) -> bool:
+        """Whether ``steps`` leaves ``step`` out (a rollback skipped its batch, or
+        ``Session(skip=...)`` names it)."""
+        return step in self._skip or self.elastic.skips(step)
+
+    def report(self, *, loss: float, samples: int, grad_norm: float | None = None) -> None:
         """The step's global loss and the samples this rank used (published when the step's
-        ``with`` block ends)."""
-        self._report = (float(loss), int(samples))
+        ``with`` block ends); ``grad_norm``, when the loop has it, is checked too (a
+        non-finite one, like a non-finite loss, is a loss anomaly)."""
+        self._report = (float(loss), int(samples), None if grad_norm is None else float(grad_norm))
 
     def finish(self) -> None:
         """Report the end of training and leave (a no-op for a spare never used)."""
@@ -530,19 +552,30 @@ class Session:
     def _done(self, step: int, seconds: float) -> None:
         if self._report is None:
             raise RuntimeError(f"step {step} ended without session.report(loss=..., samples=...)")
-        loss, samples = self._report
+        loss, samples, grad_norm = self._report
         self._report = None
-        self._last_loss = loss
+        if math.isfinite(loss):  # what ``finish`` reports (a non-finite one is rolled back)
+            self._last_loss = loss
         self._next = step + 1
         first, self._first = self._first, None
         done = time.time()
         assert self._parts is not None
         self.elastic.step_done(step, loss=loss, samples=samples, seconds=seconds,
                                state=self._unique, replicated=self._replicated,
-                               later=self._parts.stepped)  # fmt: skip
+                               later=self._parts.stepped, grad_norm=grad_norm)  # fmt: skip
         if first is not None:  # the generation's first step, and its report
             trace.mark("first_step", done - seconds, seconds, generation=first)
             trace.mark("step_done", done, time.time() - done, generation=first)
+
+    def _poison(self) -> None:
+        """Fill the current model's floating-point parameters with NaN (``nan@STEP``)."""
+        if self._parts is None:
+            return
+        with torch.no_grad():
+            for parameter in self._parts.module.parameters():
+                local = parameter.to_local() if isinstance(parameter, DTensor) else parameter
+                if local.is_floating_point():
+                    local.fill_(float("nan"))
 
     def _recover(self, error: BaseException, step: int) -> None:
         """Drop the parts (they hold the broken group) and follow the control plane."""
@@ -588,7 +621,7 @@ class _StepGuard:
         if error is None:
             try:
                 session._done(step, time.perf_counter() - self._started)
-            except GenerationSuperseded as newer:  # decided while this step ran
+            except (GenerationSuperseded, LossAnomaly) as newer:  # decided, or to be
                 session._recover(newer, step)
             return False
         if not isinstance(error, Exception) or not is_peer_failure(error):

@@ -120,6 +120,9 @@ class DecisionOut(ApiModel):
     restore_step: int
     restore_from: RestoreFrom
     reason: str = ""
+    #: Steps its generation's loop does not run (inclusive ranges): every batch the job's
+    #: rollbacks skipped so far.
+    skip: list[tuple[int, int]] = Field(default_factory=list)
 
 
 class IncidentSummary(ApiModel):
@@ -135,6 +138,9 @@ class IncidentSummary(ApiModel):
     downtime_s: float | None = None
     steps_lost: int | None = None
     decisions: int
+    #: A loss anomaly's first step (kind ``anomaly``): its decisions restore a backup before
+    #: it. None for other incidents.
+    anomaly_step: int | None = None
 
 
 class IncidentTimeline(IncidentSummary):
@@ -147,7 +153,7 @@ class IncidentTimeline(IncidentSummary):
     step_at_fault: int
     resolved_at: datetime | None = None
     resolved_position: int | None = None
-    #: Positions of the detections (``fault.detected``) behind this incident.
+    #: Positions of the detections (``fault.detected``, ``anomaly.detected``) behind it.
     detections: list[int]
     history: list[DecisionOut]
 

@@ -19,7 +19,7 @@ from schemas.common import (
     Strict,
     Text,
 )
-from schemas.events import MAX_MESH_DIMS, Members, MeshDegree, MeshDimName, Placement
+from schemas.events import MAX_MESH_DIMS, Members, MeshDegree, MeshDimName, Placement, StepRanges
 
 #: A generation's mesh: dimension -> degree, outermost first (rank ``r`` is at the row-major
 #: coordinate of ``r``); after a shrink the replica dimension holds fewer replicas.
@@ -70,6 +70,9 @@ class Reallocate(WorldCommand):
     #: Members of the replicas this shrink dropped that survive: not in ``world``, they become
     #: warm spares (not to be fenced, nor told the job goes on without them).
     demoted: Members = Field(default_factory=list)
+    #: Steps the loop does not run from now on (inclusive ranges): the batches the job's
+    #: rollbacks skipped (``ReallocationIssued.skip``).
+    skip: StepRanges = Field(default_factory=list)
 
 
 class Start(WorldCommand):

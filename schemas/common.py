@@ -136,6 +136,34 @@ class ReallocationMode(StrEnum):
     REPLACE = "replace"
     SHRINK = "shrink"
     GROW = "grow"
+    #: The same world goes back to an older backup (a loss anomaly: a non-finite loss or
+    #: gradient norm, a loss spike); no member failed.
+    ROLLBACK = "rollback"
+
+
+class AnomalyKind(StrEnum):
+    """What went wrong with a step's numbers while every process was well."""
+
+    #: A rank's loss was NaN or infinite (reported by the rank).
+    NON_FINITE_LOSS = "non_finite_loss"
+    #: A rank's gradient norm was NaN or infinite (reported by the rank).
+    NON_FINITE_GRAD_NORM = "non_finite_grad_norm"
+    #: The job's loss rose above its robust threshold (found by the control plane).
+    LOSS_SPIKE = "loss_spike"
+
+
+#: What ranks report themselves; a spike is the control plane's to find.
+REPORTED_ANOMALIES = frozenset({AnomalyKind.NON_FINITE_LOSS, AnomalyKind.NON_FINITE_GRAD_NORM})
+
+
+class AnomalyAction(StrEnum):
+    """What a loss anomaly leads to (``JobPolicy.anomaly_action``)."""
+
+    #: Roll back in process to the newest complete backup before it, skipping the batches
+    #: of the policy's window.
+    ROLLBACK = "rollback"
+    #: Stop the job.
+    STOP = "stop"
 
 
 class RestoreFrom(StrEnum):

@@ -15,6 +15,9 @@ from schemas.catalog import SHA256_HEX, CatalogColumns, PackError, decode, encod
 from schemas.common import (
     CONTROLPLANE_SOURCE,
     MAX_WORLD,
+    REPORTED_ANOMALIES,
+    AnomalyAction,
+    AnomalyKind,
     Checksum,
     EventId,
     FaultKind,
@@ -40,6 +43,11 @@ from schemas.common import (
 )
 
 Members = Annotated[list[Ident], Field(max_length=MAX_WORLD)]
+#: Most step ranges a job skips (``StepRanges``): each rollback adds at most one.
+MAX_SKIP_RANGES = 1024
+#: Steps a loop does not run, as inclusive ``[first, last]`` ranges, ascending and disjoint
+#: (``controlplane.core.anomaly.merged``): the batches a rollback skipped.
+StepRanges = Annotated[list[tuple[Step, Step]], Field(max_length=MAX_SKIP_RANGES)]
 
 
 # --------------------------------------------------------------------------- payloads
@@ -184,6 +192,21 @@ class JobPolicy(Strict):
     #: whole replicas, and a lost rank that no spare can take and whose replica cannot be
     #: dropped waits for a spare up to ``recovery_deadline_s``, then the job stops.
     mesh: Mesh | None = None
+    #: A loss anomaly (a rank's non-finite loss or gradient norm, a loss spike) opens an
+    #: incident of its own: ``rollback`` to the newest complete backup strictly before it,
+    #: or ``stop`` the job.
+    anomaly_action: AnomalyAction = AnomalyAction.ROLLBACK
+    #: A rollback skips this many steps' batches, ending at the anomaly's step (0: replays
+    #: them all, for a transient fault); never the restore step or one before it.
+    anomaly_skip_steps: Annotated[int, Field(ge=0, le=100_000)] = 1
+    #: Rollbacks a job may take; the anomaly after the last stops it (a NaN that comes back).
+    max_rollbacks: Annotated[int, Field(ge=0, le=MAX_SKIP_RANGES)] = 8
+    #: A job loss above median + k x MAD of the ``loss_spike_window`` losses before it is a
+    #: spike (0: spikes are not looked for; non-finite losses always are).
+    loss_spike_k: Annotated[float, Field(ge=0, le=1e6, allow_inf_nan=False)] = 0.0
+    #: Steps of the job's loss the spike threshold is taken over (and at least this many
+    #: steps of the current timeline before the first spike can be found).
+    loss_spike_window: Annotated[int, Field(ge=8, le=4096)] = 64
 
     @model_validator(mode="after")
     def _world_bounds(self) -> JobPolicy:
@@ -527,6 +550,22 @@ class TrainStep(Strict):
     samples: NonNegInt
 
 
+class TrainAnomaly(Strict):
+    """A rank's step came out non-finite (its loss, or its gradients' norm): the rank trains
+    no further in its generation and waits for the control plane's decision."""
+
+    step: Step
+    kind: AnomalyKind
+    #: What the rank saw, e.g. ``loss=nan``.
+    detail: ShortText = ""
+
+    @model_validator(mode="after")
+    def _reported(self) -> TrainAnomaly:
+        if self.kind not in REPORTED_ANOMALIES:
+            raise ValueError(f"a member reports no {self.kind.value}: the control plane finds it")
+        return self
+
+
 class BackupSnapshot(Strict):
     """A rank's backup of ``step`` (its shard ``shard``), and the holders that answered they
     keep a copy of it (the rank reports once it has sent them all: one record per rank per
@@ -796,6 +835,23 @@ class FaultDetected(Strict):
     evidence: Annotated[list[Evidence], Field(max_length=1024)] = Field(default_factory=list)
 
 
+class AnomalyDetected(Strict):
+    """A loss anomaly opened an incident (or joined the open one): no member failed; the
+    job's state is what went wrong."""
+
+    incident_id: UUID
+    kind: AnomalyKind
+    #: The step whose numbers went wrong (the first of the anomaly).
+    step: Step
+    #: The members that reported it (none for a spike, which the job's loss shows).
+    members: Members = Field(default_factory=list)
+    detail: Text
+    evidence: Annotated[list[Evidence], Field(max_length=1024)] = Field(default_factory=list)
+    #: A spike's loss and the threshold it crossed (median + k x MAD), None otherwise.
+    loss: Finite | None = None
+    threshold: Finite | None = None
+
+
 class JobStateChanged(Strict):
     from_: JobState = Field(alias="from")
     to: JobState
@@ -825,6 +881,9 @@ class ReallocationIssued(Strict):
     #: ``world`` and ``plan`` against the world in force (``Spans``), instead of the lists.
     world_spans: Spans | None = None
     plan_spans: Spans | None = None
+    #: The steps the new generation's loop does not run: every range the job's rollbacks
+    #: skipped so far, this decision's included (a newcomer learns them here).
+    skip: StepRanges = Field(default_factory=list)
 
 
 class IncidentResolved(Strict):
@@ -1020,6 +1079,22 @@ class FaultDetectedEvent(EnvelopeBase):
     payload: FaultDetected
 
 
+class TrainAnomalyEvent(EnvelopeBase):
+    """``train.anomaly``, version 1."""
+
+    type: Literal["train.anomaly"]
+    v: Literal[1]
+    payload: TrainAnomaly
+
+
+class AnomalyDetectedEvent(EnvelopeBase):
+    """``anomaly.detected``, version 1."""
+
+    type: Literal["anomaly.detected"]
+    v: Literal[1]
+    payload: AnomalyDetected
+
+
 class JobStateChangedEvent(EnvelopeBase):
     """``job.state_changed``, version 1."""
 
@@ -1084,12 +1159,14 @@ MEMBER_EVENT_TYPES: dict[str, type[Strict]] = {
     "restore.completed": RestoreCompleted,
     "train.resumed": TrainResumed,
     "train.completed": TrainCompleted,
+    "train.anomaly": TrainAnomaly,
 }
 #: Decisions only the control plane records.
 CONTROLPLANE_EVENT_TYPES: dict[str, type[Strict]] = {
     "job.registered": JobRegistered,
     "generation.started": GenerationStarted,
     "fault.detected": FaultDetected,
+    "anomaly.detected": AnomalyDetected,
     "job.state_changed": JobStateChanged,
     "reallocation.issued": ReallocationIssued,
     "incident.resolved": IncidentResolved,
@@ -1123,8 +1200,10 @@ Event = Annotated[
         RestoreCompletedEvent,
         TrainResumedEvent,
         TrainCompletedEvent,
+        TrainAnomalyEvent,
         GenerationStartedEvent,
         FaultDetectedEvent,
+        AnomalyDetectedEvent,
         JobStateChangedEvent,
         ReallocationIssuedEvent,
         IncidentResolvedEvent,

@@ -100,6 +100,7 @@ def _incident_fields(incident: Incident) -> dict[str, object]:
             incident.steps_lost if incident.steps_lost is not None else derived.steps_lost
         ),
         "decisions": len(incident.decisions),
+        "anomaly_step": incident.anomaly_step,
     }
 
 
@@ -119,6 +120,7 @@ def _decision(decision: Decision) -> DecisionOut:
         restore_step=decision.restore_step,
         restore_from=decision.restore_from,
         reason=decision.reason,
+        skip=list(decision.skip),
     )
 
 

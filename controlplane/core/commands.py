@@ -96,6 +96,7 @@ def _reallocate(view: JobView, incident_id: str, decision: Decision) -> Realloca
         endpoints=_endpoints(view, decision.world),
         mesh=_mesh(view, len(decision.world)),
         demoted=list(decision.demoted),
+        skip=list(decision.skip),
     )
 
 

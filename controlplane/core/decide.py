@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
+from controlplane.core.anomaly import Ranges, describe, merged, window
 from controlplane.core.detect import (
     Finding,
     detect,
@@ -58,6 +59,9 @@ from controlplane.core.timeline import timeline
 from controlplane.core.view import Decision, Incident, JobView, Member, MemberStatus
 from schemas.common import (
     CONTROLPLANE_SOURCE,
+    REPORTED_ANOMALIES,
+    AnomalyAction,
+    AnomalyKind,
     FaultReason,
     JobState,
     Phase,
@@ -68,6 +72,7 @@ from schemas.common import (
 )
 from schemas.events import (
     EVENT_CLASSES,
+    AnomalyDetected,
     EnvelopeBase,
     Evidence,
     FaultDetected,
@@ -189,6 +194,10 @@ def wakes(view: JobView | None, event_type: str) -> bool:
     deadline (``next_deadline``)."""
     if event_type in QUIET_TYPES:
         return False
+    # A step record may be a spike of the job's loss (the fold finds it).
+    policy = view.policy if view is not None else None
+    if event_type == "train.step" and policy is not None and policy.loss_spike_k > 0:
+        return True
     return not (
         event_type in QUIET_WITHOUT_INCIDENT and view is not None and view.open_incident is None
     )
@@ -204,6 +213,8 @@ def next_deadline(view: JobView) -> datetime | None:
         return None
     policy = view.policy
     deadlines: list[datetime] = []
+    if view.anomaly is not None:  # a loss anomaly waits for its decision: due now
+        deadlines.append(view.anomaly.at)
     if view.state is _S.PENDING:
         if view.registered_at is not None:
             deadlines.append(view.registered_at + timedelta(seconds=policy.start_timeout_s))
@@ -278,6 +289,8 @@ class _Plan:
     replacements: dict[str, str] = field(default_factory=dict)
     #: Survivors of the replicas a mesh-aware shrink dropped (warm spares from now on).
     demoted: tuple[str, ...] = ()
+    #: The steps the new generation skips (None: those the job skips already).
+    skip: Ranges | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -548,7 +561,82 @@ class _Round:
             self._detected(incident_id, findings)
             self._state(_S.DEGRADED, _summary(findings))
             return
+        if self._pending_anomaly():
+            n = len(view.incidents) + 1
+            self._anomaly(decision_id(view.job_id, f"incident/{n}"), _S.DEGRADED, opens=True)
+            return
         self._grow()
+
+    def _pending_anomaly(self) -> bool:
+        anomaly = self.view.anomaly
+        return anomaly is not None and anomaly.generation == self.view.generation
+
+    def _anomaly(self, incident_id: str, to: JobState, *, opens: bool) -> None:
+        """Record the pending loss anomaly in ``incident_id`` (``opens``: a new incident) and
+        say what follows: ``to`` (the next round rolls back), or the job stops when the policy
+        says so or the job rolled back ``max_rollbacks`` times."""
+        view, policy = self.view, self.policy
+        report = view.anomaly
+        assert report is not None
+        count = sum(len(i.detections) for i in view.incidents.values()) + 1
+        reported = report.kind in REPORTED_ANOMALIES
+        who = f" on {report.member}" if reported and report.member else ""
+        detail = f"{report.kind} at step {report.step}{who}" + (
+            f": {report.detail}" if report.detail else ""
+        )
+        what = "train.anomaly" if reported else "train.step"
+        evidence = (
+            [Evidence(member=report.member, what=what, position=report.position, at=report.at)]
+            if report.member
+            else []
+        )
+        self._emit(
+            f"detected/{count}",
+            "anomaly.detected",
+            AnomalyDetected(
+                incident_id=uuid.UUID(incident_id),
+                kind=AnomalyKind(report.kind),
+                step=report.step,
+                members=[report.member] if reported and report.member else [],
+                detail=detail[:_MAX_TEXT],
+                evidence=evidence,
+                loss=report.loss,
+                threshold=report.threshold,
+            ),
+        )
+        rollbacks = sum(1 for i in view.incidents.values() if i.anomaly_step is not None)
+        if policy.anomaly_action is AnomalyAction.STOP:
+            self._stop(f"{detail}; the policy stops the job on a loss anomaly (anomaly_action"
+                       " stop)")  # fmt: skip
+        elif opens and rollbacks >= policy.max_rollbacks:
+            self._stop(f"{detail}; the job rolled back {rollbacks} times (max_rollbacks"
+                       f" {policy.max_rollbacks})")  # fmt: skip
+        else:
+            self._state(to, detail)
+
+    def _skips(self, incident: Incident | None, step: int) -> tuple[Ranges | None, str]:
+        """The steps a decision of ``incident`` restoring ``step`` skips (None: those the job
+        skips already) and what it does, in words ("" for no rollback)."""
+        if incident is None or incident.anomaly_step is None:
+            return None, ""
+        at = incident.anomaly_step
+        kinds = "/".join(dict.fromkeys(incident.anomalies)) or "anomaly"
+        span = window(at, step, self.policy.anomaly_skip_steps)
+        skip = merged(self.view.skipped, span)
+        words = f"roll back before the {kinds} at step {at}"
+        if span is None:
+            words += "; skip no step (anomaly_skip_steps 0)"
+        else:
+            words += (
+                f"; skip step {describe([span])}"
+                if span[0] == span[1]
+                else (f"; skip steps {describe([span])}")
+            )
+        return skip, words
+
+    def _open(self) -> Incident | None:
+        view = self.view
+        return view.incidents.get(view.open_incident) if view.open_incident else None
 
     def _detected(self, incident_id: str, findings: list[Finding]) -> None:
         view = self.view
@@ -619,6 +707,7 @@ class _Round:
                 rendezvous=self._rendezvous(generation),
                 reason=plan.reason[:_MAX_TEXT],
                 demoted=list(plan.demoted),
+                skip=list(plan.skip if plan.skip is not None else self.view.skipped),
             ),
             generation,
         )
@@ -714,11 +803,17 @@ class _Round:
             )
         mode = ReallocationMode.SHRINK if dropped else ReallocationMode.REPLACE
         unheard = frozenset(m for node in dead.values() for m, _ in node.silent)
-        restore = self._restore_point(world, unheard)
+        incident = self._open()
+        before = incident.anomaly_step if incident is not None else None
+        restore = self._restore_point(world, unheard, before=before)
         if isinstance(restore, str):
             return restore
         step, source, sources = restore
-        parts = [f"replace {f} with {r}" for f, r in replacements.items()]
+        skip, rollback = self._skips(incident, step)
+        if rollback and not failed:
+            mode = ReallocationMode.ROLLBACK
+        parts = [rollback] if rollback else []
+        parts += [f"replace {f} with {r}" for f, r in replacements.items()]
         if dropped:
             parts.append(f"shrink to {len(world)} without {', '.join(dropped[:8])} (no spare)")
         parts.extend(
@@ -727,7 +822,14 @@ class _Round:
         )
         reason = "; ".join(parts) or "re-form the world"
         return _Plan(
-            mode, world, step, source, sources, f"{reason}; restore step {step}", replacements
+            mode,
+            world,
+            step,
+            source,
+            sources,
+            f"{reason}; restore step {step}",
+            replacements,
+            skip=skip,
         )
 
     def _silent_nodes(self) -> dict[str, SilentNode]:
@@ -871,12 +973,18 @@ class _Round:
                     out[target] = receivers[r] = replacements.get(member_id, member_id)
             new_world = tuple(out)
         unheard = frozenset(m for node in dead.values() for m, _ in node.silent)
+        incident = self._open()
+        before = incident.anomaly_step if incident is not None else None
         # The survivors that leave the world serve only shards no one else holds.
-        restore = self._restore_point(new_world, unheard, receivers, avoid=frozenset(demoted))
+        restore = self._restore_point(
+            new_world, unheard, receivers, avoid=frozenset(demoted), before=before
+        )
         if isinstance(restore, str):
             return restore
         step, source, sources = restore
-        parts = [
+        skip, rollback = self._skips(incident, step)
+        parts = [rollback] if rollback else []
+        parts += [
             f"replace {world[r]} with {replacements[world[r]]} at rank {r} ({lay.describe_rank(r)})"
             for r in failed
             if world[r] in replacements
@@ -898,6 +1006,8 @@ class _Round:
         )
         reason = "; ".join(parts) or "re-form the world"
         mode = ReallocationMode.SHRINK if dropped else ReallocationMode.REPLACE
+        if rollback and not failed:
+            mode = ReallocationMode.ROLLBACK
         return _Plan(
             mode,
             new_world,
@@ -907,6 +1017,7 @@ class _Round:
             f"{reason}; restore step {step}",
             replacements,
             demoted,
+            skip,
         )
 
     def _cannot_shrink(
@@ -947,23 +1058,26 @@ class _Round:
         receivers: dict[int, str] | None = None,
         *,
         avoid: frozenset[str] = frozenset(),
+        before: int | None = None,
     ) -> tuple[int, RestoreFrom, tuple[str, ...]] | str:
         """Newest step whose every shard survives (hot first, then cold), or why none does;
         members in ``unheard`` (silent on a node taken as gone) are no source. ``receivers``
-        maps a shard to the member that will need it (default: rank ``s`` of ``world``)."""
+        maps a shard to the member that will need it (default: rank ``s`` of ``world``).
+        ``before``: a rollback's, strictly before that step (a loss anomaly's), else the
+        initial state (the job replays from its seed)."""
         view = self.view
         members = view.members
         active = MemberStatus.ACTIVE
         alive = {k for k, m in members.items() if m.status is active and k not in unheard}
         if receivers is None:
             receivers = dict(enumerate(world))
-        hot = plan_restore(view, alive, receivers, members, avoid)
+        hot = plan_restore(view, alive, receivers, members, avoid, before=before)
         if hot is not None:  # hot first (seconds), even when a cold checkpoint is newer
             return hot.step, RestoreFrom.MEMORY, hot.sources
         cold = view.newest_complete_checkpoint()
-        if cold is not None:
+        if cold is not None and (before is None or cold.step < before):
             return cold.step, RestoreFrom.CHECKPOINT, ()
-        if view.last_complete_backup is None:
+        if view.last_complete_backup is None or before is not None:
             return 0, RestoreFrom.INITIAL, ()
         return (
             f"no complete copy of the state survives: every copy of a shard of each backup"
@@ -1003,6 +1117,9 @@ class _Round:
         if findings:
             self._detected(incident.incident_id, findings)
             self._state(reopen, f"while recovering: {_summary(findings)}")
+            return
+        if self._pending_anomaly():  # the new generation's steps went wrong too: re-decide
+            self._anomaly(incident.incident_id, reopen, opens=False)
             return
         refused = refused_sources(view, decision)
         if refused:  # a copy of the plan is not what its owner reported: plan without it

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from dataclasses import fields
 from typing import Any, TypeVar
 
+from controlplane.core.anomaly import spike_threshold
 from controlplane.core.catalog import is_catalog, unpacked
 from controlplane.core.compact import expand, placed
 from controlplane.core.detect import PEER_FAULTS
@@ -31,6 +32,7 @@ from controlplane.core.view import (
     MAX_ANOMALIES,
     MAX_DISCOUNTS,
     MAX_STEP_LEAD,
+    AnomalyReport,
     CheckpointStep,
     Decision,
     Discount,
@@ -49,7 +51,13 @@ from controlplane.core.view import (
     StateChange,
     StepBackup,
 )
-from schemas.common import CONTROLPLANE_SOURCE, FaultKind, JobState, ReallocationMode
+from schemas.common import (
+    CONTROLPLANE_SOURCE,
+    AnomalyKind,
+    FaultKind,
+    JobState,
+    ReallocationMode,
+)
 
 _VIEW_FIELDS = tuple(f.name for f in fields(JobView))
 _ACTIVE = MemberStatus.ACTIVE
@@ -521,6 +529,8 @@ class _Fold:
         if step > member.step:  # noqa: PLR1730 (see _known_member)
             member.step = step
         if step >= view.last_step and stored.event.generation == view.generation:
+            if step > view.last_step and view.effective_policy.loss_spike_k > 0:
+                self._spike(stored, step, p.loss)
             view.last_step = step
             view.last_loss = p.loss
         if view.open_incident is not None:
@@ -535,6 +545,53 @@ class _Fold:
                 ):
                     decision.first_step_position = stored.position
                     decision.first_step_at = stored.recorded_at
+
+    def _spike(self, stored: StoredEvent, step: int, loss: float) -> None:
+        """Keep the job's newest losses of the current timeline, and take a loss above their
+        robust threshold (``core.anomaly.spike_threshold``) as a spike, when no anomaly nor
+        incident is pending."""
+        view = self.view
+        policy = view.effective_policy
+        recent = view.recent_losses
+        if len(recent) >= policy.loss_spike_window and view.open_incident is None:
+            threshold = spike_threshold([x for _, x in recent], policy.loss_spike_k)
+            if loss > threshold and view.anomaly is None:
+                view.anomaly = AnomalyReport(
+                    AnomalyKind.LOSS_SPIKE.value, step, None, stored.position,
+                    stored.recorded_at, view.generation,
+                    f"loss {loss:.6g} at step {step} above {threshold:.6g} (median + "
+                    f"{policy.loss_spike_k:g} x MAD of the {len(recent)} steps before)",
+                    loss, threshold,
+                )  # fmt: skip
+        view.recent_losses = (*recent[-policy.loss_spike_window + 1 :], (step, loss))
+
+    def _train_anomaly(self, stored: StoredEvent, p: Any) -> None:
+        """A rank's non-finite step: pending (the earliest step wins) until a decision takes
+        it up; believed only from an active member of the current generation's world."""
+        view = self.view
+        member = self._known_member(stored, True, change=False)
+        if member is None:
+            return
+        generation = stored.event.generation
+        if generation != view.generation:
+            self._stale(stored, member, generation)
+            return
+        if member.rank is None or member.status is not _ACTIVE:
+            self._discount(
+                stored,
+                DiscountReason.REPORTER_NOT_IN_WORLD,
+                f"{p.kind} from {member.member_id}, not an active member of generation"
+                f" {generation}'s world",
+            )
+            return
+        if self._step_lead(stored, member, p.step):
+            return
+        pending = view.anomaly
+        if pending is None or p.step < pending.step:
+            view.anomaly = AnomalyReport(
+                str(p.kind), p.step, member.member_id, stored.position, stored.recorded_at,
+                generation, p.detail,
+            )  # fmt: skip
 
     def _snapshot(self, stored: StoredEvent, p: Any) -> None:
         owner = self._known_member(stored, change=False)
@@ -975,9 +1032,13 @@ class _Fold:
             lineage = lineage[:-1]  # the same generation started again: the newer record
         record = GenerationRecord(generation, world_size, restore, stored.position)
         view.lineage = (*lineage, record)
+        if view.anomaly is not None and view.anomaly.generation < generation:
+            view.anomaly = None  # a report of the world this one replaces
         if restore is None:
             return
         view.last_step = restore
+        if view.recent_losses and view.recent_losses[-1][0] > restore:
+            view.recent_losses = tuple(x for x in view.recent_losses if x[0] <= restore)
         for step in [s for s in view.backups if s > restore]:
             del view.backups[step]
             self._own_backups.discard(step)
@@ -1052,6 +1113,45 @@ class _Fold:
             if incident.evidence is None or mark.at < incident.evidence.at:
                 incident.evidence = mark
 
+    def _anomaly_detected(self, stored: StoredEvent, p: Any) -> None:
+        """A loss anomaly opens an incident of kind ``anomaly`` (or joins the open one): its
+        decisions restore a backup before its step. No member is failed by it."""
+        view = self.view
+        incident_id = str(p.incident_id)
+        incident = self._incident(incident_id)
+        if incident is None:
+            if view.open_incident is not None and view.open_incident != incident_id:
+                self._anomaly(stored, f"new incident while {view.open_incident} is open")
+            incident = Incident(
+                incident_id=incident_id,
+                opened_at=stored.recorded_at,
+                opened_position=stored.position,
+                members=[],
+                reasons=[],
+                detections=[],
+                step_at_fault=view.last_step,
+                kind="anomaly",
+            )
+            view.incidents[incident_id] = incident
+            self._own_incidents.add(incident_id)
+            view.open_incident = incident_id
+        named = set(incident.members)
+        incident.members.extend(m for m in p.members if m not in named)
+        if incident.anomaly_step is None or p.step < incident.anomaly_step:
+            incident.anomaly_step = p.step
+        incident.anomalies = (*incident.anomalies, str(p.kind))
+        incident.reasons.append(p.detail)
+        incident.detections.append(stored.position)
+        for evidence in p.evidence:
+            if evidence.at is None:
+                continue
+            mark = Mark(
+                evidence.position if evidence.position is not None else stored.position, evidence.at
+            )
+            if incident.evidence is None or mark.at < incident.evidence.at:
+                incident.evidence = mark
+        view.anomaly = None  # taken up
+
     def _state_changed(self, stored: StoredEvent, p: Any) -> None:
         view = self.view
         if p.from_ != view.state or not can_transition(view.state, p.to):
@@ -1108,8 +1208,11 @@ class _Fold:
                 rendezvous=p.rendezvous,
                 reason=p.reason,
                 demoted=tuple(p.demoted),
+                skip=tuple((first, last) for first, last in p.skip),
             )
         )
+        # The decision in force says which steps the loop skips (each carries the job's list).
+        view.skipped = incident.decisions[-1].skip
         for member_id in p.demoted:
             # Survivors of a dropped replica: warm spares (a decision names each at most once).
             member = self._member(member_id)
@@ -1169,9 +1272,11 @@ _HANDLERS: dict[str, Callable[[_Fold, StoredEvent, Any], None]] = {
     "restore.completed": _Fold._restored,
     "train.resumed": _Fold._resumed,
     "train.completed": _Fold._train_completed,
+    "train.anomaly": _Fold._train_anomaly,
     "job.registered": _Fold._registered,
     "generation.started": _Fold._generation,
     "fault.detected": _Fold._fault_detected,
+    "anomaly.detected": _Fold._anomaly_detected,
     "job.state_changed": _Fold._state_changed,
     "reallocation.issued": _Fold._reallocation,
     "incident.resolved": _Fold._resolved,

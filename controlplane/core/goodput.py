@@ -152,15 +152,23 @@ class GenerationSteps:
         fraction = (h - below.step) / (above.step - below.step)
         return below.at + (above.at - below.at) * fraction
 
-    def steps(self) -> tuple[int, int]:
+    def steps(self, skip: Sequence[tuple[int, int]] = ()) -> tuple[int, int]:
         """(productive, recomputed): its step numbers beyond and at or below
-        ``high_before``."""
+        ``high_before``, less those it skipped (``skip``: the ranges its loop did not run)."""
         if self.first is None or self.last is None:
             return 0, 0
         lo, hi, h = self.first.step, self.last.step, self.high_before
         if h is None or lo > h:
-            return hi - lo + 1, 0
-        return max(0, hi - h), min(hi, h) - lo + 1
+            return hi - lo + 1 - _within(skip, lo, hi), 0
+        return (
+            max(0, hi - h) - _within(skip, h + 1, hi),
+            min(hi, h) - lo + 1 - _within(skip, lo, min(hi, h)),
+        )
+
+
+def _within(skip: Sequence[tuple[int, int]], lo: int, hi: int) -> int:
+    """How many steps of ``skip``'s ranges lie in ``[lo, hi]``."""
+    return sum(max(0, min(b, hi) - max(a, lo) + 1) for a, b in skip)
 
 
 @dataclass(slots=True)
@@ -392,8 +400,11 @@ def goodput(view: JobView, counter: GoodputCounter, now: datetime) -> Goodput | 
 
     wall = _span(t0, t1)
     seconds = tail_moved(_sum(pieces, t0, t1), t0, t1)
-    productive_steps = sum(g.steps()[0] for g in stepped)
-    recomputed_steps = sum(g.steps()[1] for g in stepped)
+    # The steps each generation's loop skipped (a rollback's), as its decision says.
+    skips = {d.generation: d.skip for i in view.incidents.values() for d in i.decisions}
+    counts = {g.generation: g.steps(skips.get(g.generation, ())) for g in gens}
+    productive_steps = sum(counts[g.generation][0] for g in stepped)
+    recomputed_steps = sum(counts[g.generation][1] for g in stepped)
 
     generations = []
     for n, g in enumerate(gens):
@@ -403,7 +414,7 @@ def goodput(view: JobView, counter: GoodputCounter, now: datetime) -> Goodput | 
         lo, hi = max(g.started_at, t0), min(later[0] if later else t1, t1)
         span = _span(lo, hi)
         by_term = tail_moved(_sum(pieces, lo, hi), lo, hi)
-        made, redone = g.steps()
+        made, redone = counts[g.generation]
         generations.append(
             GenerationGoodput(
                 generation=g.generation,

@@ -82,8 +82,11 @@ def plan_restore(
     receivers: Mapping[int, str],
     slots: Mapping[str, Located],
     avoid: Set[str] = frozenset(),
+    *,
+    before: int | None = None,
 ) -> RestorePlan | None:
-    """The newest restorable step and a source per shard; None when no hot copy is whole.
+    """The newest restorable step (strictly before ``before``, when given: a rollback's) and
+    a source per shard; None when no hot copy is whole.
 
     ``receivers`` maps each shard to the member that will need it (its new owner);
     ``slots`` locates members on nodes and racks; a survivor in ``avoid`` is a source only
@@ -93,6 +96,8 @@ def plan_restore(
     members = view.members
     since = {k: m.joined_position for k, m in members.items()}
     for step in sorted(view.backups, reverse=True):
+        if before is not None and step >= before:
+            continue
         if not of_current_timeline(view, view.backups[step]):
             continue
         sources = _sources(

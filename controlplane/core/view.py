@@ -107,6 +107,25 @@ class GenerationRecord(NamedTuple):
     position: int
 
 
+class AnomalyReport(NamedTuple):
+    """A loss anomaly no decision took up yet (``JobView.anomaly``): a rank's report of a
+    non-finite step (``train.anomaly``), or a spike of the job's loss the fold found."""
+
+    #: ``schemas.common.AnomalyKind``'s value.
+    kind: str
+    step: int
+    #: The member that reported it (None: a spike, seen in the job's step records).
+    member: str | None
+    position: int
+    at: datetime
+    #: The generation it happened in.
+    generation: int
+    detail: str
+    #: A spike's loss and the threshold it crossed.
+    loss: float | None = None
+    threshold: float | None = None
+
+
 class MemberStatus(StrEnum):
     """Whether a member can take part in the job."""
 
@@ -288,6 +307,9 @@ class Decision:
     reason: str = ""
     #: Survivors of the replicas this decision dropped (a mesh shrink): warm spares.
     demoted: tuple[str, ...] = ()
+    #: The steps the new generation does not run (inclusive ranges): every range the job's
+    #: rollbacks skipped, this one's included.
+    skip: tuple[tuple[int, int], ...] = ()
     #: member -> the first event that shows it (position and time).
     acked: dict[str, Mark] = field(default_factory=dict)
     restored: dict[str, Mark] = field(default_factory=dict)
@@ -347,8 +369,14 @@ class Incident:
     downtime_s: float | None = None
     steps_lost: int | None = None
     outcome: str | None = None
-    #: "fault", or "growth" for a world grown at a backup boundary (no fault behind it).
+    #: "fault", "growth" for a world grown at a backup boundary (no fault behind it), or
+    #: "anomaly" for a loss anomaly (a non-finite step, a loss spike) rolled back.
     kind: str = "fault"
+    #: The earliest step of a loss anomaly in it (``anomaly.detected``): its decisions
+    #: restore a backup strictly before it. None: no anomaly.
+    anomaly_step: int | None = None
+    #: ``AnomalyKind`` values of its anomalies, in order of detection.
+    anomalies: tuple[str, ...] = ()
 
     @property
     def is_open(self) -> bool:
@@ -421,6 +449,15 @@ class JobView:
     discount_counts: dict[str, int] = field(default_factory=dict)
     #: Every generation started, oldest first (see ``GenerationRecord``).
     lineage: tuple[GenerationRecord, ...] = ()
+    #: A loss anomaly of the current generation that no decision took up yet (the earliest
+    #: step reported); ``anomaly.detected`` takes it up, a new generation drops it.
+    anomaly: AnomalyReport | None = None
+    #: The steps the job's loop does not run (inclusive ranges, ascending): the batches its
+    #: rollbacks skipped, as the decision in force says.
+    skipped: tuple[tuple[int, int], ...] = ()
+    #: (step, loss) of the current timeline's newest job losses, at most the policy's
+    #: ``loss_spike_window`` (kept only when it looks for spikes: ``loss_spike_k`` > 0).
+    recent_losses: tuple[tuple[int, float], ...] = ()
 
     def last_heard(self, member: Member) -> datetime:
         """When ``member`` was last heard: its last heartbeat, else its join."""

@@ -69,6 +69,13 @@ MINIMAL_PAYLOADS: dict[str, dict[str, Any]] = {
     "restore.completed": {"generation": 1, "step": 1, "bytes": 0, "seconds": 0.0},
     "train.resumed": {"generation": 1, "step": 1},
     "train.completed": {"step": 1},
+    "train.anomaly": {"step": 3, "kind": "non_finite_loss"},
+    "anomaly.detected": {
+        "incident_id": UUID_A,
+        "kind": "non_finite_loss",
+        "step": 3,
+        "detail": "non_finite_loss at step 3 on m0",
+    },
     "job.registered": {},
     "generation.started": {"generation": 0, "world": ["m0"], "rendezvous": "h0:29500"},
     "fault.detected": {
@@ -162,6 +169,18 @@ FULL_PAYLOADS: dict[str, dict[str, Any]] = {
         "plan": ["m0"],
         "rendezvous": "h0:29500",
         "reason": "shrink",
+        "skip": [[5, 5], [12, 14]],
+    },
+    "train.anomaly": {"step": 12, "kind": "non_finite_grad_norm", "detail": "grad_norm=inf"},
+    "anomaly.detected": {
+        "incident_id": UUID_A,
+        "kind": "loss_spike",
+        "step": 40,
+        "members": [],
+        "detail": "loss 9.5 at step 40 above 2.1",
+        "evidence": [{"member": "m0", "what": "train.step", "position": 80}],
+        "loss": 9.5,
+        "threshold": 2.1,
     },
     "incident.resolved": {
         "incident_id": UUID_A,
@@ -450,6 +469,24 @@ def test_checksum_format():
     snap = MINIMAL_PAYLOADS["backup.snapshot"]
     for bad in ["deadbeef", "CRC32:deadbeef", "crc32:DEADBEEF", "crc32:", "crc32:xyz"]:
         rejected(envelope("backup.snapshot", {**snap, "checksum": bad}))
+
+
+def test_a_member_reports_no_loss_spike():
+    rejected(envelope("train.anomaly", {"step": 3, "kind": "loss_spike"}))
+
+
+def test_anomaly_policy_fields_are_bounded():
+    assert JobPolicy().anomaly_action == "rollback" and JobPolicy().anomaly_skip_steps == 1
+    assert JobPolicy().loss_spike_k == 0  # spikes are looked for only when asked
+    for bad in (
+        {"anomaly_action": "ignore"},
+        {"anomaly_skip_steps": -1},
+        {"max_rollbacks": -1},
+        {"loss_spike_k": -1.0},
+        {"loss_spike_window": 2},
+    ):
+        with pytest.raises(ValidationError):
+            JobPolicy.model_validate(bad, strict=False)
 
 
 def test_fault_detected_needs_a_member():

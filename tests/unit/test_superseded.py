@@ -9,7 +9,14 @@ import uuid
 
 import pytest
 
-from rank_runtime.elastic import Elastic, GenerationSuperseded, JobStoppedError, World, _Superseded
+from rank_runtime.elastic import (
+    Elastic,
+    GenerationSuperseded,
+    JobStoppedError,
+    LossAnomaly,
+    World,
+    _Superseded,
+)
 from rank_runtime.identity import Identity
 from schemas.commands import Reallocate, Stop
 from schemas.common import ReallocationMode, RestoreFrom, Role
@@ -180,3 +187,51 @@ def test_a_rank_that_must_leave_a_generation_it_formed_waits_until_every_rank_fo
     started = time.monotonic()
     assert elastic._await_formed(current) is None
     assert time.monotonic() - started < 0.3
+
+
+def _published(elastic: Elastic) -> list[dict]:  # type: ignore[type-arg]
+    return [json.loads(body) for _, _, body in elastic.client._buffer]
+
+
+def test_a_non_finite_step_is_reported_not_recorded_nor_backed_up():
+    elastic = member("w0")
+    elastic.world = World(1, 0, 3, ("w0", "w1", "w2"), (), {}, "tcp://rdzv/job1/1")
+    taken = []
+    with pytest.raises(LossAnomaly) as raised:
+        elastic.step_done(10, loss=float("nan"), samples=8, state=lambda: taken.append(1))
+    assert isinstance(raised.value, RuntimeError) and raised.value.step == 10
+    assert [(e["type"], e["payload"]) for e in _published(elastic)] == [
+        ("train.anomaly", {"step": 10, "kind": "non_finite_loss", "detail": "loss=nan"})
+    ]
+    assert taken == []  # the spoiled step is no backup
+    with pytest.raises(LossAnomaly, match="grad_norm=inf"):
+        elastic.step_done(11, loss=0.5, samples=8, grad_norm=float("inf"))
+
+
+def test_an_injected_nan_spoils_the_step_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("ELASTIC_FAULTS", "nan@4:rank=1")
+    monkeypatch.setenv("ELASTIC_FAULTS_STATE", str(tmp_path))
+    elastic = member("w1")
+    spoiled = []
+    elastic.poison = lambda: spoiled.append(True)
+    elastic.step_done(3, loss=0.5, samples=8)
+    with pytest.raises(LossAnomaly):
+        elastic.step_done(4, loss=0.5, samples=8)
+    assert spoiled == [True]
+    elastic.step_done(4, loss=0.5, samples=8)  # the step replayed after the rollback is clean
+
+
+def test_a_rollback_tells_the_member_which_steps_to_skip():
+    elastic = member()
+    command = reallocate(2, ["w0", "w1", "w2"]).model_copy(
+        update={
+            "mode": ReallocationMode.ROLLBACK,
+            "skip": [(24, 24), (30, 32)],
+            "restore_from": RestoreFrom.INITIAL,
+        }
+    )
+    elastic._form = lambda command: None  # type: ignore[method-assign]
+    elastic.defer_restore = True
+    elastic._rejoin(command)
+    assert elastic.resume_step == 20
+    assert [s for s in range(20, 35) if elastic.skips(s)] == [24, 30, 31, 32]

@@ -6,6 +6,11 @@
 (() => {
   const { el, svg, get, run, status, time, seconds, number, ticks, ms, stateBadge, ApiError } = Elastic;
 
+  /** [[25, 25], [31, 33]] -> "25, 31-33" (the steps a rollback skipped); "" for none. */
+  function stepRanges(ranges) {
+    return (ranges || []).map(([a, b]) => (a === b ? String(a) : `${a}-${b}`)).join(", ");
+  }
+
   const JOB = decodeURIComponent(location.pathname.replace(/\/+$/, "").split("/").pop());
   const JOB_PATH = "/jobs/" + encodeURIComponent(JOB);
   const TERMINAL = new Set(["COMPLETED", "STOPPED"]);
@@ -327,13 +332,18 @@
       el("td", { text: (d.world || []).join(", ") }),
       el("td", { class: "num", text: d.restore_step }),
       el("td", { text: d.restore_from }),
+      el("td", { class: "skips", text: stepRanges(d.skip) }),
       el("td", { text: d.reason }),
       el("td", {}, eventLink(d.position)),
     ));
+    const last = (incident.history || [])[(incident.history || []).length - 1];
+    const skipped = incident.anomaly_step !== null && incident.anomaly_step !== undefined && last ? stepRanges(last.skip) : "";
     return el("article", { class: "incident", id: "incident-" + incident.incident_id, dataset: { incidentId: incident.incident_id } },
       el("h3", {}, `Incident ${n} · ${incident.kind} · `, el("span", { class: "outcome outcome-" + (incident.outcome || "open"), text: incident.outcome || "open" }),
         incident.downtime_s !== null && incident.downtime_s !== undefined ? ` · ${seconds(incident.downtime_s)} down` : "",
-        incident.steps_lost !== null && incident.steps_lost !== undefined ? ` · ${incident.steps_lost} steps lost` : ""),
+        incident.steps_lost !== null && incident.steps_lost !== undefined ? ` · ${incident.steps_lost} steps lost` : "",
+        incident.anomaly_step !== null && incident.anomaly_step !== undefined ? ` · anomaly at step ${incident.anomaly_step}` : "",
+        skipped ? ` · skips step${skipped.includes(",") || skipped.includes("-") ? "s" : ""} ${skipped}` : ""),
       el("p", { class: "reasons", text: (incident.reasons || []).join("; ") }),
       factList(facts),
       el("div", { class: "chart" }, timelineChart(incident)),
@@ -343,7 +353,7 @@
       decisionRows.length ? el("details", { class: "decisions" },
         el("summary", { text: `Decisions (${decisionRows.length})` }),
         el("table", { class: "table" },
-          el("thead", {}, el("tr", {}, ["at (UTC)", "generation", "mode", "world", "restore step", "from", "why", "event"].map((h) => el("th", { text: h })))),
+          el("thead", {}, el("tr", {}, ["at (UTC)", "generation", "mode", "world", "restore step", "from", "skipped steps", "why", "event"].map((h) => el("th", { text: h })))),
           el("tbody", {}, decisionRows))) : null,
     );
   }
