@@ -275,6 +275,9 @@ def bench_backlog(
     part: Annotated[
         int, typer.Option(min=1, help="Messages to a transaction (ELASTIC_INGEST_PART).")
     ] = 512,
+    collect: Annotated[
+        bool, typer.Option(help="The garbage collector on while the steps are timed.")
+    ] = True,
     as_json: Annotated[bool, typer.Option("--json", help="Print only the JSON result.")] = False,
 ) -> None:
     """One backup of a large job through the ingest's own steps, each timed: decode,
@@ -283,7 +286,9 @@ def bench_backlog(
     from controlplane.bench.backlog import run_backlog_bench
 
     _log_warnings()
-    typer.echo(json.dumps(run_backlog_bench(ranks=ranks, backups=backups, part=part)))
+    typer.echo(
+        json.dumps(run_backlog_bench(ranks=ranks, backups=backups, part=part, collect=collect))
+    )
 
 
 @bench_app.command("rows")

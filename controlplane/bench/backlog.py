@@ -10,11 +10,15 @@ loop commits them: sequence rules and cursors, packing into catalogs, the COPY) 
 catalogs folded with each report rebuilt as its event (``core.catalog.unpacked``), as the
 fold read them before it read a catalog's columns. The job (registration, first generation,
 every member's join) is folded first; each figure is a median over ``backups`` backups.
+With ``collect`` false the garbage collector is off while the steps are timed (the service
+tunes it, ``controlplane.gctune``; on, its passes over a heap holding 16,384 members and
+their backups land in whichever step allocates when they fall due, mostly the fold).
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import hashlib
 import json
 import random
@@ -47,7 +51,9 @@ def _reports(job: SyntheticJob, step: int, rng: random.Random) -> list[tuple[str
     return out
 
 
-async def _run(database_url: str, ranks: int, backups: int, part: int) -> dict[str, Any]:
+async def _run(
+    database_url: str, ranks: int, backups: int, part: int, collect: bool = True
+) -> dict[str, Any]:
     job = SyntheticJob(
         "job-backlog", members=ranks, racks=max(1, ranks // 128), nodes_per_rack=16,
         backup_interval=10,
@@ -69,6 +75,9 @@ async def _run(database_url: str, ranks: int, backups: int, part: int) -> dict[s
         views = fold_jobs(views, (await appender.append(joins)).stored)
         for k in range(backups):
             messages = _reports(job, 10 * (k + 1), rng)
+            if not collect:
+                gc.collect()
+                gc.disable()
             t0 = time.perf_counter()
             events = [decode(subject, data) for subject, data in messages]
             t1 = time.perf_counter()
@@ -89,6 +98,7 @@ async def _run(database_url: str, ranks: int, backups: int, part: int) -> dict[s
             for batch in stored:
                 again = fold(again, list(unpacked(batch)))
             t5 = time.perf_counter()
+            gc.enable()
             assert again.backups == views[job.job_id].backups
             for name, took in zip(
                 phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4), strict=True
@@ -96,12 +106,14 @@ async def _run(database_url: str, ranks: int, backups: int, part: int) -> dict[s
                 phases[name].append(round(took * 1000, 1))
             rows.append(sum(len(b) for b in stored))
     finally:
+        gc.enable()
         await appender.close()
     view = views[job.job_id]
     return {
         "ranks": ranks,
         "backups": backups,
         "part": part,
+        "collect": collect,
         "rows_per_backup": rows[-1],
         "complete_backup": view.last_complete_backup,
         **{f"{name}_ms": statistics.median(values) for name, values in phases.items()},
@@ -109,7 +121,9 @@ async def _run(database_url: str, ranks: int, backups: int, part: int) -> dict[s
     }
 
 
-def run_backlog_bench(*, ranks: int, backups: int = 3, part: int = 512) -> dict[str, Any]:
+def run_backlog_bench(
+    *, ranks: int, backups: int = 3, part: int = 512, collect: bool = True
+) -> dict[str, Any]:
     """Run the benchmark (see the module's docstring) and return its figures."""
     with stack() as services:
-        return asyncio.run(_run(services.database_url, ranks, backups, part))
+        return asyncio.run(_run(services.database_url, ranks, backups, part, collect))
