@@ -209,6 +209,7 @@ class ControlPlane:
                     appender,
                     bus.EventConsumer(nc, settings),
                     batch=settings.ingest_batch,
+                    part=settings.ingest_part,
                     fetch_wait_s=settings.ingest_fetch_timeout_s,
                     retry_max_s=settings.retry_max_s,
                 ),

@@ -268,6 +268,29 @@ def bench_ingest(
     typer.echo(json.dumps(result))
 
 
+@bench_app.command("backlog")
+def bench_backlog(
+    ranks: Annotated[int, typer.Option(min=2, help="Ranks: reports in a backup.")] = 16384,
+    backups: Annotated[int, typer.Option(min=1, help="Backups timed (medians).")] = 3,
+    part: Annotated[
+        int, typer.Option(min=1, help="Messages to a transaction (ELASTIC_INGEST_PART).")
+    ] = 512,
+    collect: Annotated[
+        bool, typer.Option(help="The garbage collector on while the steps are timed.")
+    ] = True,
+    as_json: Annotated[bool, typer.Option("--json", help="Print only the JSON result.")] = False,
+) -> None:
+    """One backup of a large job through the ingest's own steps, each timed: decode,
+    pre-encode, append into PostgreSQL, fold (embedded PostgreSQL unless
+    ELASTIC_DATABASE_URL is set)."""
+    from controlplane.bench.backlog import run_backlog_bench
+
+    _log_warnings()
+    typer.echo(
+        json.dumps(run_backlog_bench(ranks=ranks, backups=backups, part=part, collect=collect))
+    )
+
+
 @bench_app.command("rows")
 def bench_rows(
     seconds: Annotated[float, typer.Option(min=5, help="How long the job trains.")] = 60.0,

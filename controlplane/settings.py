@@ -40,7 +40,13 @@ class Settings(BaseSettings):
     )
     ingest_durable: str = Field("controlplane-ingest", description="Durable pull consumer name")
     ingest_batch: PositiveInt = Field(
-        10_000, description="Most messages fetched and committed in one batch"
+        10_000, description="Most messages fetched from JetStream in one batch"
+    )
+    ingest_part: PositiveInt = Field(
+        512,
+        description="Most messages appended in one transaction: a fetched batch is appended,"
+        " folded and acknowledged in parts of this many, and the decider's turn (a deadline,"
+        " a fault) waits for at most one part",
     )
     ingest_fetch_timeout_s: PositiveFloat = Field(
         0.5, description="Longest wait for a batch to fill before committing what arrived"

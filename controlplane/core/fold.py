@@ -15,10 +15,10 @@ import operator
 import sys
 from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from dataclasses import fields
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from controlplane.core.anomaly import spike_threshold
-from controlplane.core.catalog import is_catalog, unpacked
+from controlplane.core.catalog import entries, is_catalog
 from controlplane.core.compact import expand, placed
 from controlplane.core.detect import PEER_FAULTS
 from controlplane.core.records import StoredEvent
@@ -163,6 +163,29 @@ def _announces(launched: Launched, node: str, role: Any, pid: int, incarnation: 
     )
 
 
+class _Sender(Protocol):
+    """What the checks of a report read of its envelope (an event's, or a packed report's)."""
+
+    @property
+    def source(self) -> str: ...
+    @property
+    def incarnation(self) -> str: ...
+    @property
+    def generation(self) -> int: ...
+    @property
+    def type(self) -> str: ...
+
+
+class _Told(Protocol):
+    """What the checks of a report read of it: where the log holds it, and who sent it (a
+    ``StoredEvent``, or a report of a catalog, ``core.catalog.Entry``)."""
+
+    @property
+    def position(self) -> int: ...
+    @property
+    def event(self) -> _Sender: ...
+
+
 class _Fold:
     """A transient: owns a copy of the view and mutates it while applying one call's events."""
 
@@ -262,7 +285,7 @@ class _Fold:
             self._own_incidents.add(incident_id)
         return incident
 
-    def _discount(self, stored: StoredEvent, reason: DiscountReason, detail: str) -> None:
+    def _discount(self, stored: _Told, reason: DiscountReason, detail: str) -> None:
         """Record that ``stored`` is not believed: it changes nothing but this record."""
         view = self.view
         if not self._own_discounts:
@@ -276,7 +299,7 @@ class _Fold:
         view.discount_counts[reason.value] = view.discount_counts.get(reason.value, 0) + 1
         self.ignored.append(stored.position)
 
-    def _step_lead(self, stored: StoredEvent, member: Member, step: int) -> bool:
+    def _step_lead(self, stored: _Told, member: Member, step: int) -> bool:
         """Whether ``step`` is implausibly far ahead (then discounted): more than
         MAX_STEP_LEAD beyond both the member's last step and the job's newest step."""
         base = member.step if member.step > self.view.last_step else self.view.last_step
@@ -290,7 +313,7 @@ class _Fold:
         )
         return True
 
-    def _anomaly(self, stored: StoredEvent, text: str) -> None:
+    def _anomaly(self, stored: _Told, text: str) -> None:
         anomalies = self.view.anomalies
         anomalies.append(f"#{stored.position} {stored.event.type}: {text}")
         if len(anomalies) > MAX_ANOMALIES:
@@ -378,7 +401,7 @@ class _Fold:
             owned.announced_position = stored.position
 
     def _known_member(
-        self, stored: StoredEvent, process: bool = False, *, change: bool = True
+        self, stored: _Told, process: bool = False, *, change: bool = True
     ) -> Member | None:
         """The member that sent ``stored`` (owned by this fold, with ``change``: the caller
         changes it; without, the view's own, copied only if its generation moves: a backup
@@ -593,7 +616,7 @@ class _Fold:
                 generation, p.detail,
             )  # fmt: skip
 
-    def _snapshot(self, stored: StoredEvent, p: Any) -> None:
+    def _snapshot(self, stored: _Told, p: Any) -> None:
         owner = self._known_member(stored, change=False)
         if owner is None or self._step_lead(stored, owner, p.step):
             return
@@ -626,9 +649,9 @@ class _Fold:
         ignored = self.ignored
         start = len(ignored)
         believed = False
-        for report in unpacked((stored,)):
+        for report in entries(stored):
             before = len(ignored)
-            self._snapshot(report, report.event.payload)
+            self._snapshot(report, report)
             believed = believed or len(ignored) == before
         if believed:  # the catalog changed something: it is not an event the fold ignored
             del ignored[start:]
@@ -655,7 +678,7 @@ class _Fold:
         self._satisfied(p.step, shard, was)
 
     def _shard(
-        self, stored: StoredEvent, step: int, shard_no: int, owner: str, *, snapshot: bool
+        self, stored: _Told, step: int, shard_no: int, owner: str, *, snapshot: bool
     ) -> ShardBackup | None:
         """The record (owned by this fold) of shard ``shard_no`` of backup ``step`` that
         ``stored`` reports on, or None when the event counts nowhere (discounted or noted).
@@ -822,7 +845,7 @@ class _Fold:
         if p.kind == FaultKind.RESTORE_FAILED and p.source is not None and p.shard is not None:
             self._refute(p.step, p.shard, p.source)
 
-    def _other_process(self, stored: StoredEvent, member: Member) -> bool:
+    def _other_process(self, stored: _Told, member: Member) -> bool:
         """Whether ``stored`` comes from another process (incarnation) than the one of
         ``member`` that joined last (then discounted): an earlier process of the name that
         still speaks (resumed after a stop, or late in the pipeline) is not the member."""

@@ -69,7 +69,7 @@ class EventLog(Protocol):
         see makes the append fail), and with ``expected.log`` unless the log's newest
         position is that one (``ConcurrencyError.log_head`` says where it is): the batch
         then takes the positions after it. ``encoded``, parallel to ``events``, is what the store's
-        own ``encode`` made of them ahead of time.
+        own ``encode`` made of them ahead of time (an empty row: one it left to the append).
         """
         ...
 

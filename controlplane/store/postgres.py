@@ -21,7 +21,7 @@ from pydantic_core import to_json
 from sqlalchemy import Engine, create_engine
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
-from controlplane.core.catalog import CATALOG, pack, unpacked
+from controlplane.core.catalog import CATALOG, PACKED, pack, unpacked
 from controlplane.core.records import DeadLetter, StoredEvent
 from controlplane.core.sequence import Cursor, CursorKey, SeqGap, sequence
 from controlplane.core.view import MAX_STEP_LEAD
@@ -1066,8 +1066,11 @@ def _append_steps(
     at = sequenced.accepted_at
     packed = pack(sequenced.accepted)
     accepted = [e for e, _ in packed]
+    # (A report is not pre-encoded, ``AsyncAppender.encode``: one left alone in its run is
+    # encoded here.)
     encoded_rows = [
-        wire[at[i]] if wire is not None and e.type != CATALOG else encode_row(e) for e, i in packed
+        (wire[at[i]] or encode_row(e)) if wire is not None and e.type != CATALOG else encode_row(e)
+        for e, i in packed
     ]
     # An import keeps each event's recording time; a catalog takes its first report's.
     if recorded_at is not None:
@@ -1294,8 +1297,11 @@ class AsyncAppender:
         return result
 
     def encode(self, events: Sequence[EnvelopeBase]) -> list[bytes]:
-        """Pre-encode events for ``append(encoded=...)`` (see ``encode_row``)."""
-        return [encode_row(e) for e in events]
+        """Pre-encode events for ``append(encoded=...)`` (see ``encode_row``). A backup report
+        is left empty (``b""``): the append packs it into a catalog, whose row it encodes
+        itself (one left alone in its run is encoded then), so encoding each of a backup's
+        16,384 reports ahead was work thrown away."""
+        return [b"" if e.type == PACKED else encode_row(e) for e in events]
 
 
 async def _run_async(conn: psycopg.AsyncConnection[Any], steps: _Steps) -> AppendResult:

@@ -19,6 +19,7 @@ from controlplane.app import load_views
 from controlplane.core.fold import fold, fold_jobs
 from controlplane.core.records import StoredEvent
 from controlplane.publish import Outgoing
+from controlplane.store.port import AppendResult
 from controlplane.store.postgres import PostgresEventStore
 from controlplane.synth import SyntheticJob
 from schemas.events import EVENT_ADAPTER
@@ -86,6 +87,42 @@ async def test_valid_repeated_and_invalid_input(settings, pg_store: PostgresEven
     # Invariant 2: the live view equals a fold of the stored log from position 0.
     assert live_views == load_views(pg_store)
     assert live_views["job-spine"].events == len(everything)
+
+
+async def test_a_fetch_is_appended_in_parts_with_the_deciders_turn_between(settings, pg_store):
+    """A fetch of 1,500 messages (a backup's reports, say) is appended, folded and
+    acknowledged in parts of ``ingest_part`` messages, and a turn the decider wants meanwhile
+    comes after the part under way, not after the whole fetch."""
+    settings = settings.model_copy(update={"ingest_part": 100, "ingest_fetch_timeout_s": 1.0})
+    job = SyntheticJob("job-parts", members=16, seed=3)
+    messages = valid_messages(job, 1500)
+    async with running_controlplane(settings) as cp:
+        session = cp.ingest
+        assert session is not None
+        decider = session.decider
+        messages_at_turns: list[int] = []
+        turn, on_commit = session._turn_of, decider.on_commit
+
+        async def counting_turn() -> None:
+            messages_at_turns.append(session.stats.messages)
+            await turn()
+
+        def wanting(result: AppendResult) -> None:  # every part wants a turn
+            on_commit(result)
+            decider.wanted.set()
+
+        session._turn_of = counting_turn
+        decider.on_commit = wanting  # type: ignore[method-assign]
+        await publish(settings.nats_url, messages)
+        await wait_until(lambda: session.stats.messages >= 1500, 60, "1,500 messages")
+        stats = session.stats
+        views = cp.views
+    assert stats.largest <= 100
+    assert stats.batches >= 15
+    # Turns came between the parts, while the rest of the fetch waited.
+    between = [n for n in messages_at_turns if 0 < n < 1500]
+    assert len(between) >= 10, messages_at_turns
+    assert load_views(pg_store)["job-parts"] == views["job-parts"]
 
 
 def _member_events(store: PostgresEventStore) -> int:

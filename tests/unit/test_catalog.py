@@ -240,3 +240,42 @@ def test_a_version_1_catalog_of_an_older_log_still_reads_and_folds_as_its_report
     ]
     with pytest.raises(ValueError, match="either checksums or sha256"):
         BackupCatalog.model_validate({**_VERSION_1, "checksums": ["md5:00", "md5:01"]})
+
+
+def test_reports_the_fold_does_not_believe_are_noted_as_their_events_would_be():
+    """The fold reads a catalog's reports as columns (``catalog.entries``), not as events:
+    what it notes of the ones it does not believe (a sender that never joined, another
+    process of the member, a shard outside the world) is what it noted of the events."""
+    s = Scenario("job1", world_size=4, min_world=2, redundancy=1)
+    log = _trained(s)
+    good = [
+        e.event for e in log if e.event.type == "backup.snapshot" and e.event.payload.step == 20
+    ]
+    head = fold(
+        None,
+        [e for e in log if not (e.event.type == "backup.snapshot" and e.event.payload.step == 20)],
+    )
+
+    def changed(report, **envelope):
+        payload = envelope.pop("payload", {})
+        return report.model_copy(
+            update={**envelope, "payload": report.payload.model_copy(update=payload)}
+        )
+
+    sent = [
+        *good[:2],
+        changed(good[2], source="n9/ghost"),
+        changed(good[2], incarnation="another"),
+        changed(good[3], payload={"shard": 40}),
+        *good[2:],
+    ]
+    packed = [e for e, _ in pack(sent)]
+    assert [e.type for e in packed] == ["backup.catalog"]
+    at = head.last_position + 1
+    as_catalog = fold(head, [StoredEvent(at, T0, packed[0])])
+    as_events = fold(head, [StoredEvent(at, T0, e) for e in sent])
+    assert as_catalog.discounts == as_events.discounts and as_catalog.discounts
+    assert as_catalog.discount_counts == as_events.discount_counts
+    assert as_catalog.anomalies == as_events.anomalies and as_catalog.anomalies
+    assert as_catalog.backups == as_events.backups
+    assert as_catalog.last_complete_backup == as_events.last_complete_backup == 20

@@ -150,11 +150,24 @@ def test_client_side_errors_are_unavailable_unless_the_data_is_at_fault() -> Non
 
 def test_a_fetch_is_committed_in_parts_bounded_in_bytes():
     from controlplane.bus import Delivery
-    from controlplane.ingest import byte_bounded
+    from controlplane.ingest import bounded
 
     msgs = [Delivery("s", f"r{i}", b"x" * n) for i, n in enumerate([10, 10, 70, 5, 5, 100, 1])]
-    assert byte_bounded(msgs, 1000) == [msgs]
-    parts = byte_bounded(msgs, 30)
+    assert bounded(msgs, 1000) == [msgs]
+    parts = bounded(msgs, 30)
     assert [len(p) for p in parts] == [2, 1, 2, 1, 1]  # a message over the limit stands alone
     assert [m for p in parts for m in p] == msgs  # in order, nothing lost
     assert all(sum(len(m.data) for m in p) <= 30 or len(p) == 1 for p in parts)
+
+
+def test_a_fetch_is_committed_in_parts_bounded_in_messages():
+    from controlplane.bus import Delivery
+    from controlplane.ingest import bounded
+
+    msgs = [Delivery("s", f"r{i}", b"x" * n) for i, n in enumerate([1, 1, 1, 1, 1, 40, 1])]
+    assert bounded(msgs, 1000, 7) == [msgs]
+    parts = bounded(msgs, 1000, 2)
+    assert [len(p) for p in parts] == [2, 2, 2, 1]
+    assert [m for p in parts for m in p] == msgs
+    # Both bounds at once: whichever a run reaches first ends it.
+    assert [len(p) for p in bounded(msgs, 30, 3)] == [3, 2, 1, 1]
