@@ -280,6 +280,8 @@ class Elastic:
         self._backup_shard: int | None = None
         self._faults = faults.from_env()
         self._faults_state = os.environ.get(faults.FAULTS_STATE_ENV)
+        #: A lasting ``slow`` fault that fired in this process (None: none).
+        self._slowdown: faults.Slowdown | None = None
         #: A newer command ``step_done`` found, for ``recover`` to follow.
         self._pending: Start | Reallocate | None = None
         #: Let ``start`` and ``recover`` return once the new group formed, the state to
@@ -982,16 +984,20 @@ class Elastic:
         loss: float,
         samples: int,
         seconds: float = 0.0,
+        compute_seconds: float | None = None,
         state: Callable[[], Any] | None = None,
         replicated: Callable[[], Any] | None = None,
         later: Callable[[], Callable[[Any], bool]] | None = None,
     ) -> None:
         """Report a finished step; back up when due (``state()``: what only this rank has,
         copied to peers; ``replicated()``: what every rank has alike, kept here only;
-        ``later()``: ``backup``'s ``later``); carry out injected faults."""
+        ``later()``: ``backup``'s ``later``); carry out injected faults.
+        ``compute_seconds``: the part of the step this rank spent computing, apart from time
+        blocked in collectives (None: not measured), what straggler detection compares."""
         world = self._world()
-        # Every member's step and step time go on its heartbeats (not stored).
-        self.client.finished_step(step, max(0.0, seconds))
+        compute = self._slowed(step, world.rank, seconds, compute_seconds)
+        # Every member's step, step time and compute time go on its heartbeats (not stored).
+        self.client.finished_step(step, max(0.0, seconds), compute)
         # The log keeps one record per step for the job, rank 0's (its loss is the job's
         # loss, as the loop reports it), and each member's first step of each generation (so
         # the timelines' resume of every member stays exact): not a row per rank per step.
@@ -1011,6 +1017,24 @@ class Elastic:
             )
         faults.inject(self._faults, step, world.rank, self._faults_state)
         self._superseded(world.generation)
+
+    def _slowed(self, step: int, rank: int, seconds: float, compute: float | None) -> float | None:
+        """Carry out injected slow steps: a lasting slowdown (``slow@STEP:rank=R:FACTOR``)
+        sleeps its share of this step's compute time (of the step's time when compute is not
+        measured), a one-step one its seconds; the sleep counts as compute, as a slower
+        device's would. The compute time to report."""
+        if not self._faults:
+            return compute
+        now = time.monotonic()
+        if self._slowdown is None:
+            self._slowdown = faults.slowdown(self._faults, step, rank, self._faults_state, now)
+        # A one-step slow (``slow@STEP:rank=R:SECONDSs``) counts as that step's compute too.
+        pause = faults.pause(self._faults, step, rank, self._faults_state)
+        if self._slowdown is not None:
+            pause += self._slowdown.pause(compute if compute is not None else seconds, now)
+        if pause > 0:
+            time.sleep(pause)
+        return None if compute is None else compute + pause
 
     def settle(self) -> None:
         """Wait until the copies a backup left to a thread (``later``) landed."""

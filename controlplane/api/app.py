@@ -92,6 +92,7 @@ EventType = Literal[
     "job.registered",
     "generation.started",
     "fault.detected",
+    "member.slow",
     "job.state_changed",
     "reallocation.issued",
     "incident.resolved",
