@@ -128,13 +128,15 @@ def decode_heartbeats(subject: str, data: bytes) -> Beats | str:
         job, node = parsed.job_id, parsed.node
         if isinstance(message, HeartbeatMessage):
             p = message.payload
+            compute = p.compute_seconds
             return Beats(job, node, [parsed.member], [message.incarnation], [message.generation],
-                         [p.step], [p.phase], [round(p.step_seconds * 1000)], [0])  # fmt: skip
+                         [p.step], [p.phase], [round(p.step_seconds * 1000)], [0],
+                         None if compute is None else [round(compute * 1000)])  # fmt: skip
         m = message
         if _LAUNCHER in m.members:
             return "forged: a launcher relays its members' heartbeats, not its own"
         return Beats(job, node, m.members, m.incarnation, m.generation, m.step, m.phase,
-                     m.step_ms, m.age_ms)  # fmt: skip
+                     m.step_ms, m.age_ms, m.compute_ms)  # fmt: skip
     except Exception as exc:  # a bug here must not stop the listener
         log.exception("decoding a heartbeat on %r failed", subject[:_SUBJECT_KEPT])
         return printable(f"undecodable: {type(exc).__name__}: {exc}")

@@ -25,6 +25,7 @@ import contextlib
 import errno
 import json
 import logging
+import math
 import os
 import queue
 import socket
@@ -75,6 +76,8 @@ def _open_relay_socket() -> socket.socket:
 
 #: Events sent per round before waiting for the server's acknowledgements.
 _WINDOW = 512
+#: The largest compute time per step a heartbeat carries (``schemas.common.ComputeSeconds``).
+_COMPUTE_MAX_S = 3600.0
 #: ``command.refused`` reports per minute at most (the rest are counted into the next one), so
 #: a flood of forged commands does not become a flood of events from every member.
 _REFUSALS_PER_MINUTE = 10
@@ -168,6 +171,9 @@ class EventClient:
         self._credential_warned = False
         #: The longest step finished since the last heartbeat (``finished_step``).
         self._step_seconds = 0.0
+        #: The compute time of the steps finished since the last heartbeat, and their count.
+        self._compute_seconds = 0.0
+        self._computed = 0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -250,17 +256,25 @@ class EventClient:
         self._poke()
         return event_id
 
-    def finished_step(self, step: int, seconds: float) -> None:
-        """The member finished ``step`` in ``seconds``: its heartbeats carry the step, and
-        the longest step since the previous heartbeat."""
+    def finished_step(self, step: int, seconds: float, compute: float | None = None) -> None:
+        """The member finished ``step`` in ``seconds``, ``compute`` of them computing (None:
+        not measured): its heartbeats carry the step, the longest step and the mean compute
+        time of the steps since the previous heartbeat."""
         with self._lock:
             self.step = step
             self._step_seconds = max(self._step_seconds, seconds)
+            if compute is not None and math.isfinite(compute) and compute >= 0:
+                self._compute_seconds += compute
+                self._computed += 1
 
-    def _take_step_seconds(self) -> float:
+    def _take_step_seconds(self) -> tuple[float, float | None]:
+        """The longest step and the mean compute time since the previous heartbeat."""
         with self._lock:
             seconds, self._step_seconds = self._step_seconds, 0.0
-        return seconds
+            computed, self._computed = self._computed, 0
+            total, self._compute_seconds = self._compute_seconds, 0.0
+        mean = min(total / computed, _COMPUTE_MAX_S) if computed else None
+        return seconds, mean
 
     def heartbeat(self) -> None:
         """Send one heartbeat (step, phase) on ``elastic.hb.<job>.<node>.<member>``: NATS
@@ -269,6 +283,11 @@ class EventClient:
         heartbeats (``Identity.heartbeat_relay``), it goes to the launcher's socket instead.
         Never blocks on I/O."""
         identity = self.identity
+        step_seconds, compute = self._take_step_seconds()
+        payload: dict[str, Any] = {"step": self.step, "phase": self.phase.value,
+                                   "step_seconds": step_seconds}  # fmt: skip
+        if compute is not None:
+            payload["compute_seconds"] = compute
         message = {
             "job_id": identity.job_id,
             "type": "member.heartbeat",
@@ -277,9 +296,8 @@ class EventClient:
             "incarnation": self.incarnation,
             "generation": self.generation,
             "emitted_at": datetime.now(UTC).isoformat(),
-            "payload": {"step": self.step, "phase": self.phase.value,
-                        "step_seconds": self._take_step_seconds()},
-        }  # fmt: skip
+            "payload": payload,
+        }
         data = json.dumps(message).encode()
         relay = self.identity.heartbeat_relay
         if relay:

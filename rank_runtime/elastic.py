@@ -308,6 +308,8 @@ class Elastic:
         self.skip: tuple[tuple[int, int], ...] = ()
         #: Called when an injected ``nan@STEP`` fires: spoils the model (the session's).
         self.poison: Callable[[], None] | None = None
+        #: A lasting ``slow`` fault that fired in this process (None: none).
+        self._slowdown: faults.Slowdown | None = None
         #: A newer command ``step_done`` found, for ``recover`` to follow.
         self._pending: Start | Reallocate | None = None
         #: Let ``start`` and ``recover`` return once the new group formed, the state to
@@ -1015,6 +1017,7 @@ class Elastic:
         loss: float,
         samples: int,
         seconds: float = 0.0,
+        compute_seconds: float | None = None,
         state: Callable[[], Any] | None = None,
         replicated: Callable[[], Any] | None = None,
         later: Callable[[], Callable[[Any], bool]] | None = None,
@@ -1024,7 +1027,9 @@ class Elastic:
         copied to peers; ``replicated()``: what every rank has alike, kept here only;
         ``later()``: ``backup``'s ``later``); carry out injected faults. A non-finite
         ``loss`` or ``grad_norm`` is reported as a ``train.anomaly`` instead, and raised
-        (``LossAnomaly``: pass it to ``recover``); that step is not backed up."""
+        (``LossAnomaly``: pass it to ``recover``); that step is not backed up.
+        ``compute_seconds``: the part of the step this rank spent computing, apart from time
+        blocked in collectives (None: not measured), what straggler detection compares."""
         world = self._world()
         if faults.poisons(self._faults, step, world.rank, self._faults_state):
             log.warning("fault injection: step %d's loss is NaN on this rank", step)
@@ -1037,8 +1042,9 @@ class Elastic:
             self.client.publish("train.anomaly", {"step": step, "kind": kind.value,
                                                   "detail": detail})  # fmt: skip
             raise LossAnomaly(step, kind, detail)
-        # Every member's step and step time go on its heartbeats (not stored).
-        self.client.finished_step(step, max(0.0, seconds))
+        compute = self._slowed(step, world.rank, seconds, compute_seconds)
+        # Every member's step, step time and compute time go on its heartbeats (not stored).
+        self.client.finished_step(step, max(0.0, seconds), compute)
         # The log keeps one record per step for the job, rank 0's (its loss is the job's
         # loss, as the loop reports it), and each member's first step of each generation (so
         # the timelines' resume of every member stays exact): not a row per rank per step.
@@ -1062,6 +1068,24 @@ class Elastic:
     def skips(self, step: int) -> bool:
         """Whether the loop does not run ``step`` (a rollback skipped its batch: ``skip``)."""
         return any(first <= step <= last for first, last in self.skip)
+
+    def _slowed(self, step: int, rank: int, seconds: float, compute: float | None) -> float | None:
+        """Carry out injected slow steps: a lasting slowdown (``slow@STEP:rank=R:FACTOR``)
+        sleeps its share of this step's compute time (of the step's time when compute is not
+        measured), a one-step one its seconds; the sleep counts as compute, as a slower
+        device's would. The compute time to report."""
+        if not self._faults:
+            return compute
+        now = time.monotonic()
+        if self._slowdown is None:
+            self._slowdown = faults.slowdown(self._faults, step, rank, self._faults_state, now)
+        # A one-step slow (``slow@STEP:rank=R:SECONDSs``) counts as that step's compute too.
+        pause = faults.pause(self._faults, step, rank, self._faults_state)
+        if self._slowdown is not None:
+            pause += self._slowdown.pause(compute if compute is not None else seconds, now)
+        if pause > 0:
+            time.sleep(pause)
+        return None if compute is None else compute + pause
 
     def settle(self) -> None:
         """Wait until the copies a backup left to a thread (``later``) landed."""

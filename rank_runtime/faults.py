@@ -1,10 +1,18 @@
-"""Fault injection: ``crash@STEP:rank=R``, ``hang@STEP:rank=R``, ``slow@STEP:rank=R:SECONDS``,
-``nan@STEP:rank=R``, ``crash@recover:rank=R``, ``tamper@serve:rank=R`` and
-``random:every=S[:seed=N]`` (the launcher kills a random member every S seconds).
+"""Fault injection: ``crash@STEP:rank=R``, ``hang@STEP:rank=R``,
+``slow@STEP:rank=R:FACTOR[:for=SECONDS]``, ``slow@STEP:rank=R:SECONDSs``, ``nan@STEP:rank=R``,
+``crash@recover:rank=R``, ``tamper@serve:rank=R`` and ``random:every=S[:seed=N]`` (the launcher
+kills a random member every S seconds).
 
 ``nan@STEP:rank=R`` makes the step's loss NaN on rank R, and its model's parameters with it (a
 step whose update went wrong): the member reports the non-finite step (``train.anomaly``) and
 waits for the control plane to roll the job back.
+
+``slow@STEP:rank=R:FACTOR`` (e.g. ``slow@20:rank=1:1.5``, or ``1.5x``) makes the process that
+has rank R at step STEP slower from that step on, until it ends (or for ``for=SECONDS`` of wall
+time): after each step it sleeps (FACTOR - 1) times the step's compute time and reports the
+sleep as compute (a slower device). A spare that takes its rank later is not slow.
+``slow@STEP:rank=R:SECONDSs`` (e.g. ``2s``) is one slow step: the rank sleeps SECONDS once
+after STEP (a hiccup).
 
 ``crash@recover:rank=R`` fires in the member that had rank R when it receives a reallocation,
 before it acks: a second fault while the job recovers (and, when that member holds a copy the
@@ -44,8 +52,10 @@ FORGE_FACTOR = 50.0
 
 _STEP_FAULT = re.compile(
     r"^(?P<kind>crash|hang|slow|nan|tamper)@(?P<step>\d+|recover|serve):rank=(?P<rank>\d+)"
-    r"(?::(?P<seconds>\d+(\.\d+)?))?$"
+    r"(?::(?P<seconds>\d+(\.\d+)?)(?P<unit>[sx])?)?(?::for=(?P<for>\d+(\.\d+)?))?$"
 )
+#: The largest slowdown factor a ``slow`` fault takes.
+MAX_FACTOR = 100.0
 _RANDOM = re.compile(r"^random:every=(?P<every>\d+(\.\d+)?)(?::seed=(?P<seed>\d+))?$")
 
 
@@ -61,12 +71,38 @@ class StepFault:
     kind: str
     step: int
     rank: int
+    #: A one-step ``slow``: how long the rank sleeps once.
     seconds: float = 0.0
+    #: A lasting ``slow``: how much slower the rank's steps become (0: a one-step one).
+    factor: float = 0.0
+    #: A lasting ``slow``'s wall time (None: until the process ends).
+    duration: float | None = None
 
     def __str__(self) -> str:
-        tail = f":{self.seconds:g}" if self.kind == "slow" else ""
+        tail = ""
+        if self.kind == "slow" and self.factor:
+            tail = f":{self.factor:g}x"
+            if self.duration is not None:
+                tail += f":for={self.duration:g}"
+        elif self.kind == "slow":
+            tail = f":{self.seconds:g}s"
         when = {RECOVER: "recover", SERVE: "serve"}.get(self.step, str(self.step))
         return f"{self.kind}@{when}:rank={self.rank}{tail}"
+
+
+@dataclass(slots=True)
+class Slowdown:
+    """A lasting ``slow`` fault that fired in this process: each step it sleeps
+    ``factor - 1`` times the step's compute time, until ``until`` (monotonic; None: never)."""
+
+    factor: float
+    until: float | None = None
+
+    def pause(self, compute_s: float, now: float) -> float:
+        """How long to sleep after a step that computed for ``compute_s``."""
+        if self.until is not None and now >= self.until:
+            return 0.0
+        return max(0.0, (self.factor - 1.0) * compute_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,26 +118,41 @@ def parse(spec: str) -> StepFault | RandomFaults:
     text = spec.strip()
     if m := _STEP_FAULT.match(text):
         kind = m["kind"]
-        seconds = float(m["seconds"]) if m["seconds"] else 0.0
-        if kind == "slow" and seconds <= 0:
-            raise FaultSpecError(f"{spec!r}: a slow step needs its seconds (slow@STEP:rank=R:S)")
-        if kind != "slow" and m["seconds"]:
+        value = float(m["seconds"]) if m["seconds"] else 0.0
+        if kind != "slow" and (m["seconds"] or m["for"]):
             raise FaultSpecError(f"{spec!r}: only a slow step takes seconds")
+        seconds = factor = 0.0
+        duration = float(m["for"]) if m["for"] else None
+        if kind == "slow" and m["unit"] == "s":
+            if value <= 0:
+                raise FaultSpecError(f"{spec!r}: a slow step needs its seconds (slow@S:rank=R:2s)")
+            if duration is not None:
+                raise FaultSpecError(f"{spec!r}: one slow step (SECONDSs) takes no for=")
+            seconds = value
+        elif kind == "slow":
+            if not 1.0 < value <= MAX_FACTOR:
+                raise FaultSpecError(
+                    f"{spec!r}: a slowdown needs its factor, above 1 and at most {MAX_FACTOR:g}"
+                    " (slow@STEP:rank=R:1.5[:for=SECONDS])"
+                )
+            if duration is not None and duration <= 0:
+                raise FaultSpecError(f"{spec!r}: for= must be > 0 seconds")
+            factor = value
         if m["step"] == "recover" and kind != "crash":
             raise FaultSpecError(f"{spec!r}: only a crash can fire on recovery")
         if (m["step"] == "serve") != (kind == "tamper"):
             raise FaultSpecError(f"{spec!r}: a holder tampers with what it serves (tamper@serve)")
         step = {"recover": RECOVER, "serve": SERVE}.get(m["step"]) or int(m["step"])
-        return StepFault(kind, step, int(m["rank"]), seconds)
+        return StepFault(kind, step, int(m["rank"]), seconds, factor, duration)
     if m := _RANDOM.match(text):
         every = float(m["every"])
         if every <= 0:
             raise FaultSpecError(f"{spec!r}: every must be > 0 seconds")
         return RandomFaults(every, int(m["seed"] or 0))
     raise FaultSpecError(
-        f"{spec!r}: expected crash@STEP:rank=R, hang@STEP:rank=R, slow@STEP:rank=R:SECONDS,"
-        " nan@STEP:rank=R, crash@recover:rank=R, tamper@serve:rank=R or"
-        " random:every=SECONDS[:seed=N]"
+        f"{spec!r}: expected crash@STEP:rank=R, hang@STEP:rank=R,"
+        " slow@STEP:rank=R:FACTOR[:for=SECONDS], slow@STEP:rank=R:SECONDSs, nan@STEP:rank=R,"
+        " crash@recover:rank=R, tamper@serve:rank=R or random:every=SECONDS[:seed=N]"
     )
 
 
@@ -141,17 +192,48 @@ def poisons(faults: list[StepFault], step: int, rank: int, state_dir: str | None
     )
 
 
+def slowdown(
+    faults: list[StepFault], step: int, rank: int, state_dir: str | None, now: float
+) -> Slowdown | None:
+    """The lasting slowdown that starts at ``step`` for ``rank`` (claimed: once per job), if
+    any; ``now`` is the monotonic clock its ``for=`` counts from."""
+    for fault in faults:
+        if (
+            fault.kind == "slow"
+            and fault.factor
+            and fault.step == step
+            and fault.rank == rank
+            and claim(fault, state_dir)
+        ):
+            until = None if fault.duration is None else now + fault.duration
+            return Slowdown(fault.factor, until)
+    return None
+
+
+def pause(faults: list[StepFault], step: int, rank: int, state_dir: str | None) -> float:
+    """The seconds of a one-step ``slow`` due at ``step`` for ``rank`` (claimed: once per
+    job; 0.0: none)."""
+    return sum(
+        fault.seconds
+        for fault in faults
+        if fault.kind == "slow"
+        and not fault.factor
+        and fault.step == step
+        and fault.rank == rank
+        and claim(fault, state_dir)
+    )
+
+
 def inject(faults: list[StepFault], step: int, rank: int, state_dir: str | None = None) -> None:
     """Carry out the faults due at ``step`` (``RECOVER`` on a reallocation) for ``rank`` (a
-    crash does not return). A ``nan`` fault is the step's own (``poisons``)."""
+    crash does not return); slow steps are ``pause``'s and ``slowdown``'s, and a ``nan``
+    fault is the step's own (``poisons``)."""
     for fault in faults:
-        if fault.kind == "nan":
+        if fault.step != step or fault.rank != rank or fault.kind in ("slow", "nan"):
             continue
-        if fault.step != step or fault.rank != rank or not claim(fault, state_dir):
+        if not claim(fault, state_dir):
             continue
-        if fault.kind == "slow":
-            time.sleep(fault.seconds)
-        elif fault.kind == "hang":
+        if fault.kind == "hang":
             os.kill(os.getpid(), signal.SIGSTOP)
         else:
             from rank_runtime import trace

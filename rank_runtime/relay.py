@@ -59,14 +59,16 @@ class _Latest:
     step: int
     phase: str
     step_seconds: float
+    compute_seconds: float | None = None
 
 
 def node_message(
     job_id: str, node: str, emitted_at: str, heard: list[tuple[str, _Latest]], now: float
 ) -> bytes:
     """``heard`` (member, its latest heartbeat) as ``node``'s ``node.heartbeat``, a column
-    per field (``schemas.events.NodeHeartbeatMessage``)."""
-    return json.dumps({
+    per field (``schemas.events.NodeHeartbeatMessage``; ``compute_ms`` only when a member
+    reported a compute time)."""
+    message = {
         "job_id": job_id, "type": "node.heartbeat", "v": 1, "source": f"{node}/launcher",
         "emitted_at": emitted_at,
         "members": [m for m, _ in heard],
@@ -77,7 +79,12 @@ def node_message(
         "step": [h.step for _, h in heard],
         "phase": [h.phase for _, h in heard],
         "step_ms": [round(h.step_seconds * 1000) for _, h in heard],
-    }, separators=(",", ":")).encode()  # fmt: skip
+    }  # fmt: skip
+    if any(h.compute_seconds is not None for _, h in heard):
+        message["compute_ms"] = [
+            None if h.compute_seconds is None else round(h.compute_seconds * 1000) for _, h in heard
+        ]
+    return json.dumps(message, separators=(",", ":")).encode()
 
 
 class HeartbeatRelay:
@@ -137,7 +144,7 @@ class HeartbeatRelay:
             p = beat.payload
             self._latest[member] = _Latest(
                 self._clock(), beat.incarnation, beat.generation, p.step, p.phase.value,
-                p.step_seconds,
+                p.step_seconds, p.compute_seconds,
             )  # fmt: skip
         return None
 

@@ -179,6 +179,26 @@ class _Parts:
             # DDP over a sub-group (a pipeline stage's data-parallel group): alike only
             # within that group, so the world cannot share it: each rank backs it up whole.
             self.kind = "local"
+        #: When the step's last gradient was ready on this rank (``time.perf_counter``;
+        #: None: no backward this step, or not measured).
+        self.grads_ready: float | None = None
+        if self.kind in ("replicated", "zero"):
+            self._time_gradients()
+
+    def _time_gradients(self) -> None:
+        """Note when each parameter's gradient is accumulated: the last one marks the end
+        of this rank's forward and backward compute. DDP's all-reduce of the gradients runs
+        beside the backward (gloo and NCCL work asynchronously) and is waited for only
+        after it, so the time from the step's start to that mark is the rank's own compute,
+        apart from the wait for slower peers. (FSDP2's and a pipeline's backwards block on
+        peers inside it, so they are not timed: no compute time is reported for them.)"""
+
+        def ready(_: torch.Tensor) -> None:
+            self.grads_ready = time.perf_counter()
+
+        for parameter in self.module.parameters():
+            if parameter.requires_grad:
+                parameter.register_post_accumulate_grad_hook(ready)  # type: ignore[no-untyped-call]
 
     def unique(self) -> dict[str, Any]:
         """What only this rank has of the model and optimizer."""
@@ -549,7 +569,7 @@ class Session:
         assert self._parts is not None
         return self._parts.replicated()
 
-    def _done(self, step: int, seconds: float) -> None:
+    def _done(self, step: int, seconds: float, compute: float | None = None) -> None:
         if self._report is None:
             raise RuntimeError(f"step {step} ended without session.report(loss=..., samples=...)")
         loss, samples, grad_norm = self._report
@@ -561,8 +581,9 @@ class Session:
         done = time.time()
         assert self._parts is not None
         self.elastic.step_done(step, loss=loss, samples=samples, seconds=seconds,
-                               state=self._unique, replicated=self._replicated,
-                               later=self._parts.stepped, grad_norm=grad_norm)  # fmt: skip
+                               compute_seconds=compute, state=self._unique,
+                               replicated=self._replicated, later=self._parts.stepped,
+                               grad_norm=grad_norm)  # fmt: skip
         if first is not None:  # the generation's first step, and its report
             trace.mark("first_step", done - seconds, seconds, generation=first)
             trace.mark("step_done", done, time.time() - done, generation=first)
@@ -605,6 +626,7 @@ class _StepGuard:
     def __enter__(self) -> tuple[Any, Any]:
         parts = self._session._parts
         assert parts is not None
+        parts.grads_ready = None
         self._started = time.perf_counter()
         return parts.model, parts.optimizer
 
@@ -619,8 +641,12 @@ class _StepGuard:
         assert step is not None
         session._step = None
         if error is None:
+            ended = time.perf_counter()
+            parts = session._parts
+            ready = parts.grads_ready if parts is not None else None
+            compute = ready - self._started if ready is not None else None
             try:
-                session._done(step, time.perf_counter() - self._started)
+                session._done(step, ended - self._started, compute)
             except (GenerationSuperseded, LossAnomaly) as newer:  # decided, or to be
                 session._recover(newer, step)
             return False

@@ -63,6 +63,8 @@ Finite = Annotated[float, Field(allow_inf_nan=False)]
 Timestamp = Annotated[AwareDatetime, Field(ge=EARLIEST, le=LATEST)]
 Seconds = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 PositiveSeconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+#: A member's compute time of one step, as it reports it: finite, non-negative, at most an hour.
+ComputeSeconds = Annotated[float, Field(ge=0, le=3600, allow_inf_nan=False)]
 
 
 class Strict(BaseModel):
@@ -128,6 +130,9 @@ class FaultReason(StrEnum):
     HEARTBEAT_TIMEOUT = "heartbeat_timeout"
     #: It did not finish its part of a recovery before the policy's deadline.
     RECOVERY_DEADLINE = "recovery_deadline"
+    #: Its compute time per step stayed above the job's baseline (``member.slow``) and the
+    #: policy replaces it (``slow_action``).
+    SLOW = "slow"
 
 
 class ReallocationMode(StrEnum):

@@ -19,6 +19,7 @@ from schemas.common import (
     AnomalyAction,
     AnomalyKind,
     Checksum,
+    ComputeSeconds,
     EventId,
     FaultKind,
     FaultReason,
@@ -207,6 +208,21 @@ class JobPolicy(Strict):
     #: Steps of the job's loss the spike threshold is taken over (and at least this many
     #: steps of the current timeline before the first spike can be found).
     loss_spike_window: Annotated[int, Field(ge=8, le=4096)] = 64
+    #: Straggler detection (docs/design.md, "Slow ranks"): a member of the world whose
+    #: compute time per step (apart from time blocked in collectives) stayed above the job's
+    #: baseline for ``slow_window_s`` is recorded as ``member.slow`` (0: never looked for).
+    #: The baseline is the median of the other members' and the threshold the larger of
+    #: ``slow_ratio`` above it and ``slow_mad_k`` scaled median absolute deviations above it.
+    slow_window_s: Annotated[float, Field(ge=0, le=86_400, allow_inf_nan=False)] = 20.0
+    slow_ratio: Annotated[float, Field(gt=0, le=100, allow_inf_nan=False)] = 0.2
+    slow_mad_k: Annotated[float, Field(ge=0, le=100, allow_inf_nan=False)] = 3.0
+    #: What follows a ``member.slow``: ``ignore`` (it is only recorded), or ``replace`` it
+    #: with a warm spare when the goodput it is projected to cost over ``slow_horizon_s``
+    #: exceeds what a recovery costs (the job's mean downtime so far, else
+    #: ``slow_recovery_s``, plus the steps since the newest complete backup).
+    slow_action: Literal["ignore", "replace"] = "ignore"
+    slow_horizon_s: PositiveSeconds = 600.0
+    slow_recovery_s: PositiveSeconds = 30.0
 
     @model_validator(mode="after")
     def _world_bounds(self) -> JobPolicy:
@@ -267,6 +283,9 @@ class MemberHeartbeat(Strict):
     #: The longest step the member finished since its previous heartbeat (0: none): what a
     #: straggler analysis needs of every rank, with no stored row per rank per step.
     step_seconds: Seconds = 0.0
+    #: The mean compute time of the steps it finished since its previous heartbeat, apart
+    #: from time blocked in collectives (None: none finished, or not measured).
+    compute_seconds: ComputeSeconds | None = None
 
 
 class HeartbeatMessage(Strict):
@@ -319,6 +338,8 @@ SUMMARY_COLUMN_MEMBERS = 800
 _SPAN_MS = 2**31 - 1
 _OffsetMs = Annotated[int, Field(ge=-_SPAN_MS, le=_SPAN_MS)]
 _DurationMs = Annotated[int, Field(ge=0, le=_SPAN_MS)]
+#: A compute time per step in milliseconds (at most an hour, as ``ComputeSeconds``).
+_ComputeMs = Annotated[int, Field(ge=0, le=3_600_000)]
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
@@ -352,11 +373,17 @@ class NodeHeartbeatMessage(Strict):
     #: The longest step each member finished since its previous heartbeat (its
     #: heartbeat's ``step_seconds``), milliseconds.
     step_ms: list[_DurationMs]
+    #: Each member's heartbeat's ``compute_seconds``, milliseconds (None: none; the column
+    #: is absent from older launchers' messages).
+    compute_ms: list[_ComputeMs | None] | None = None
 
     @model_validator(mode="after")
     def _aligned(self) -> NodeHeartbeatMessage:
         count = len(self.members)
-        for name in ("incarnation", "generation", "age_ms", "step", "phase", "step_ms"):
+        names = ["incarnation", "generation", "age_ms", "step", "phase", "step_ms"]
+        if self.compute_ms is not None:
+            names.append("compute_ms")
+        for name in names:
             if len(getattr(self, name)) != count:
                 raise ValueError(
                     f"column {name} has {len(getattr(self, name))} values, not {count}"
@@ -398,6 +425,9 @@ class LivenessRow(NamedTuple):
     phase: Phase
     step: int
     max_step_s: float
+    #: Its sustained compute time per step over the summary's ``compute_window_ms`` (None:
+    #: not known over the whole window).
+    compute_s: float | None = None
 
 
 class LivenessColumns(Strict):
@@ -421,12 +451,19 @@ class LivenessColumns(Strict):
     phase: list[Phase]
     step: list[Step]
     max_step_ms: list[_DurationMs]
+    #: Each member's sustained compute time per step over the summary's
+    #: ``compute_window_ms``: the least of the per-heartbeat means in that window (None: not
+    #: known over the whole window). Absent from summaries recorded before.
+    compute_ms: list[_ComputeMs | None] | None = None
 
     @model_validator(mode="after")
     def _aligned(self) -> LivenessColumns:
         count = len(self.members)
-        for name in ("generation", "last_ms", "first_ms", "beats", "max_gap_ms",
-                     "max_gap_at_ms", "phase", "step", "max_step_ms"):  # fmt: skip
+        names = ["generation", "last_ms", "first_ms", "beats", "max_gap_ms", "max_gap_at_ms",
+                 "phase", "step", "max_step_ms"]  # fmt: skip
+        if self.compute_ms is not None:
+            names.append("compute_ms")
+        for name in names:
             if len(getattr(self, name)) != count:
                 raise ValueError(
                     f"column {name} has {len(getattr(self, name))} values, not {count}"
@@ -445,15 +482,25 @@ class LivenessColumns(Strict):
         ):
             yield member, None, generation, at_ms(epoch + last), phase
 
+    def computed(self) -> Iterator[tuple[str, float | None]]:
+        """(member, sustained compute seconds or None) of each member listed (none when the
+        summary carries no compute column)."""
+        if self.compute_ms is not None:
+            for member, ms in zip(self.members, self.compute_ms, strict=True):
+                yield member, None if ms is None else ms / 1000
+
     def rows(self) -> Iterator[LivenessRow]:
         epoch, assumed = self.epoch_ms, set(self.assumed)
+        compute = self.compute_ms
         for i, member in enumerate(self.members):
             first, gap_at = self.first_ms[i], self.max_gap_at_ms[i]
+            ms = None if compute is None else compute[i]
             yield LivenessRow(
                 member, None, None, self.generation[i], at_ms(epoch + self.last_ms[i]),
                 i in assumed, None if first is None else at_ms(epoch + first), self.beats[i],
                 self.max_gap_ms[i] / 1000, None if gap_at is None else at_ms(epoch + gap_at),
                 self.phase[i], self.step[i], self.max_step_ms[i] / 1000,
+                None if ms is None else ms / 1000,
             )  # fmt: skip
 
 
@@ -472,6 +519,18 @@ class RegularMembers(Strict):
     step_min: Step
     step_max: Step
     max_step_ms: _DurationMs
+    #: Each one's sustained compute time per step over the summary's ``compute_window_ms``
+    #: (None: not known over the whole window), in ``members`` order. Absent from summaries
+    #: recorded before.
+    compute_ms: list[_ComputeMs | None] | None = None
+
+    @model_validator(mode="after")
+    def _aligned(self) -> RegularMembers:
+        if self.compute_ms is not None and len(self.compute_ms) != len(self.members):
+            raise ValueError(
+                f"column compute_ms has {len(self.compute_ms)} values, not {len(self.members)}"
+            )
+        return self
 
     def vouched(self, since: datetime | None, at: datetime) -> datetime:
         """A time each was heard at or after: the window's end less the bound (and not
@@ -508,6 +567,21 @@ class LivenessSummary(Strict):
     #: In an interval summary, the members heard regularly (in part 1; None: none, or a
     #: decision's summary, which lists every member in ``columns``).
     regular: RegularMembers | None = None
+    #: The window each member's sustained compute time is taken over (``compute_ms``), ms
+    #: (None: no compute times, as in summaries recorded before).
+    compute_window_ms: _DurationMs | None = None
+
+    def computed(self) -> Iterator[tuple[str, float | None]]:
+        """(member, sustained compute seconds or None) of each member the part lists or names
+        as regular (nothing when it carries no compute times)."""
+        if self.compute_window_ms is None:
+            return
+        if self.columns is not None:
+            yield from self.columns.computed()
+        regular = self.regular
+        if regular is not None and regular.compute_ms is not None:
+            for member, ms in zip(regular.members, regular.compute_ms, strict=True):
+                yield member, None if ms is None else ms / 1000
 
     def last_heard(self) -> Iterator[tuple[str, str | None, int, datetime, Phase]]:
         """(member, incarnation or None, generation, last heartbeat, phase) of each member
@@ -536,10 +610,13 @@ class LivenessSummary(Strict):
         if regular is not None:
             last = regular.vouched(self.since, self.at)
             first = self.since if self.since is not None else last
-            for member in regular.members:
+            compute = regular.compute_ms
+            for i, member in enumerate(regular.members):
+                ms = None if compute is None else compute[i]
                 yield LivenessRow(
                     member, None, None, regular.generation, last, False, first, 0, 0.0, None,
                     regular.phase, regular.step_max, regular.max_step_ms / 1000,
+                    None if ms is None else ms / 1000,
                 )  # fmt: skip
 
 
@@ -852,6 +929,31 @@ class AnomalyDetected(Strict):
     threshold: Finite | None = None
 
 
+class MemberSlow(Strict):
+    """``member.slow``: a member of the world whose compute time per step stayed above the
+    job's baseline over a window, the evidence, and what the policy made of it."""
+
+    member: Ident
+    rank: NonNegInt
+    #: Its sustained compute time per step over the window (the least per-heartbeat mean).
+    compute_s: ComputeSeconds
+    #: The median of the other members' sustained compute times, their median absolute
+    #: deviation, and the threshold it was judged against.
+    baseline_s: ComputeSeconds
+    mad_s: ComputeSeconds
+    threshold_s: ComputeSeconds
+    #: Members the baseline was taken over.
+    peers: Annotated[int, Field(ge=1, le=MAX_WORLD)]
+    window_s: Seconds
+    #: The ``liveness.summary`` that recorded the compute times (its position).
+    evidence: Evidence
+    action: Literal["ignore", "replace"]
+    #: The numbers behind ``action``: the goodput projected lost, and a recovery's cost.
+    projected_loss_s: Seconds
+    recovery_cost_s: Seconds
+    reason: Text
+
+
 class JobStateChanged(Strict):
     from_: JobState = Field(alias="from")
     to: JobState
@@ -1095,6 +1197,14 @@ class AnomalyDetectedEvent(EnvelopeBase):
     payload: AnomalyDetected
 
 
+class MemberSlowEvent(EnvelopeBase):
+    """``member.slow``, version 1."""
+
+    type: Literal["member.slow"]
+    v: Literal[1]
+    payload: MemberSlow
+
+
 class JobStateChangedEvent(EnvelopeBase):
     """``job.state_changed``, version 1."""
 
@@ -1167,6 +1277,7 @@ CONTROLPLANE_EVENT_TYPES: dict[str, type[Strict]] = {
     "generation.started": GenerationStarted,
     "fault.detected": FaultDetected,
     "anomaly.detected": AnomalyDetected,
+    "member.slow": MemberSlow,
     "job.state_changed": JobStateChanged,
     "reallocation.issued": ReallocationIssued,
     "incident.resolved": IncidentResolved,
@@ -1204,6 +1315,7 @@ Event = Annotated[
         GenerationStartedEvent,
         FaultDetectedEvent,
         AnomalyDetectedEvent,
+        MemberSlowEvent,
         JobStateChangedEvent,
         ReallocationIssuedEvent,
         IncidentResolvedEvent,

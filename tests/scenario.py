@@ -277,7 +277,16 @@ class SoftScenario(Scenario):
         super().__init__(job_id, **policy)
         self.table = LivenessTable(started_at=self.now)
 
-    def heartbeat(self, *members: str, step: int = 0, phase: str = "train") -> None:
+    def heartbeat(
+        self,
+        *members: str,
+        step: int = 0,
+        phase: str = "train",
+        compute: float | dict[str, float] | None = None,
+    ) -> None:
+        """``compute``: each member's mean compute time per step since its previous
+        heartbeat (one value for all, or by member; None: none reported)."""
+        window_s = self.v.effective_policy.slow_window_s
         for name in members:
             member = self.v.members[name]
             self.table.observe(
@@ -289,6 +298,8 @@ class SoftScenario(Scenario):
                 at=self.now,
                 step=step,
                 phase=Phase(phase),
+                compute_seconds=compute.get(name) if isinstance(compute, dict) else compute,
+                window_s=window_s,
             )
 
     def summarize(self, reason: str) -> None:

@@ -94,6 +94,7 @@ EventType = Literal[
     "generation.started",
     "fault.detected",
     "anomaly.detected",
+    "member.slow",
     "job.state_changed",
     "reallocation.issued",
     "incident.resolved",

@@ -55,6 +55,7 @@ from controlplane.core.placement import SilentNode, place_columns, silent_nodes
 from controlplane.core.records import StoredEvent
 from controlplane.core.restore import plan_restore, refused_sources
 from controlplane.core.statemachine import TERMINAL
+from controlplane.core.straggler import Slow, judge
 from controlplane.core.timeline import timeline
 from controlplane.core.view import Decision, Incident, JobView, Member, MemberStatus
 from schemas.common import (
@@ -83,6 +84,7 @@ from schemas.events import (
     JobRegistered,
     JobStateChanged,
     JobStopped,
+    MemberSlow,
     Mesh,
     ReallocationIssued,
 )
@@ -99,6 +101,7 @@ _REASON_ORDER = (
     FaultReason.REPORTED,
     FaultReason.HEARTBEAT_TIMEOUT,
     FaultReason.RECOVERY_DEADLINE,
+    FaultReason.SLOW,
 )
 
 _S = JobState
@@ -565,6 +568,12 @@ class _Round:
             n = len(view.incidents) + 1
             self._anomaly(decision_id(view.job_id, f"incident/{n}"), _S.DEGRADED, opens=True)
             return
+        slow = judge(view, self.now, self._warm_spares())
+        if slow:
+            # Recorded first; a ``replace`` is then a finding of the next round (``detect``).
+            for found in slow:
+                self._slow(found)
+            return
         self._grow()
 
     def _pending_anomaly(self) -> bool:
@@ -637,6 +646,38 @@ class _Round:
     def _open(self) -> Incident | None:
         view = self.view
         return view.incidents.get(view.open_incident) if view.open_incident else None
+
+    def _warm_spares(self) -> int:
+        """Warm spares outside the world that could take a rank now."""
+        return sum(
+            1 for m in self.view.members.values() if m.rank is None and _spare_like(m)
+            and self._usable(m)
+        )  # fmt: skip
+
+    def _slow(self, found: Slow) -> None:
+        base = found.baseline
+        self._emit(
+            f"slow/{self.view.generation}/{found.member}",
+            "member.slow",
+            MemberSlow(
+                member=found.member,
+                rank=found.rank,
+                compute_s=found.compute_s,
+                baseline_s=base.median_s,
+                mad_s=base.mad_s,
+                threshold_s=base.threshold_s,
+                peers=base.peers,
+                window_s=found.window_s,
+                evidence=Evidence(
+                    member=found.member, what="liveness.summary", position=found.position,
+                    at=found.at,
+                ),
+                action=found.action,  # type: ignore[arg-type]  # "ignore" | "replace"
+                projected_loss_s=found.projected_loss_s,
+                recovery_cost_s=found.recovery_cost_s,
+                reason=found.reason[:_MAX_TEXT],
+            ),
+        )  # fmt: skip
 
     def _detected(self, incident_id: str, findings: list[Finding]) -> None:
         view = self.view

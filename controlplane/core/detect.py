@@ -4,8 +4,10 @@ Pure: the view and the time are arguments. A member has failed when its launcher
 exit (the fold believes an exit only from the launcher of the member's node), when it reported
 an error of its own (an exception, running out of memory), when peers reported a fault that
 names it *and* that is corroborated (see below), or when its last heartbeat is older than the
-timeout of the phase it last reported (backup and restore get their own, longer timeouts). A
-member already named by a ``fault.detected`` is not found again, so detection is idempotent.
+timeout of the phase it last reported (backup and restore get their own, longer timeouts), or
+when it was recorded as slow (``member.slow``, ``core/straggler.py``) in the current generation
+with the policy's action ``replace``. A member already named by a ``fault.detected`` is not
+found again, so detection is idempotent.
 
 A peer naming a suspect is evidence, not proof: one member (or one node's credential) must not
 be able to fence a healthy peer. Generations are fences: a report counts only while the
@@ -289,5 +291,25 @@ def detect(view: JobView, now: datetime) -> list[Finding]:
             f"{member.member_id} silent for {silent:.1f}s in phase {phase.value}"
             f" (timeout {limit:g}s)",
             (_heard(member, heartbeat),),
+        )
+    generation = view.generation
+    for member_id, mark in view.slow.items():
+        slow = members.get(member_id)
+        if (
+            mark.generation != generation
+            or mark.action != "replace"
+            or member_id in findings
+            or slow is None
+            or slow.status is not active
+            or slow.rank is None
+            or slow.detected_position is not None
+        ):
+            continue
+        # Recorded as slow, and the policy replaces it: alive, but out of the world.
+        findings[member_id] = Finding(
+            member_id,
+            FaultReason.SLOW,
+            mark.reason[:4096],
+            ((member_id, "member.slow", mark.position, mark.at),),
         )
     return [findings[m] for m in sorted(findings)]

@@ -34,6 +34,7 @@ from controlplane.core.view import (
     MAX_STEP_LEAD,
     AnomalyReport,
     CheckpointStep,
+    Computed,
     Decision,
     Discount,
     DiscountReason,
@@ -48,6 +49,7 @@ from controlplane.core.view import (
     MemberStatus,
     ReplicaCopy,
     ShardBackup,
+    SlowMark,
     StateChange,
     StepBackup,
 )
@@ -192,6 +194,7 @@ class _Fold:
     __slots__ = (
         "_by_source",
         "_own_backups",
+        "_own_compute",
         "_own_discounts",
         "_own_heartbeats",
         "_own_incidents",
@@ -222,6 +225,7 @@ class _Fold:
         self._own_launched = False
         self._own_discounts = False
         self._own_heartbeats = False
+        self._own_compute = False
         #: Positions of events this call did not believe (see ``fold_noting``).
         self.ignored: list[int] = []
 
@@ -508,6 +512,8 @@ class _Fold:
             if heard is not None and last_at < heard.at:
                 continue
             heartbeats[member_id] = Heartbeat(last_at, position, "liveness.summary", phase)
+        if p.compute_window_ms is not None:
+            self._compute(stored, p)
         regular = p.regular
         if regular is None:
             return
@@ -523,6 +529,42 @@ class _Fold:
             if heard is not None and vouched < heard.at:
                 continue
             heartbeats[member_id] = mark
+
+    def _compute(self, stored: StoredEvent, p: Any) -> None:
+        """A summary's compute times: each member it lists or names (its current process),
+        known over the window or not (then forgotten: a window not covered says nothing)."""
+        view = self.view
+        if not self._own_compute:
+            view.compute = dict(view.compute)
+            self._own_compute = True
+        compute, members = view.compute, view.members
+        window_s = p.compute_window_ms / 1000
+        generations = {e.member: e.generation for e in p.members}
+        if p.columns is not None:
+            generations.update(zip(p.columns.members, p.columns.generation, strict=True))
+        regular = p.regular
+        for member_id, seconds in p.computed():
+            if member_id not in members:
+                continue
+            if seconds is None:
+                compute.pop(member_id, None)
+                continue
+            generation = generations.get(member_id)
+            if generation is None:
+                generation = regular.generation if regular is not None else view.generation
+            compute[member_id] = Computed(seconds, generation, window_s, stored.position, p.at)
+
+    def _member_slow(self, stored: StoredEvent, p: Any) -> None:
+        """``member.slow``: kept per member (the decider acts on it once per generation)."""
+        view = self.view
+        if stored.event.source != CONTROLPLANE_SOURCE or p.member not in view.members:
+            return
+        view.slow = {
+            **view.slow,
+            p.member: SlowMark(
+                stored.event.generation, stored.position, stored.recorded_at, p.action, p.reason
+            ),
+        }
 
     def _stale(self, stored: StoredEvent, member: Member, generation: int) -> None:
         self._discount(
@@ -1300,6 +1342,7 @@ _HANDLERS: dict[str, Callable[[_Fold, StoredEvent, Any], None]] = {
     "generation.started": _Fold._generation,
     "fault.detected": _Fold._fault_detected,
     "anomaly.detected": _Fold._anomaly_detected,
+    "member.slow": _Fold._member_slow,
     "job.state_changed": _Fold._state_changed,
     "reallocation.issued": _Fold._reallocation,
     "incident.resolved": _Fold._resolved,

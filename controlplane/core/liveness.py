@@ -39,14 +39,15 @@ Pure: times are arguments; nothing here reads a clock or does I/O.
 from __future__ import annotations
 
 import operator
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import NamedTuple
 
 from controlplane.core.detect import heartbeat_timeout, silence_limit
-from controlplane.core.view import Heartbeat, JobView, MemberStatus
+from controlplane.core.straggler import MIN_SAMPLES
+from controlplane.core.view import Computed, Heartbeat, JobView, MemberStatus
 from schemas.common import Phase
 from schemas.events import (
     SUMMARY_COLUMN_MEMBERS,
@@ -87,6 +88,9 @@ class Beats(NamedTuple):
     #: The longest step each member finished since its previous heartbeat, milliseconds.
     step_ms: list[int]
     age_ms: list[int]
+    #: The mean compute time of each member's steps since its previous heartbeat,
+    #: milliseconds (None: none; the column None: a sender that reports none).
+    compute_ms: list[int | None] | None = None
 
     def source(self, i: int) -> str:
         return f"{self.node}/{self.members[i]}"
@@ -116,6 +120,50 @@ class Heard:
     max_gap_ms: int = 0
     max_gap_at_ms: int | None = None
     max_step_ms: int = 0
+    #: Compute times (straggler detection): the generation the samples are of, the first
+    #: and the last heartbeat of the unbroken run that carried one, the times of those in
+    #: the window, the window's running minimum (a deque of increasing values), and the
+    #: sustained value (the window's least, once the run covers the window: None before).
+    compute_generation: int = -1
+    compute_since_ms: int | None = None
+    compute_last_ms: int | None = None
+    compute_times: deque[int] | None = None
+    compute_mins: deque[tuple[int, int]] | None = None
+    sustained_ms: int | None = None
+
+    def _computed(self, ms: int, generation: int, value: int | None, window_ms: int) -> bool:
+        """A heartbeat's compute time (``value``, None: none) heard at ``ms``; whether the
+        sustained value is known (``sustained_ms``)."""
+        if generation != self.compute_generation:
+            self._forget_compute()
+            self.compute_generation = generation
+        if value is None:
+            last = self.compute_last_ms
+            if last is not None and ms - last > window_ms:
+                self._forget_compute()  # no step finished over a window: the run broke
+            return self.sustained_ms is not None
+        times, mins = self.compute_times, self.compute_mins
+        if times is None or mins is None:
+            times, mins = self.compute_times, self.compute_mins = deque(), deque()
+            self.compute_since_ms = ms
+        self.compute_last_ms = ms
+        times.append(ms)
+        while mins and mins[-1][1] >= value:
+            mins.pop()
+        mins.append((ms, value))
+        cutoff = ms - window_ms
+        while times[0] < cutoff:
+            times.popleft()
+        while mins[0][0] < cutoff:
+            mins.popleft()
+        since = self.compute_since_ms
+        covered = since is not None and since <= cutoff and len(times) >= MIN_SAMPLES
+        self.sustained_ms = mins[0][1] if covered else None
+        return covered
+
+    def _forget_compute(self) -> None:
+        self.compute_since_ms = self.compute_last_ms = self.sustained_ms = None
+        self.compute_times = self.compute_mins = None
 
     def _open(self, window: int) -> None:
         """Start ``window``'s statistics (a summary ended the previous one)."""
@@ -161,6 +209,9 @@ def take_beats(table: LivenessTable, view: JobView | None, beats: Beats, at: dat
     heard_by = table._member_table(job_id)
     marks = table._marks_of(job_id)
     window = table._window_count(job_id)
+    window_ms = round(view.effective_policy.slow_window_s * 1000)
+    computes = beats.compute_ms
+    computed = table._computed_of(job_id) if window_ms > 0 else None
     at = on_the_ms(at)
     arrived_ms = ms_of(at)
     stats = table.stats
@@ -200,6 +251,7 @@ def take_beats(table: LivenessTable, view: JobView | None, beats: Beats, at: dat
                 node, incarnation, beat_generation, phase, steps[i], when, ms, step_mss[i],
                 window,
             )  # fmt: skip
+            heard = heard_by[member_id]
         elif ms < heard.last_ms:
             stats.reordered += 1
             continue
@@ -209,7 +261,29 @@ def take_beats(table: LivenessTable, view: JobView | None, beats: Beats, at: dat
             heard.generation = beat_generation
             heard._beat(when, ms, steps[i], phase, step_mss[i])
         marks[member_id] = _mark(Heartbeat, (when, None, TABLE, phase))
+        if computed is not None:
+            value = None if computes is None else computes[i]
+            _mark_compute(computed, member_id, heard, ms, when, value, window_ms)
     return refused
+
+
+def _mark_compute(  # noqa: PLR0917  (one call per beat)
+    computed: dict[str, Computed],
+    member_id: str,
+    heard: Heard,
+    ms: int,
+    when: datetime,
+    value: int | None,
+    window_ms: int,
+) -> None:
+    """Take a heartbeat's compute time into ``heard`` and its probe mark."""
+    generation = heard.generation
+    if heard._computed(ms, generation, value, window_ms):
+        sustained = heard.sustained_ms
+        assert sustained is not None
+        computed[member_id] = Computed(sustained / 1000, generation, window_ms / 1000, None, when)
+    else:
+        computed.pop(member_id, None)
 
 
 def _first(  # noqa: PLR0917  (one call per new process, positional as Heard's own)
@@ -259,6 +333,9 @@ class LivenessTable:
         self._marks: dict[str, dict[str, Heartbeat]] = {}
         #: Job -> the ``hearing_since`` its members were last adopted at (``_adopt``).
         self._adopted: dict[str, datetime] = {}
+        #: Job -> member -> its sustained compute time as a probe shows it (``Computed``),
+        #: kept with every beat of a member whose heartbeats cover the window.
+        self._computes: dict[str, dict[str, Computed]] = {}
         self.stats = LivenessStats()
 
     def heard(self, job_id: str, member_id: str) -> Heard | None:
@@ -275,6 +352,12 @@ class LivenessTable:
 
     def _window_count(self, job_id: str) -> int:
         return self._window_counts.get(job_id, 0)
+
+    def _computed_of(self, job_id: str) -> dict[str, Computed]:
+        computed = self._computes.get(job_id)
+        if computed is None:
+            computed = self._computes[job_id] = {}
+        return computed
 
     def _marks_of(self, job_id: str) -> dict[str, Heartbeat]:
         marks = self._marks.get(job_id)
@@ -294,9 +377,13 @@ class LivenessTable:
         step: int,
         phase: Phase,
         step_seconds: float = 0.0,
+        compute_seconds: float | None = None,
+        window_s: float = 0.0,
     ) -> None:
         """One heartbeat of ``member_id`` (process ``incarnation``) received at ``at``
-        (``step_seconds``: the longest step it finished since its previous one)."""
+        (``step_seconds``: the longest step it finished since its previous one;
+        ``compute_seconds``: their mean compute time, kept over ``window_s``, the job's
+        ``slow_window_s``)."""
         at = on_the_ms(at)
         ms = ms_of(at)
         step_ms = round(step_seconds * 1000)
@@ -308,6 +395,7 @@ class LivenessTable:
             members[member_id] = _first(
                 node, incarnation, generation, phase, step, at, ms, step_ms, window
             )
+            heard = members[member_id]
         elif ms < heard.last_ms:
             self.stats.reordered += 1
             return
@@ -317,6 +405,10 @@ class LivenessTable:
             heard.generation = generation
             heard._beat(at, ms, step, phase, step_ms)
         self._marks_of(job_id)[member_id] = Heartbeat(at, None, TABLE, phase)
+        window_ms = round(window_s * 1000)
+        if window_ms > 0:
+            value = None if compute_seconds is None else round(compute_seconds * 1000)
+            _mark_compute(self._computed_of(job_id), member_id, heard, ms, at, value, window_ms)
 
     def probe(self, view: JobView, *, exact: bool = False) -> JobView:
         """``view`` with the table's liveness in its ``heartbeats`` (evidence ``TABLE``, no
@@ -336,6 +428,10 @@ class LivenessTable:
         job_id = view.job_id
         self._adopt(view)
         merged = dict(view.heartbeats)
+        # The compute times the table knows now (a value the log holds of a member whose
+        # heartbeats no longer cover the window is not one).
+        computed = self._computes.get(job_id)
+        compute = dict(computed) if computed else {}
         marks = self._marks.get(job_id)
         if marks and not exact:
             merged.update(marks)
@@ -349,12 +445,13 @@ class LivenessTable:
                     continue
                 if heard.incarnation != member.incarnation:
                     del table[member_id], marks[member_id]
+                    compute.pop(member_id, None)
                     self._sorted.pop(job_id, None)
                     continue
                 current = merged.get(member_id)
                 if current is None or heard.last_at > current.at:
                     merged[member_id] = marks[member_id]
-        return replace(view, heartbeats=merged)
+        return replace(view, heartbeats=merged, compute=compute)
 
     def exact_for(self, view: JobView, probe: JobView, member_ids: Iterable[str]) -> bool:
         """Whether the quick ``probe`` of ``view`` holds each of ``member_ids`` (active
@@ -460,8 +557,10 @@ class LivenessTable:
         if not steady and not listed:
             return []
         regular = None
+        window_ms = round(view.effective_policy.slow_window_s * 1000)
+        computes = window_ms > 0
         if steady:
-            regular, listed = _regular(steady, listed, bound_ms)
+            regular, listed = _regular(steady, listed, bound_ms, computes)
         epoch = ms_of(now)  # rounded down to the millisecond
         size = SUMMARY_COLUMN_MEMBERS
         chunks = [listed[i : i + size] for i in range(0, len(listed), size)] or [[]]
@@ -472,8 +571,9 @@ class LivenessTable:
                 at=now,
                 part=i,
                 parts=len(chunks),
-                columns=_columns(epoch, chunk) if chunk else None,
+                columns=_columns(epoch, chunk, computes) if chunk else None,
                 regular=regular if i == 1 else None,
+                compute_window_ms=window_ms if computes else None,
             )
             for i, chunk in enumerate(chunks, start=1)
         ]
@@ -511,9 +611,11 @@ class LivenessTable:
         members = self._jobs.get(job_id)
         if members:
             marks = self._marks_of(job_id)
+            computed = self._computes.get(job_id, {})
             for member_id in [m for m in members if m not in keep]:
                 del members[member_id]
                 marks.pop(member_id, None)
+                computed.pop(member_id, None)
             self._sorted.pop(job_id, None)
 
 
@@ -529,7 +631,10 @@ def names_regular(view: JobView) -> bool:
 
 
 def _regular(
-    steady: list[tuple[str, Heard]], others: list[tuple[str, Heard]], bound_ms: int
+    steady: list[tuple[str, Heard]],
+    others: list[tuple[str, Heard]],
+    bound_ms: int,
+    computes: bool = False,
 ) -> tuple[RegularMembers | None, list[tuple[str, Heard]]]:
     """The members heard ``steady``-ly named (``RegularMembers``: those in the window's most
     common generation and phase whose longest step is within a quarter of the median's),
@@ -557,6 +662,7 @@ def _regular(
         step_min=min(h.step for _, h in chosen),
         step_max=max(h.step for _, h in chosen),
         max_step_ms=max(h.max_step_ms for _, h in chosen),
+        compute_ms=_known([h.sustained_ms for _, h in chosen]) if computes else None,
     )
     if rest:
         others = sorted([*others, *rest], key=_NAME)
@@ -566,7 +672,9 @@ def _regular(
 _NAME = operator.itemgetter(0)
 
 
-def _columns(epoch: int, listed: list[tuple[str, Heard]]) -> LivenessColumns:
+def _columns(
+    epoch: int, listed: list[tuple[str, Heard]], computes: bool = False
+) -> LivenessColumns:
     """``listed`` members' windows as columns, times in milliseconds from ``epoch``."""
     return LivenessColumns(
         epoch_ms=epoch,
@@ -583,4 +691,11 @@ def _columns(epoch: int, listed: list[tuple[str, Heard]]) -> LivenessColumns:
         phase=[h.phase for _, h in listed],
         step=[h.step for _, h in listed],
         max_step_ms=[h.max_step_ms for _, h in listed],
+        compute_ms=_known([h.sustained_ms for _, h in listed]) if computes else None,
     )
+
+
+def _known(values: list[int | None]) -> list[int | None] | None:
+    """A compute column, or None when it knows no value (a job whose members report none
+    pays nothing for it)."""
+    return values if any(v is not None for v in values) else None

@@ -567,6 +567,21 @@ def counterfactual(
     if beats:
         members = sorted([*members, *beats], key=lambda s: (s.recorded_at, s.position))
         notes.append(_resolution_note(policy, resolution, len(beats)))
+    # The members' compute times (straggler detection) are in the summaries alone: those
+    # that carry them are replayed as they are, at the times they were recorded.
+    computed = [
+        s
+        for s in log
+        if s.event.type == "liveness.summary"
+        and s.event.source == CONTROLPLANE_SOURCE
+        and any(seconds is not None for _, seconds in s.event.payload.computed())
+    ]
+    if computed:
+        members = sorted([*members, *computed], key=lambda s: (s.recorded_at, s.position))
+        notes.append(
+            f"compute times replayed from {len(computed)} liveness summaries (a member's"
+            " sustained compute time is known at each summary's time)"
+        )
 
     scripts: dict[int, list[StoredEvent]] = {}
     replay = _Replay(

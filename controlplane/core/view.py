@@ -205,6 +205,31 @@ class Heartbeat(NamedTuple):
     phase: Phase
 
 
+class Computed(NamedTuple):
+    """A member's sustained compute time per step as the log shows it (``JobView.compute``):
+    the least of its per-heartbeat mean compute times over a window (straggler detection,
+    ``core/straggler.py``)."""
+
+    compute_s: float
+    #: The generation its heartbeats were of (the window lies within it).
+    generation: int
+    #: The window it was taken over, seconds.
+    window_s: float
+    #: The ``liveness.summary`` that recorded it (None: a decider's probe of its table).
+    position: int | None
+    at: datetime
+
+
+class SlowMark(NamedTuple):
+    """A ``member.slow`` recorded of a member (``JobView.slow``)."""
+
+    generation: int
+    position: int
+    at: datetime
+    action: str
+    reason: str
+
+
 @dataclass(slots=True)
 class ReplicaCopy:
     """A copy of one shard held by a peer, as the holder reported it."""
@@ -418,6 +443,11 @@ class JobView:
     #: them: a summary moves thousands of members' heartbeats at once, and a fold then copies
     #: this one mapping instead of every member it names.
     heartbeats: dict[str, Heartbeat] = field(default_factory=dict)
+    #: member -> its sustained compute time per step, from the newest summary that knew it
+    #: (absent: not known over a whole window); straggler detection reads it.
+    compute: dict[str, Computed] = field(default_factory=dict)
+    #: member -> the newest ``member.slow`` recorded of it.
+    slow: dict[str, SlowMark] = field(default_factory=dict)
     #: The newest step of the current timeline: the current generation's newest step, from its
     #: restore step on (a generation issued by a reallocation starts there).
     last_step: int = 0

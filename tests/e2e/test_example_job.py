@@ -57,7 +57,7 @@ async def test_four_ranks_and_a_spare_train_with_backups_where_they_were_placed(
     job_id = f"job-ex-{uuid.uuid4().hex[:6]}"
     async with running_controlplane(settings) as cp:
         proc = launch(
-            settings, job_id, steps=40, faults=["slow@12:rank=1:2"],
+            settings, job_id, steps=40, faults=["slow@12:rank=1:2s"],
             policy="backup_interval=10,redundancy=2,heartbeat_interval_s=0.2,"
                    "liveness_summary_interval_s=1",
         )  # fmt: skip
