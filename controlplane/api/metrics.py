@@ -8,7 +8,10 @@ plane's exporter (``ELASTIC_METRICS_PORT``).
 - ``elastic_ingest_lag_seconds``: ``recorded_at - emitted_at`` of the newest member event
   folded (how long the newest event took from its producer into the log);
 - ``elastic_incidents{job_id, outcome, kind}``: a job's incidents by outcome (``open``,
-  ``recovered``, ``stopped``) and kind (``fault``, ``growth``);
+  ``recovered``, ``stopped``) and kind (``fault``, ``growth``, ``anomaly``: a loss anomaly's
+  rollback);
+- ``elastic_slow_members{job_id, action}``: members of a job recorded slow (``member.slow``,
+  the newest record of each) by what the policy made of it (``ignore``, ``replace``);
 - ``elastic_mttr_seconds{job_id}``: histogram of the downtime of a job's recovered faults (its
   fault to the first step of the new generation), buckets from 10 ms;
 - ``elastic_events_discounted_total{job_id, reason}``: evidence the fold did not believe;
@@ -86,6 +89,7 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "elastic_ingest_lag_seconds": ("gauge", ()),
     "elastic_jobs": ("gauge", ("state",)),
     "elastic_incidents": ("gauge", ("job_id", "outcome", "kind")),
+    "elastic_slow_members": ("gauge", ("job_id", "action")),
     "elastic_events_discounted_total": ("counter", ("job_id", "reason")),
     "elastic_mttr_seconds": ("histogram", ("job_id",)),
     "elastic_dead_letters_total": ("counter", ()),
@@ -119,6 +123,12 @@ class _ViewCollector(Collector):
             "A job's incidents by outcome (open, recovered, stopped) and kind.",
             labels=["job_id", "outcome", "kind"],
         )
+        slow = GaugeMetricFamily(
+            "elastic_slow_members",
+            "Members of a job recorded slow (member.slow, each member's newest record), by what"
+            " the policy made of it (ignore, replace).",
+            labels=["job_id", "action"],
+        )
         discounted = CounterMetricFamily(
             "elastic_events_discounted",
             "Events stored in the log that the control plane did not believe, by job and"
@@ -146,10 +156,13 @@ class _ViewCollector(Collector):
                     and incident.downtime_s is not None
                 ):
                     downtimes.append(incident.downtime_s)
-            kinds = sorted({"fault", "growth", *(kind for _, kind in outcomes)})
+            kinds = sorted({"fault", "growth", "anomaly", *(kind for _, kind in outcomes)})
             for outcome in INCIDENT_OUTCOMES:
                 for kind in kinds:
                     incidents.add_metric([job, outcome, kind], outcomes[outcome, kind])
+            actions = Tally(mark.action for mark in view.slow.values())
+            for action in sorted({"ignore", "replace", *actions}):
+                slow.add_metric([job, action], actions[action])
             counts = view.discount_counts
             for reason in sorted({*reasons, *counts}):
                 discounted.add_metric([job, reason], counts.get(reason, 0))
@@ -159,6 +172,7 @@ class _ViewCollector(Collector):
             jobs.add_metric([state.value], states[state])
         yield jobs
         yield incidents
+        yield slow
         yield discounted
         yield mttr
         if self._goodputs is not None:

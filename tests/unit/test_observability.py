@@ -27,6 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from controlplane.api.metrics import METRICS, MTTR_BUCKETS, LogMetrics, exporter
 from controlplane.core.goodput import GoodputCounter, goodput
+from controlplane.core.view import SlowMark
 from controlplane.decider import _log_decision
 from controlplane.service import Views
 from controlplane.store.port import AppendResult
@@ -202,3 +203,21 @@ def test_elastic_log_format_configures_the_commands(fmt: str) -> None:
         }  # fmt: skip
     else:
         assert line.endswith("WARNING controlplane.ingest: gap")
+
+
+def test_slow_members_are_counted_by_the_action_taken() -> None:
+    view = final_view()
+    members = sorted(view.members)
+    at = view.registered_at
+    view.slow = {
+        members[0]: SlowMark(view.generation, 10, at, "ignore", "not worth a recovery"),
+        members[1]: SlowMark(view.generation, 11, at, "replace", "worth it"),
+        members[2]: SlowMark(view.generation, 12, at, "replace", "worth it"),
+    }
+    text = LogMetrics(lambda: [view]).exposition().decode()
+    job = view.job_id
+    assert f'elastic_slow_members{{action="ignore",job_id="{job}"}} 1.0' in text
+    assert f'elastic_slow_members{{action="replace",job_id="{job}"}} 2.0' in text
+    # An incident kind no job had yet is exposed at zero, the rollbacks' among them.
+    assert re.search(rf'^elastic_incidents\{{job_id="{job}",kind="anomaly",outcome="open"\}} 0\.0$',
+                     text, re.M)  # fmt: skip
