@@ -662,6 +662,7 @@ def _regular(
         step_min=min(h.step for _, h in chosen),
         step_max=max(h.step for _, h in chosen),
         max_step_ms=max(h.max_step_ms for _, h in chosen),
+        max_gap_ms=max(h.max_gap_ms for _, h in chosen),
         compute_ms=_known([h.sustained_ms for _, h in chosen]) if computes else None,
     )
     if rest:
