@@ -473,6 +473,10 @@ class LivenessColumns(Strict):
     #: ``compute_window_ms``: the least of the per-heartbeat means in that window (None: not
     #: known over the whole window). Absent from summaries recorded before.
     compute_ms: list[_ComputeMs | None] | None = None
+    #: The phase each member was in when its largest silence began, where that is not its
+    #: ``phase`` (None: the same; the column absent: the same for all, or a summary recorded
+    #: before). Self-calibrating timeouts charge the gap to it.
+    max_gap_phase: list[Phase | None] | None = None
 
     @model_validator(mode="after")
     def _aligned(self) -> LivenessColumns:
@@ -481,6 +485,8 @@ class LivenessColumns(Strict):
                  "phase", "step", "max_step_ms"]  # fmt: skip
         if self.compute_ms is not None:
             names.append("compute_ms")
+        if self.max_gap_phase is not None:
+            names.append("max_gap_phase")
         for name in names:
             if len(getattr(self, name)) != count:
                 raise ValueError(

@@ -8,10 +8,11 @@ fixed timeout. The gaps are what the log records, so the fold derives the timeou
 (``JobView.thresholds``) and a replay of the log derives the same ones.
 
 What a summary says of each member is its largest gap in the window (one observation per
-member and window), in the phase it last reported; the members it names as heard regularly
-(``RegularMembers``) count at their largest gap (the bound, in a summary recorded before
-that was kept): an upper bound, so a derived timeout errs long. A decision's summary is not
-counted: the next interval summary covers its window again.
+member and window), in the phase the member was in when that gap began (the summary's
+``max_gap_phase``; the phase it last reported, in summaries recorded before); the members
+it names as heard regularly (``RegularMembers``) count at their largest gap (the bound, in a
+summary recorded before that was kept): an upper bound, so a derived timeout errs long. A
+decision's summary is not counted: the next interval summary covers its window again.
 
 Pure: no clock, no I/O.
 """
@@ -81,11 +82,12 @@ def samples_of(summary: Any, members: Mapping[str, Any]) -> list[GapSample]:
     columns = summary.columns
     if columns is not None:
         assumed = set(columns.assumed)
+        began = columns.max_gap_phase
         for i, (member, gap_ms, phase) in enumerate(
             zip(columns.members, columns.max_gap_ms, columns.phase, strict=True)
         ):
             if gap_ms > 0 and i not in assumed and member in members:
-                add(phase, gap_ms)
+                add(began[i] or phase if began is not None else phase, gap_ms)
     regular = summary.regular
     if regular is not None:
         named = sum(1 for m in regular.members if m in members)

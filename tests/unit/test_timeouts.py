@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import functools
 from datetime import timedelta
 
 import pytest
 
 from controlplane.core.detect import detect, heartbeat_timeout, threshold
 from controlplane.core.fold import fold
-from controlplane.core.timeouts import GapSample, derive, fixed
+from controlplane.core.liveness import LivenessTable
+from controlplane.core.replay import DEADLINE_TICK, counterfactual, redecide
+from controlplane.core.timeouts import GapSample, derive, fixed, samples_of
 from schemas.common import Phase
 from schemas.events import JobPolicy
 from tests.factories import T0, Events, recorded
+from tests.recorded import HANG_LAST_HEARTBEAT_S, HANG_TIMEOUT_S, two_incidents_scenario
+from tests.scenario import SoftScenario
 
 AUTO = {
     "heartbeat_timeout_mode": "auto",
@@ -143,3 +148,80 @@ def test_a_detection_names_the_threshold_in_force():
     )
     # With the fixed policy nobody is silent yet.
     assert detect(_job({}), at(62.0)) == []
+
+
+# -- the recorded two-incident run (heartbeats as soft state) under an auto policy ------------
+
+#: Enough gaps by the hang (one per member and 2 s summary), a factor that clears the run's
+#: longest regular silence (its recoveries' 1.5 s without heartbeats: the recording's members
+#: do not beat while they recover).
+AUTO_RUN = {**AUTO, "heartbeat_timeout_k": 5.0, "heartbeat_timeout_min_gaps": 20}
+
+
+@functools.cache
+def soft(**policy: object):
+    return two_incidents_scenario(SoftScenario, liveness_summary_interval_s=2.0, **policy)
+
+
+def hang_of(log):
+    [_, hang] = [e for e in log if e.event.type == "fault.detected"]
+    return hang
+
+
+def test_a_recorded_run_detects_by_the_derived_timeout_and_replays_it():
+    log = soft(**AUTO_RUN).log
+    assert all(r.matches for r in redecide(log))
+    hang = hang_of(log)
+    payload = hang.event.payload
+    assert payload.reason == "heartbeat_timeout" and payload.members == ["w10"]
+    [limit] = payload.thresholds
+    # p99 of the train phase's gaps is the recovery's 1.5 s silence: 5 x 1.5 s.
+    assert (limit.mode, limit.phase, limit.seconds, limit.gap_s) == ("auto", "train", 7.5, 1.5)
+    assert limit.how.startswith("timeout 7.5s = 5 x p99 gap 1.5s over ")
+    assert "timeout 7.5s" in payload.detail
+    # The decider's turns come a second apart: the first past 40 + 7.5 s.
+    assert hang.recorded_at == at(HANG_LAST_HEARTBEAT_S + 8.0)
+    # The fixed policy's recording detects it at its 4 s timeout, and names it.
+    [fixed_limit] = hang_of(soft().log).event.payload.thresholds
+    assert (fixed_limit.mode, fixed_limit.how) == ("fixed", f"fixed policy {HANG_TIMEOUT_S:g}s")
+    assert hang_of(soft().log).recorded_at == at(HANG_LAST_HEARTBEAT_S + HANG_TIMEOUT_S + 1)
+
+
+def test_a_counterfactual_compares_fixed_and_auto_timeouts():
+    as_fixed = counterfactual(soft(**AUTO_RUN).log, {"heartbeat_timeout_mode": "fixed"})
+    [_, hang] = as_fixed.incidents
+    assert hang.detected_at == at(HANG_LAST_HEARTBEAT_S + HANG_TIMEOUT_S) + DEADLINE_TICK
+    as_auto = counterfactual(soft().log, AUTO_RUN)
+    [_, hang] = as_auto.incidents
+    assert hang.members == ("w10",)
+    assert hang.detected_at == at(HANG_LAST_HEARTBEAT_S + 7.5) + DEADLINE_TICK
+
+
+def test_a_gap_counts_in_the_phase_it_began_in():
+    """A member silent while it backed up, heard again training: the summary says the gap
+    began in the backup phase, and the backup phase's timeout is derived from it."""
+    table = LivenessTable(started_at=T0)
+    events = Events()
+    view = fold(None, recorded([events.joined("m0", incarnation="i1")]))
+
+    def beat(t: float, phase: Phase) -> None:
+        table.observe("job1", "m0", node="n0", incarnation="i1", generation=1, at=at(t), step=1,
+                      phase=phase, step_seconds=0.0)  # fmt: skip
+
+    beat(1.0, Phase.TRAIN)
+    beat(1.5, Phase.BACKUP)
+    beat(4.5, Phase.TRAIN)  # 3 s silent, from the backup's heartbeat on
+    beat(5.0, Phase.TRAIN)
+    [summary] = table.summarize(view, at(5.5), "interval")
+    columns = summary.columns
+    assert columns is not None
+    assert columns.phase == [Phase.TRAIN] and columns.max_gap_ms == [3000]
+    assert columns.max_gap_phase == [Phase.BACKUP]
+    [sample] = samples_of(summary, view.members)
+    assert (sample.phase, sample.gaps) == (Phase.BACKUP, ((3000, 1),))
+    # No column when every gap began in the member's last phase (no bytes for the usual case).
+    table.summarized("job1", at(5.5))
+    beat(6.0, Phase.TRAIN)
+    beat(9.5, Phase.TRAIN)
+    [summary] = table.summarize(view, at(10.0), "interval")
+    assert summary.columns is not None and summary.columns.max_gap_phase is None
