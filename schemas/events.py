@@ -175,6 +175,19 @@ class JobPolicy(Strict):
             Phase.RESTORE: 30.0,
         }
     )
+    #: ``fixed``: the timeouts above. ``auto``: each phase's timeout follows the heartbeat
+    #: gaps the log's interval ``liveness.summary`` events show in that phase over the last
+    #: ``heartbeat_timeout_window_s``: ``heartbeat_timeout_k`` times their
+    #: ``heartbeat_timeout_quantile``, clamped to ``[heartbeat_timeout_floor_s,
+    #: heartbeat_timeout_ceiling_s]``; a phase with fewer than ``heartbeat_timeout_min_gaps``
+    #: gaps keeps its fixed timeout (docs/design.md, "Detection").
+    heartbeat_timeout_mode: Literal["fixed", "auto"] = "fixed"
+    heartbeat_timeout_k: Annotated[float, Field(gt=0, le=1000, allow_inf_nan=False)] = 3.0
+    heartbeat_timeout_quantile: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] = 0.99
+    heartbeat_timeout_min_gaps: Annotated[int, Field(ge=1, le=10_000_000)] = 100
+    heartbeat_timeout_floor_s: PositiveSeconds = 1.0
+    heartbeat_timeout_ceiling_s: PositiveSeconds = 300.0
+    heartbeat_timeout_window_s: PositiveSeconds = 600.0
     backup_interval: PositiveInt = 10
     redundancy: Annotated[int, Field(ge=0, le=8)] = 2
     recovery_deadline_s: PositiveSeconds = 60.0
@@ -228,6 +241,11 @@ class JobPolicy(Strict):
     def _world_bounds(self) -> JobPolicy:
         if self.min_world > self.max_world:
             raise ValueError("min_world must not exceed max_world")
+        if self.heartbeat_timeout_floor_s > self.heartbeat_timeout_ceiling_s:
+            raise ValueError(
+                f"heartbeat_timeout_floor_s {self.heartbeat_timeout_floor_s:g} must not exceed"
+                f" heartbeat_timeout_ceiling_s {self.heartbeat_timeout_ceiling_s:g}"
+            )
         if self.world_size is not None and not (
             self.min_world <= self.world_size <= self.max_world
         ):
@@ -455,6 +473,10 @@ class LivenessColumns(Strict):
     #: ``compute_window_ms``: the least of the per-heartbeat means in that window (None: not
     #: known over the whole window). Absent from summaries recorded before.
     compute_ms: list[_ComputeMs | None] | None = None
+    #: The phase each member was in when its largest silence began, where that is not its
+    #: ``phase`` (None: the same; the column absent: the same for all, or a summary recorded
+    #: before). Self-calibrating timeouts charge the gap to it.
+    max_gap_phase: list[Phase | None] | None = None
 
     @model_validator(mode="after")
     def _aligned(self) -> LivenessColumns:
@@ -463,6 +485,8 @@ class LivenessColumns(Strict):
                  "phase", "step", "max_step_ms"]  # fmt: skip
         if self.compute_ms is not None:
             names.append("compute_ms")
+        if self.max_gap_phase is not None:
+            names.append("max_gap_phase")
         for name in names:
             if len(getattr(self, name)) != count:
                 raise ValueError(
@@ -519,6 +543,9 @@ class RegularMembers(Strict):
     step_min: Step
     step_max: Step
     max_step_ms: _DurationMs
+    #: The largest gap of any of them in the window (at most ``bound_ms``; absent from
+    #: summaries recorded before: ``bound_ms`` is what those vouch for).
+    max_gap_ms: _DurationMs | None = None
     #: Each one's sustained compute time per step over the summary's ``compute_window_ms``
     #: (None: not known over the whole window), in ``members`` order. Absent from summaries
     #: recorded before.
@@ -904,12 +931,34 @@ class Evidence(Strict):
     at: Timestamp | None = None
 
 
+class HeartbeatThreshold(Strict):
+    """The heartbeat timeout a detection applied, and how it was derived: the policy's
+    fixed value, or (``auto``) ``k`` times the ``quantile`` of the ``gaps`` heartbeat gaps
+    the log showed in ``phase`` (``gap_s``), clamped to ``[floor_s, ceiling_s]``."""
+
+    phase: Phase
+    seconds: PositiveSeconds
+    mode: Literal["fixed", "auto"]
+    #: Gaps observed in the phase over the window (auto; below the minimum the fixed holds).
+    gaps: NonNegInt = 0
+    quantile: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None = None
+    gap_s: Seconds | None = None
+    k: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
+    floor_s: PositiveSeconds | None = None
+    ceiling_s: PositiveSeconds | None = None
+    #: The derivation in words ("timeout 2.4s = 3 x p99 gap 0.8s over 412 gaps ...").
+    how: Text
+
+
 class FaultDetected(Strict):
     incident_id: UUID
     members: Annotated[list[Ident], Field(min_length=1, max_length=MAX_WORLD)]
     reason: FaultReason
     detail: Text
     evidence: Annotated[list[Evidence], Field(max_length=1024)] = Field(default_factory=list)
+    #: A heartbeat timeout's threshold in force for each member found silent, in
+    #: ``members`` order (absent from detections recorded before, and of other reasons).
+    thresholds: Annotated[list[HeartbeatThreshold], Field(max_length=MAX_WORLD)] | None = None
 
 
 class AnomalyDetected(Strict):

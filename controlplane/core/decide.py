@@ -78,6 +78,7 @@ from schemas.events import (
     Evidence,
     FaultDetected,
     GenerationStarted,
+    HeartbeatThreshold,
     IncidentResolved,
     JobCompleted,
     JobPolicy,
@@ -701,6 +702,7 @@ class _Round:
                     reason=reason,
                     detail="; ".join(f.detail for f in group)[:_MAX_TEXT],
                     evidence=evidence,
+                    thresholds=_thresholds(group),
                 ),
             )
 
@@ -1296,3 +1298,20 @@ def _summary(findings: list[Finding]) -> str:
     if len(findings) > 8:
         text += f"; and {len(findings) - 8} more"
     return text
+
+
+def _thresholds(findings: list[Finding]) -> list[HeartbeatThreshold] | None:
+    """The threshold in force for each of ``findings`` (heartbeat timeouts; None: other)."""
+    out = []
+    for f in findings:
+        t = f.threshold
+        if t is None:
+            return None
+        out.append(
+            HeartbeatThreshold(
+                phase=t.phase, seconds=t.seconds, mode=t.mode,  # type: ignore[arg-type]
+                gaps=t.gaps, quantile=t.quantile, gap_s=t.gap_s, k=t.k, floor_s=t.floor_s,
+                ceiling_s=t.ceiling_s, how=t.how[:_MAX_TEXT],
+            )
+        )  # fmt: skip
+    return out

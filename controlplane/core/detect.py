@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
+from controlplane.core.timeouts import Threshold, fixed
 from controlplane.core.view import FaultReport, Heartbeat, JobView, Member, MemberStatus
 from schemas.common import FaultKind, FaultReason, Phase
 
@@ -57,6 +58,8 @@ class Finding:
     detail: str
     #: (member the evidence is about or from, what it is, log position or None, when)
     evidence: tuple[tuple[str, str, int | None, datetime | None], ...]
+    #: The heartbeat timeout applied (a heartbeat timeout's finding only).
+    threshold: Threshold | None = None
 
 
 #: Names of UTC (as PostgreSQL and zoneinfo spell it: psycopg stamps ``recorded_at`` with
@@ -81,10 +84,20 @@ def _watched(member: Member) -> bool:
     )
 
 
+def threshold(view: JobView, phase: Phase) -> Threshold:
+    """The heartbeat timeout in force for ``phase`` and how it was derived: the one the fold
+    derived from the log's gaps (``auto``), else the policy's fixed one."""
+    derived = view.thresholds.get(phase)
+    if derived is not None:
+        return derived
+    policy = view.effective_policy
+    note = " (auto: no gaps recorded yet)" if policy.heartbeat_timeout_mode == "auto" else ""
+    return fixed(policy, phase, note)
+
+
 def heartbeat_timeout(view: JobView, phase: Phase) -> float:
     """Seconds of silence after which a member in ``phase`` has failed."""
-    timeouts = view.effective_policy.heartbeat_timeout_s
-    return timeouts.get(phase, timeouts.get(Phase.TRAIN, 5.0))
+    return threshold(view, phase).seconds
 
 
 def silence_limit(view: JobView) -> float:
@@ -205,12 +218,9 @@ def detect(view: JobView, now: datetime) -> list[Finding]:
     """Every member that has failed and was not yet named by a ``fault.detected``."""
     findings: dict[str, Finding] = {}
     members = view.members
-    timeouts = view.effective_policy.heartbeat_timeout_s
-    default_timeout = timeouts.get(Phase.TRAIN, 5.0)
+    timeouts = {phase: threshold(view, phase) for phase in Phase}
     # Silent past its limit <=> last heard before ``now - limit``: one comparison per member.
-    cutoffs = {
-        phase: now - timedelta(seconds=timeouts.get(phase, default_timeout)) for phase in Phase
-    }
+    cutoffs = {phase: now - timedelta(seconds=t.seconds) for phase, t in timeouts.items()}
     # One pass picks the few members worth a closer look: reporters, members not yet
     # detected that exited, and those silent past the shortest timeout (the closer look
     # applies the timeout of each one's phase). A plain loop: attribute reads of slotted
@@ -237,7 +247,7 @@ def detect(view: JobView, now: datetime) -> list[Finding]:
                 quiet.append((member, heartbeat))
         elif status is gone:
             exited.append(member)
-    silent_members: list[tuple[Member, Heartbeat | None, float, float]] = []
+    silent_members: list[tuple[Member, Heartbeat | None, float, Threshold]] = []
     for member in exited:
         how = (
             f"killed by signal {member.exit_signal}"
@@ -257,8 +267,7 @@ def detect(view: JobView, now: datetime) -> list[Finding]:
             last, phase = heartbeat.at, heartbeat.phase
         if last < cutoffs[phase]:
             silent = (now - last).total_seconds()
-            limit = timeouts.get(phase, default_timeout)
-            silent_members.append((member, heartbeat, silent, limit))
+            silent_members.append((member, heartbeat, silent, timeouts[phase]))
 
     for reporter in reporters:
         report = reporter.last_fault
@@ -289,8 +298,9 @@ def detect(view: JobView, now: datetime) -> list[Finding]:
             member.member_id,
             FaultReason.HEARTBEAT_TIMEOUT,
             f"{member.member_id} silent for {silent:.1f}s in phase {phase.value}"
-            f" (timeout {limit:g}s)",
+            f" (timeout {limit.seconds:g}s{_derived(limit)})"[:4096],
             (_heard(member, heartbeat),),
+            limit,
         )
     generation = view.generation
     for member_id, mark in view.slow.items():
@@ -313,3 +323,8 @@ def detect(view: JobView, now: datetime) -> list[Finding]:
             ((member_id, "member.slow", mark.position, mark.at),),
         )
     return [findings[m] for m in sorted(findings)]
+
+
+def _derived(limit: Threshold) -> str:
+    """How ``limit`` was derived, for a detail (nothing for the policy's plain fixed one)."""
+    return "" if limit.how == f"fixed policy {limit.seconds:g}s" else f": {limit.how}"

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from dataclasses import fields
 from typing import Any, Protocol, TypeVar
 
+from controlplane.core import timeouts
 from controlplane.core.anomaly import spike_threshold
 from controlplane.core.catalog import entries, is_catalog
 from controlplane.core.compact import expand, placed
@@ -514,6 +515,8 @@ class _Fold:
             heartbeats[member_id] = Heartbeat(last_at, position, "liveness.summary", phase)
         if p.compute_window_ms is not None:
             self._compute(stored, p)
+        if p.reason == "interval" and self.view.effective_policy.heartbeat_timeout_mode == "auto":
+            self._gaps(p)
         regular = p.regular
         if regular is None:
             return
@@ -529,6 +532,16 @@ class _Fold:
             if heard is not None and vouched < heard.at:
                 continue
             heartbeats[member_id] = mark
+
+    def _gaps(self, p: Any) -> None:
+        """An interval summary's heartbeat gaps: into the window, and each phase's timeout
+        derived again (``core/timeouts.py``). New values: nothing shared is changed."""
+        view = self.view
+        policy = view.effective_policy
+        view.gap_samples = timeouts.window(
+            view.gap_samples, timeouts.samples_of(p, view.members), p.at, policy
+        )
+        view.thresholds = timeouts.derive(view.gap_samples, policy)
 
     def _compute(self, stored: StoredEvent, p: Any) -> None:
         """A summary's compute times: each member it lists or names (its current process),

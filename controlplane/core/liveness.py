@@ -119,6 +119,8 @@ class Heard:
     beats: int = 0
     max_gap_ms: int = 0
     max_gap_at_ms: int | None = None
+    #: The phase the member was in when that gap began (its last heartbeat's before it).
+    max_gap_phase: Phase | None = None
     max_step_ms: int = 0
     #: Compute times (straggler detection): the generation the samples are of, the first
     #: and the last heartbeat of the unbroken run that carried one, the times of those in
@@ -172,6 +174,7 @@ class Heard:
         self.beats = 0
         self.max_gap_ms = 0
         self.max_gap_at_ms = None
+        self.max_gap_phase = None
         self.max_step_ms = 0
 
     def _beat(self, at: datetime, ms: int, step: int, phase: Phase, step_ms: int) -> None:
@@ -184,6 +187,7 @@ class Heard:
             if gap > self.max_gap_ms:
                 self.max_gap_ms = gap
                 self.max_gap_at_ms = self.last_ms
+                self.max_gap_phase = self.phase  # the phase it went silent in
         self.last_at = at
         self.last_ms = ms
         if self.first_ms is None:
@@ -662,6 +666,7 @@ def _regular(
         step_min=min(h.step for _, h in chosen),
         step_max=max(h.step for _, h in chosen),
         max_step_ms=max(h.max_step_ms for _, h in chosen),
+        max_gap_ms=max(h.max_gap_ms for _, h in chosen),
         compute_ms=_known([h.sustained_ms for _, h in chosen]) if computes else None,
     )
     if rest:
@@ -692,7 +697,18 @@ def _columns(
         step=[h.step for _, h in listed],
         max_step_ms=[h.max_step_ms for _, h in listed],
         compute_ms=_known([h.sustained_ms for _, h in listed]) if computes else None,
+        max_gap_phase=_gap_phases(listed),
     )
+
+
+def _gap_phases(listed: list[tuple[str, Heard]]) -> list[Phase | None] | None:
+    """The ``max_gap_phase`` column: each member's gap's phase where it is not its last
+    (None where it is), or None when it is for everyone (the usual case: no bytes)."""
+    values = [
+        h.max_gap_phase if h.max_gap_phase is not None and h.max_gap_phase is not h.phase else None
+        for _, h in listed
+    ]
+    return values if any(v is not None for v in values) else None
 
 
 def _known(values: list[int | None]) -> list[int | None] | None:

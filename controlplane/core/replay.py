@@ -577,11 +577,28 @@ def counterfactual(
         and any(seconds is not None for _, seconds in s.event.payload.computed())
     ]
     if computed:
-        members = sorted([*members, *computed], key=lambda s: (s.recorded_at, s.position))
         notes.append(
             f"compute times replayed from {len(computed)} liveness summaries (a member's"
             " sustained compute time is known at each summary's time)"
         )
+    # Under ``auto`` timeouts the heartbeat gaps are in the interval summaries alone too.
+    gaps = []
+    if policy.heartbeat_timeout_mode == "auto":
+        kept = {s.position for s in computed}
+        gaps = [
+            s
+            for s in log
+            if s.event.type == "liveness.summary"
+            and s.event.source == CONTROLPLANE_SOURCE
+            and s.event.payload.reason == "interval"
+            and s.position not in kept
+        ]
+        notes.append(
+            f"heartbeat gaps replayed from {len(gaps) + len(computed)} liveness summaries"
+            " (each phase's auto timeout is derived at each summary's time)"
+        )
+    if computed or gaps:
+        members = sorted([*members, *computed, *gaps], key=lambda s: (s.recorded_at, s.position))
 
     scripts: dict[int, list[StoredEvent]] = {}
     replay = _Replay(
@@ -643,7 +660,7 @@ def summary_heartbeats(
     (see above), and the summaries' resolution (the longest window, in seconds)."""
     out: list[StoredEvent] = []
     resolution = 0.0
-    limit = min([*policy.heartbeat_timeout_s.values(), SILENCE_BEATS * policy.heartbeat_interval_s])
+    limit = min([*_timeouts(policy), SILENCE_BEATS * policy.heartbeat_interval_s])
     fill = timedelta(seconds=limit / 2)
     #: member -> (node, incarnation) of its last join: a columnar summary lists only the
     #: view's processes, without naming them (``LivenessRow``).
@@ -708,8 +725,16 @@ def summary_heartbeats(
 _SUMMARY_BEATS = uuid.UUID("5f0c2d7e-8a41-4c55-9a43-0b7f3b1d2c10")
 
 
+def _timeouts(policy: JobPolicy) -> list[float]:
+    """The heartbeat timeouts ``policy`` may apply (under ``auto``, down to its floor)."""
+    fixed = list(policy.heartbeat_timeout_s.values())
+    if policy.heartbeat_timeout_mode == "auto":
+        fixed.append(policy.heartbeat_timeout_floor_s)
+    return fixed
+
+
 def _resolution_note(policy: JobPolicy, resolution: float, beats: int) -> str:
-    shortest = min(policy.heartbeat_timeout_s.values())
+    shortest = min(_timeouts(policy))
     said = (
         f"heartbeats replayed from liveness summaries ({beats} heartbeats at the times they"
         f" show; resolution {resolution:g}s, the longest window)"

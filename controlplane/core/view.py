@@ -12,6 +12,7 @@ from datetime import datetime
 from enum import StrEnum
 from typing import NamedTuple
 
+from controlplane.core.timeouts import GapSample, Threshold
 from schemas.common import JobState, Phase, ReallocationMode, RestoreFrom, Role
 from schemas.events import JobPolicy
 
@@ -446,6 +447,11 @@ class JobView:
     #: member -> its sustained compute time per step, from the newest summary that knew it
     #: (absent: not known over a whole window); straggler detection reads it.
     compute: dict[str, Computed] = field(default_factory=dict)
+    #: The heartbeat gaps interval summaries showed over the policy's window (kept only under
+    #: ``heartbeat_timeout_mode`` ``auto``), and each phase's timeout derived from them
+    #: (``core/timeouts.py``; empty: the policy's fixed ones).
+    gap_samples: tuple[GapSample, ...] = ()
+    thresholds: dict[Phase, Threshold] = field(default_factory=dict)
     #: member -> the newest ``member.slow`` recorded of it.
     slow: dict[str, SlowMark] = field(default_factory=dict)
     #: The newest step of the current timeline: the current generation's newest step, from its
