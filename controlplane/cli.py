@@ -742,6 +742,16 @@ def demo(
         int, typer.Option(min=0, help="Step after which a rank hangs (SIGSTOP); 0: none.")
     ] = 55,
     hang_rank: Annotated[int, typer.Option(min=0, help="The rank that hangs.")] = 2,
+    nan_at: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Step whose loss turns NaN on a rank (a loss anomaly: the world rolls back to"
+            " the backup before it and skips the step's batch; the reference skips it too);"
+            " 0: none.",
+        ),
+    ] = 0,
+    nan_rank: Annotated[int, typer.Option(min=0, help="The rank whose loss turns NaN.")] = 1,
     nproc: Annotated[int, typer.Option(min=1, help="Ranks (the world size).")] = 4,
     spares: Annotated[int, typer.Option(min=0, help="Warm spares.")] = 1,
     seed: Annotated[int, typer.Option(help="Seed of the model and the data.")] = 0,
@@ -801,8 +811,11 @@ def demo(
     timeline page (`elasticctl api`). Launches examples/train.py as 4 ranks + 1 warm spare on
     the CPU, kills one rank (--crash-at: the spare takes its place) and stops another
     (--hang-at: found by its silent heartbeats; the world shrinks to 3), showing the step, the
-    job's state and the incidents as it goes. Alongside, a fault-free reference runs the same
-    script, seed and steps on one rank. The summary gives, per incident, the detect, decide,
+    job's state and the incidents as it goes. --nan-at STEP (off by default) also makes that
+    step's loss NaN on --nan-rank: an incident of kind anomaly, the same world rolled back to
+    the newest backup before the step, whose batch it skips (the policy's anomaly_skip_steps,
+    1). Alongside, a fault-free reference runs the same script, seed and steps on one rank
+    (skipping the batches the rollback skips). The summary gives, per incident, the detect, decide,
     ack, restore and resume phases, the downtime and the steps lost; the job's goodput (its
     wall time by term and its ETTR, as `elasticctl goodput` gives them); the final loss
     against the reference; the URL of the job's timeline page.
@@ -823,6 +836,8 @@ def demo(
         crash_rank=crash_rank,
         hang_at=hang_at,
         hang_rank=hang_rank,
+        nan_at=nan_at,
+        nan_rank=nan_rank,
         seed=seed,
         heartbeat_timeout_s=heartbeat_timeout,
         start_timeout_s=start_timeout,

@@ -6,10 +6,12 @@ migrates, runs the control plane (``elasticctl serve``) and, when this build has
 (``elasticctl api``), each as a process of its own. It then launches the example job
 (``examples/train.py``: DDP + ZeRO on gloo, CPU) as 4 ranks and a warm spare under the launcher
 (``elasticctl run``), which injects a crash (SIGKILL) of one rank and later a hang (SIGSTOP) of
-another. Alongside, it runs a fault-free reference (the same script, seed and steps on one
-rank: the global batch and the sample order are fixed by the step, so it follows the same
-trajectory up to float rounding; started first, it is done before the faults come). While they
-train, the demo folds each job's log from PostgreSQL and shows the step, the job's state and the
+another; on request (``--nan-at``) also a NaN loss on one rank, which the control plane rolls
+back to the backup before it, skipping that step's batch. Alongside, it runs a fault-free
+reference (the same script, seed and steps on one rank: the global batch and the sample order
+are fixed by the step, so it follows the same trajectory up to float rounding; started first,
+it is done before the faults come; it skips the batches a rollback skips). While they train,
+the demo folds each job's log from PostgreSQL and shows the step, the job's state and the
 incidents; it ends with a summary: per incident the phases of its timeline, the downtime and the
 steps lost, and the final loss against the reference.
 
@@ -48,6 +50,7 @@ from rich.table import Table
 from rich.text import Text
 
 from controlplane.api import render
+from controlplane.core.anomaly import describe
 from controlplane.core.fold import fold_noting
 from controlplane.core.goodput import GoodputCounter, goodput
 from controlplane.core.timeline import timeline
@@ -92,6 +95,10 @@ class DemoConfig:
     #: Step after which a rank stops itself (SIGSTOP); 0: no hang.
     hang_at: int = 55
     hang_rank: int = 2
+    #: Step whose loss turns NaN on a rank (a loss anomaly: rolled back, its batch skipped);
+    #: 0: none.
+    nan_at: int = 0
+    nan_rank: int = 1
     seed: int = 0
     heartbeat_interval_s: float = 0.2
     #: Heartbeat timeout while training: how long a hang goes unnoticed. The project's default
@@ -127,7 +134,23 @@ class DemoConfig:
             out.append((self.crash_at, f"crash@{self.crash_at}:rank={self.crash_rank}"))
         if self.hang_at:
             out.append((self.hang_at, f"hang@{self.hang_at}:rank={self.hang_rank}"))
+        if self.nan_at:
+            out.append((self.nan_at, f"nan@{self.nan_at}:rank={self.nan_rank}"))
         return [spec for _, spec in sorted(out)]
+
+    def skip_steps(self) -> list[int]:
+        """The steps the rollback of ``--nan-at`` skips, which the reference skips too: the
+        policy's ``anomaly_skip_steps`` steps ending at the NaN's step, none at or before the
+        restore step (the newest backup strictly before it; the initial state when none)."""
+        if not self.nan_at:
+            return []
+        from controlplane.core.anomaly import window
+        from rank_runtime.launcher_cli import launch_policy
+
+        policy = launch_policy(self.policy(world=self.nproc), self.nproc)
+        restore = (self.nan_at - 1) // self.backup_interval * self.backup_interval
+        span = window(self.nan_at, restore, policy.anomaly_skip_steps)
+        return [] if span is None else list(range(span[0], span[1] + 1))
 
     def validate(self) -> None:
         """Raise ``ValueError`` on settings that cannot make a demo."""
@@ -137,27 +160,33 @@ class DemoConfig:
             raise ValueError("--nproc and --reference-ranks must be >= 1, --spares >= 0")
         if self.backup_interval < 1:
             raise ValueError("--backup-interval must be >= 1")
-        if self.crash_at and self.crash_at == self.hang_at:
-            raise ValueError("--crash-at and --hang-at must differ (one fault per step)")
         faults = sorted(
             (step, name, rank)
             for name, step, rank in (
                 ("crash", self.crash_at, self.crash_rank),
                 ("hang", self.hang_at, self.hang_rank),
+                ("nan", self.nan_at, self.nan_rank),
             )
             if step
         )
-        for before, (step, name, rank) in enumerate(faults):
+        steps = [step for step, _, _ in faults]
+        if len(set(steps)) < len(steps):
+            raise ValueError("--crash-at, --hang-at and --nan-at must differ (one fault per step)")
+        lost = 0  # ranks lost before the fault: a crash or a hang (a rollback keeps the world)
+        for step, name, rank in faults:
             if not 1 <= step < self.steps:
                 raise ValueError(f"--{name}-at must lie in [1, --steps) (or be 0: none)")
-            # Spares replace the first lost ranks; after that each fault shrinks the world.
-            world = self.nproc - max(0, before - self.spares)
+            # Spares replace the first lost ranks; after that each lost rank shrinks the world.
+            world = self.nproc - max(0, lost - self.spares)
             if not 0 <= rank < world:
                 raise ValueError(
                     f"--{name}-rank must lie in [0, {world}): the world has {world} ranks then"
                 )
-            if world - (before >= self.spares) < 1:
+            if name == "nan":
+                continue
+            if world - (lost >= self.spares) < 1:
                 raise ValueError("too many faults for the ranks and spares: none would be left")
+            lost += 1
         if not self.script.is_file():
             raise ValueError(
                 f"no training script at {self.script} (the demo runs examples/train.py from a "
@@ -370,11 +399,30 @@ class Watch:
         return self.view
 
 
-def _fault_incidents(view: JobView | None) -> list[Incident]:
+#: The incidents the demo's injections open: a member's fault (crash, hang), a loss anomaly (NaN).
+SHOWN_KINDS = ("fault", "anomaly")
+
+
+def _incidents(view: JobView | None) -> list[Incident]:
     if view is None:
         return []
-    found = [i for i in view.incidents.values() if i.kind == "fault"]
+    found = [i for i in view.incidents.values() if i.kind in SHOWN_KINDS]
     return sorted(found, key=lambda i: i.opened_position)
+
+
+def _matched(incidents: list[Incident], faults: list[str]) -> list[str | None]:
+    """The injected fault of each incident: the ``nan@`` ones to the anomaly incidents, the
+    others (crash, hang) to the fault incidents, each in order."""
+    queues = {
+        "anomaly": [f for f in faults if f.startswith("nan@")],
+        "fault": [f for f in faults if not f.startswith("nan@")],
+    }
+    return [queues[i.kind].pop(0) if queues.get(i.kind) else None for i in incidents]
+
+
+def _steps(ranges: Sequence[tuple[int, int]]) -> list[int]:
+    """``((25, 25), (31, 33))`` -> ``[25, 31, 32, 33]``."""
+    return [step for first, last in ranges for step in range(first, last + 1)]
 
 
 def _rounded(value: float | None, digits: int = 3) -> float | None:
@@ -382,7 +430,10 @@ def _rounded(value: float | None, digits: int = 3) -> float | None:
 
 
 def _detected_by(watch: Watch, incident: Incident) -> list[str]:
-    """How the incident's detections found their members (exited, reported, heartbeat_timeout)."""
+    """How the incident's detections found their members (exited, reported, heartbeat_timeout),
+    or for a loss anomaly what was found (non_finite_loss, ...)."""
+    if incident.kind == "anomaly":
+        return list(dict.fromkeys(incident.anomalies))
     kinds = (watch.reasons.get(position) for position in incident.detections)
     return list(dict.fromkeys(k for k in kinds if k))
 
@@ -393,12 +444,17 @@ def incident_summary(watch: Watch, incident: Incident, fault: str | None) -> dic
     decision = incident.decisions[-1] if incident.decisions else None
     return {
         "incident_id": incident.incident_id,
+        "kind": incident.kind,
         "fault": fault,
         "members": list(incident.members),
         "detected_by": _detected_by(watch, incident),
         "detail": list(incident.reasons),
         "mode": None if decision is None else str(decision.mode),
         "restore_step": None if decision is None else decision.restore_step,
+        "anomaly_step": incident.anomaly_step,
+        #: Every step the job skips as this incident's last decision says (a rollback's
+        #: window, and those of rollbacks before it).
+        "skipped_steps": [] if decision is None else _steps(decision.skip),
         "decisions": len(incident.decisions),
         "outcome": incident.outcome,
         "detect_s": _rounded(line.phases["detect"]),
@@ -463,7 +519,7 @@ class PlainProgress:
                 f"{label}: step {view.last_step}/{self.steps}{loss}, generation "
                 f"{view.generation}, world {len(view.world)}"
             )
-        for n, incident in enumerate(_fault_incidents(view), 1):
+        for n, incident in enumerate(_incidents(view), 1):
             key = (len(incident.decisions), incident.outcome)
             if seen.incidents.get(incident.incident_id) == key:
                 continue
@@ -476,9 +532,12 @@ class PlainProgress:
 
 def _incident_words(watch: Watch, incident: Incident) -> str:
     words = f"{', '.join(incident.members)} ({', '.join(_detected_by(watch, incident))})"
+    if incident.kind == "anomaly":
+        words = f"loss anomaly at step {incident.anomaly_step} on {words}"
     if incident.decisions:
         d = incident.decisions[-1]
-        words += f" -> {d.mode} (generation {d.generation}, restore step {d.restore_step})"
+        skip = f", skip {describe(d.skip)}" if d.skip else ""
+        words += f" -> {d.mode} (generation {d.generation}, restore step {d.restore_step}{skip})"
     if incident.outcome is not None:
         line = timeline(incident)
         down = "" if line.downtime_s is None else f", downtime {line.downtime_s:.2f}s"
@@ -530,7 +589,7 @@ class LiveProgress:
             grid.add_row(label, Text(f"{view.job_id}  {view.state.value}", style="green"))
             grid.add_row("", Group(bar, Text(f"step {view.last_step}/{self.steps}  {loss}")))
             grid.add_row("", f"generation {view.generation}, world: {' '.join(view.world)}")
-            for n, incident in enumerate(_fault_incidents(view), 1):
+            for n, incident in enumerate(_incidents(view), 1):
                 style = "yellow" if incident.outcome is None else "green"
                 if incident.outcome not in (None, "recovered"):
                     style = "red"
@@ -777,10 +836,14 @@ class Demo:
             if config.reference:
                 # Started first and alongside: one rank is up and done long before the faults
                 # come (they wait for 5 processes to start), so it costs little wall time.
-                self._phase(f"reference: {REFERENCE_KIND.format(ranks=config.reference_ranks)}")
+                skip = config.skip_steps()
+                skips = f"; it skips step(s) {', '.join(map(str, skip))}" if skip else ""
+                self._phase(
+                    f"reference: {REFERENCE_KIND.format(ranks=config.reference_ranks)}{skips}"
+                )
                 runs.append(
                     self._launch(store, f"{self.job_id}-ref", "reference",
-                                 nproc=config.reference_ranks, spares=0, faults=[])
+                                 nproc=config.reference_ranks, spares=0, faults=[], skip=skip)
                 )  # fmt: skip
             self._phase(
                 f"training: {config.nproc} ranks + {config.spares} spare(s) of "
@@ -971,9 +1034,18 @@ class Demo:
         self._phase(f"metrics written to {out}")
 
     def _launch(
-        self, store: Any, job_id: str, label: str, *, nproc: int, spares: int, faults: list[str]
+        self,
+        store: Any,
+        job_id: str,
+        label: str,
+        *,
+        nproc: int,
+        spares: int,
+        faults: list[str],
+        skip: Sequence[int] = (),
     ) -> Run:
-        """Start the launcher of ``nproc`` ranks and ``spares`` spares of the script."""
+        """Start the launcher of ``nproc`` ranks and ``spares`` spares of the script (which
+        skips the steps ``skip``)."""
         assert self.children is not None and self.stack is not None
         config = self.config
         nodes = demo_nodes(nproc, spares)
@@ -986,6 +1058,8 @@ class Demo:
         for spec in faults:
             argv += ["--fault", spec]
         argv += [str(config.script), "--steps", str(config.steps), "--seed", str(config.seed)]
+        if skip:
+            argv += ["--skip-steps", ",".join(map(str, skip))]
         env = self._env(self.stack, **self.stack.launcher_env(job_id))
         launcher = self.children.start(f"launcher-{label}", argv, env)
         return Run(label, launcher, Watch(store, job_id), time.monotonic())
@@ -1038,10 +1112,10 @@ class Demo:
         assert view is not None
         stack = self.stack
         assert stack is not None
-        incidents = _fault_incidents(view)
+        incidents = _incidents(view)
         lines = [
-            incident_summary(watch, incident, faults[n] if n < len(faults) else None)
-            for n, incident in enumerate(incidents)
+            incident_summary(watch, incident, fault)
+            for incident, fault in zip(incidents, _matched(incidents, faults), strict=True)
         ]
         completed = view.state.value == "COMPLETED" and view.completed_step == config.steps
         recovered = (
@@ -1090,6 +1164,7 @@ class Demo:
                 if config.reference
                 else "none (--no-reference)",
                 "ranks": config.reference_ranks if config.reference else None,
+                "skip_steps": config.skip_steps() if config.reference else None,
                 "seconds": _rounded(self.timings.get("reference_s"), 1),
                 "ran": "alongside the faulty run's start" if config.reference else None,
             },
@@ -1206,8 +1281,10 @@ def render_summary(summary: dict[str, Any], console: Console) -> None:
     rows: list[tuple[str, list[str | Text]]] = [
         ("members", [", ".join(line["members"]) for line in incidents]),
         ("detected by", [", ".join(line["detected_by"]).replace("_", " ") for line in incidents]),
+        ("kind", [line["kind"] for line in incidents]),
         ("decision", [
             "-" if line["mode"] is None else f"{line['mode']}, from step {line['restore_step']}"
+            + (f", skip {_ranges(line['skipped_steps'])}" if line["skipped_steps"] else "")
             for line in incidents
         ]),
     ]  # fmt: skip
@@ -1245,7 +1322,9 @@ def render_summary(summary: dict[str, Any], console: Console) -> None:
         console.print(f"final loss {final:.6f} (no reference run)", highlight=False)
     else:
         console.print(f"final loss {final}, fault-free reference {reference}", highlight=False)
-    console.print(f"reference: {summary['reference']['what']}", highlight=False)
+    skip = summary["reference"].get("skip_steps")
+    skips = f"; it skips step(s) {_ranges(skip)}, as the rollback does" if skip else ""
+    console.print(f"reference: {summary['reference']['what']}{skips}", highlight=False)
     found = summary.get("goodput")
     if found is not None:
         terms = ", ".join(f"{k} {v:.2f}s" for k, v in found["seconds"].items() if v > 0)
@@ -1260,6 +1339,17 @@ def render_summary(summary: dict[str, Any], console: Console) -> None:
         console.print(f"timeline page: {summary['timeline_url']}", highlight=False)
     else:
         console.print(f"timeline page: none ({summary['api_note']})", highlight=False)
+
+
+def _ranges(steps: Sequence[int]) -> str:
+    """``[25, 31, 32, 33]`` -> ``25, 31-33``."""
+    spans: list[tuple[int, int]] = []
+    for step in sorted(steps):
+        if spans and step == spans[-1][1] + 1:
+            spans[-1] = (spans[-1][0], step)
+        else:
+            spans.append((step, step))
+    return describe(spans)
 
 
 def _seconds(value: float | None) -> str:

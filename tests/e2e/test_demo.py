@@ -357,3 +357,45 @@ def test_a_signal_at_any_point_stops_everything(tmp_path, state, sig, when):
     assert f"{sig.name} received" in log
     assert leftovers(family, state) == []
     assert not state.exists()
+
+
+@pytest.mark.timeout(420)
+def test_a_nan_rolls_the_same_world_back_and_ends_at_a_reference_skipping_its_batch(
+    tmp_path, state
+):
+    proc, stderr = demo(tmp_path, "--json", "--state-dir", str(state), "--steps", "40",
+                        "--backup-interval", "10", "--crash-at", "0", "--hang-at", "0",
+                        "--nan-at", "25", "--nan-rank", "1")  # fmt: skip
+    family = Family(proc.pid)
+    with reaped(proc):
+        proc.wait(timeout=400)
+    family.close()
+    log = stderr.read_text()
+    print(log)
+    assert proc.returncode == 0, log[-3000:]
+    [line] = (tmp_path / "demo.out").read_text().splitlines()
+    summary = json.loads(line)
+    print(json.dumps(summary, indent=1))
+
+    assert summary["faults_injected"] == ["nan@25:rank=1"]
+    assert summary["recovered"] is True
+    assert summary["job_state"] == "COMPLETED" and summary["completed_step"] == 40
+    [anomaly] = summary["incidents"]
+    assert anomaly["kind"] == "anomaly" and anomaly["fault"] == "nan@25:rank=1"
+    assert anomaly["detected_by"] == ["non_finite_loss"] and anomaly["anomaly_step"] == 25
+    # The same world rolled back to the backup before the NaN, its batch skipped.
+    assert anomaly["mode"] == "rollback" and anomaly["restore_step"] == 20
+    assert anomaly["skipped_steps"] == [25]
+    assert anomaly["outcome"] == "recovered"
+    assert anomaly["downtime_s"] is not None and 0 < anomaly["downtime_s"] < 60, anomaly
+    assert anomaly["steps_lost"] is not None and anomaly["steps_lost"] <= 10, anomaly
+    assert "loss anomaly at step 25" in log and "rollback" in log  # the live lines say it
+
+    # The reference skipped the same batch: the final losses agree.
+    assert summary["reference"]["skip_steps"] == [25]
+    final, reference = summary["final_loss"], summary["reference_loss"]
+    assert final is not None and reference is not None
+    assert abs(final - reference) <= 1e-3 * abs(reference), (final, reference)
+    assert summary["loss_ok"] is True
+    assert leftovers(family, state) == []
+    assert not state.exists()
