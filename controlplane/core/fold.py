@@ -1146,7 +1146,9 @@ class _Fold:
                 return decision.restore_step
         return None
 
-    def _fault_detected(self, stored: StoredEvent, p: Any) -> None:
+    def _detection(self, stored: StoredEvent, p: Any, kind: str) -> Incident:
+        """The incident a detection (``fault.detected``, ``anomaly.detected``) names, opened
+        (of ``kind``) when it is new; its text, position and earliest evidence recorded."""
         view = self.view
         incident_id = str(p.incident_id)
         incident = self._incident(incident_id)
@@ -1161,10 +1163,26 @@ class _Fold:
                 reasons=[],
                 detections=[],
                 step_at_fault=view.last_step,
+                kind=kind,
             )
             view.incidents[incident_id] = incident
             self._own_incidents.add(incident_id)
             view.open_incident = incident_id
+        incident.reasons.append(p.detail)
+        incident.detections.append(stored.position)
+        for evidence in p.evidence:
+            if evidence.at is None:
+                continue
+            mark = Mark(
+                evidence.position if evidence.position is not None else stored.position, evidence.at
+            )
+            if incident.evidence is None or mark.at < incident.evidence.at:
+                incident.evidence = mark
+        return incident
+
+    def _fault_detected(self, stored: StoredEvent, p: Any) -> None:
+        view = self.view
+        incident = self._detection(stored, p, "fault")
         named = set(incident.members)  # a set: an incident may name thousands of members
         for member_id in p.members:
             if member_id not in named:
@@ -1180,55 +1198,17 @@ class _Fold:
             if member.status is MemberStatus.ACTIVE:
                 member.status = MemberStatus.FAILED
                 member.failed_reason = p.reason
-        incident.reasons.append(p.detail)
-        incident.detections.append(stored.position)
-        for evidence in p.evidence:
-            if evidence.at is None:
-                continue
-            mark = Mark(
-                evidence.position if evidence.position is not None else stored.position, evidence.at
-            )
-            if incident.evidence is None or mark.at < incident.evidence.at:
-                incident.evidence = mark
 
     def _anomaly_detected(self, stored: StoredEvent, p: Any) -> None:
         """A loss anomaly opens an incident of kind ``anomaly`` (or joins the open one): its
         decisions restore a backup before its step. No member is failed by it."""
-        view = self.view
-        incident_id = str(p.incident_id)
-        incident = self._incident(incident_id)
-        if incident is None:
-            if view.open_incident is not None and view.open_incident != incident_id:
-                self._anomaly(stored, f"new incident while {view.open_incident} is open")
-            incident = Incident(
-                incident_id=incident_id,
-                opened_at=stored.recorded_at,
-                opened_position=stored.position,
-                members=[],
-                reasons=[],
-                detections=[],
-                step_at_fault=view.last_step,
-                kind="anomaly",
-            )
-            view.incidents[incident_id] = incident
-            self._own_incidents.add(incident_id)
-            view.open_incident = incident_id
+        incident = self._detection(stored, p, "anomaly")
         named = set(incident.members)
         incident.members.extend(m for m in p.members if m not in named)
         if incident.anomaly_step is None or p.step < incident.anomaly_step:
             incident.anomaly_step = p.step
         incident.anomalies = (*incident.anomalies, str(p.kind))
-        incident.reasons.append(p.detail)
-        incident.detections.append(stored.position)
-        for evidence in p.evidence:
-            if evidence.at is None:
-                continue
-            mark = Mark(
-                evidence.position if evidence.position is not None else stored.position, evidence.at
-            )
-            if incident.evidence is None or mark.at < incident.evidence.at:
-                incident.evidence = mark
-        view.anomaly = None  # taken up
+        self.view.anomaly = None  # taken up
 
     def _state_changed(self, stored: StoredEvent, p: Any) -> None:
         view = self.view
