@@ -84,6 +84,9 @@ def _timed_rank(rank: int, store: str, out: Any) -> None:
             ended = time.perf_counter()
         assert parts.grads_ready is not None
         out.put((rank, parts.grads_ready - started, ended - started))
+        # Both ranks done with the group before either tears its pairs down: a rank that
+        # destroys it while the other's gloo threads still use it can abort the process.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
