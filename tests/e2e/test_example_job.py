@@ -5,7 +5,6 @@ slow step, silence from a stopped rank."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import uuid
@@ -17,7 +16,7 @@ from controlplane.core.catalog import unpacked
 from controlplane.settings import Settings
 from controlplane.store.postgres import PostgresEventStore
 from schemas.common import JobState
-from tests.integration.helpers import running_controlplane, wait_until
+from tests.integration.helpers import running_controlplane, terminate, wait_until
 
 pytestmark = pytest.mark.usefixtures("clean_stream")
 
@@ -152,12 +151,7 @@ async def test_a_stopped_rank_falls_silent_and_is_detected(settings, pg_store):
                 lambda: of(pg_store, job_id, "fault.detected"), 120, "the hang to be detected"
             )
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            terminate(proc)
     started = of(pg_store, job_id, "generation.started")[0].event.payload
     hung = started.world[2]
     detected = of(pg_store, job_id, "fault.detected")[0]

@@ -5,7 +5,6 @@ before; a single slow step of another rank is never acted on."""
 from __future__ import annotations
 
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -17,7 +16,7 @@ import pytest
 from controlplane.settings import Settings
 from controlplane.store.postgres import PostgresEventStore
 from schemas.common import FaultReason
-from tests.integration.helpers import running_controlplane, wait_until
+from tests.integration.helpers import running_controlplane, terminate, wait_until
 
 pytestmark = pytest.mark.usefixtures("clean_stream")
 
@@ -78,12 +77,7 @@ async def test_a_slow_rank_is_flagged_and_replaced_and_a_hiccup_is_not(
                 "the slow rank's replacement and the steps after it",
             )
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            terminate(proc)
     decisions = [
         (s.position, s.event.type, getattr(s.event.payload, "reason", ""),
          getattr(s.event.payload, "detail", ""))

@@ -6,6 +6,8 @@ import asyncio
 import contextlib
 import json
 import random
+import signal
+import subprocess
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -74,6 +76,16 @@ async def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         await asyncio.sleep(0.1)
+
+
+def terminate(proc: subprocess.Popen[Any], timeout: float = 30.0) -> None:
+    """Stop a launched process as an operator would (SIGTERM), killing it after ``timeout``."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 @contextlib.asynccontextmanager
