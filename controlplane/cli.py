@@ -1186,6 +1186,10 @@ def goodput(
     restored world's first step is in resume).
     backup: each backup's copy into CPU memory, which holds the loop (the slowest rank's
     backup.snapshot seconds), taken out of the steps it lies between.
+    stragglers: the steps' wait for members the control plane recorded slow (member.slow):
+    each step waits its slowest one's sustained compute time less the baseline (from
+    member.slow over its detection window, then from the liveness summaries until it is back
+    under the threshold), taken out of the steps it lies in.
     detection: an incident's fault (its earliest evidence) to fault.detected.
     decision: fault.detected to the reallocation.issued that counts (the last).
     restore: that decision to the last member's restore.completed (acks and restores).

@@ -285,8 +285,8 @@ class GoodputOut(ApiModel):
     final: bool = Field(description="The job ended: ended_at is its end, not the time asked.")
     wall_s: float
     seconds: dict[str, float] = Field(
-        description="productive, recomputation, backup, detection, decision, restore, resume,"
-        " waiting, idle: seconds, summing to wall_s."
+        description="productive, recomputation, backup, stragglers, detection, decision,"
+        " restore, resume, waiting, idle: seconds, summing to wall_s."
     )
     ettr: float | None = Field(None, description="productive / wall.")
     productive_steps: int

@@ -447,10 +447,11 @@ def _view_routes(api: Api, router: APIRouter) -> None:
     )
     async def goodput(request: Request, job: JobId) -> Response:
         """The job's wall time, from its registration to its end (or now), split into
-        productive, recomputation, backup, detection, decision, restore, resume, waiting and
-        idle seconds (docs/design.md, "Goodput accounting"); its ETTR (productive / wall);
-        per incident its window by phase and the recomputation it caused; per generation
-        the same terms. A job that ended never changes: its answer may be cached for good."""
+        productive, recomputation, backup, stragglers, detection, decision, restore, resume,
+        waiting and idle seconds (docs/design.md, "Goodput accounting"); its ETTR (productive
+        / wall); per incident its window by phase and the recomputation it caused; per
+        generation the same terms. A job that ended never changes: its answer may be cached
+        for good."""
         return api.send(request, await api.goodput(job))
 
 

@@ -220,7 +220,8 @@ def _goodput_metrics(found: Iterable[Goodput]) -> Iterator[Metric]:
     terms = GaugeMetricFamily(
         "elastic_job_goodput_seconds",
         "A job's wall time by term (docs/design.md, Goodput accounting): productive,"
-        " recomputation, backup, detection, decision, restore, resume, waiting, idle.",
+        " recomputation, backup, stragglers, detection, decision, restore, resume, waiting,"
+        " idle.",
         labels=["job_id", "term"],
     )
     ettr = GaugeMetricFamily(

@@ -26,7 +26,7 @@ from anyio import to_thread
 
 from controlplane import gctune
 from controlplane.core.fold import by_job, fold_noting
-from controlplane.core.goodput import GOODPUT_TYPES, Goodput, GoodputCounter, goodput
+from controlplane.core.goodput import Goodput, GoodputCounter, goodput, goodput_types
 from controlplane.core.records import StoredEvent
 from controlplane.core.steps import (
     JobSteps,
@@ -248,11 +248,12 @@ class LiveViews:
         counter = GoodputCounter()
         # What the fold did not believe, as far as the view still names it.
         ignored = frozenset(d.position for d in entry.view.discounts)
+        types = goodput_types(bool(entry.view.slow))
         after = 0
         while after < self._position:
             events = [
                 e
-                for e in read(entry.view.job_id, after, batch, GOODPUT_TYPES)
+                for e in read(entry.view.job_id, after, batch, types)
                 if e.position <= self._position
             ]
             if not events:

@@ -15,31 +15,38 @@ that bound it):
 - ``backup``: the copy of each backup into CPU memory, which blocks the loop (the ranks'
   ``backup.snapshot`` ``seconds``, the slowest rank's per backup), taken out of the training
   time it lies in;
+- ``stragglers``: the step time the job waited for members the control plane recorded slow
+  (``member.slow``): each step of the generation waits ``compute - baseline`` for the slowest
+  of them (their sustained compute times, from ``member.slow`` and the ``liveness.summary``
+  compute columns after it), taken out of the training time it lies in;
 - ``idle``: the rest (a world's time after its last step until its fault or the job's end).
 
 ``GoodputCounter`` counts what the view does not keep (each generation's first and last step
-records, where it passed the older generations' highest step, its backups' copy time) from
-stored events, in log order; ``goodput(view, counter, now)`` makes the breakdown. Pure: no I/O,
-no clock.
+records, where it passed the older generations' highest step, its backups' copy time, the
+steps its slow members held up) from stored events, in log order; ``goodput(view, counter,
+now)`` makes the breakdown. Pure: no I/O, no clock.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_right
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
-from typing import Final, NamedTuple
+from datetime import datetime, timedelta
+from typing import Any, Final, NamedTuple
 
 from controlplane.core.records import StoredEvent
 from controlplane.core.timeline import timeline
 from controlplane.core.view import JobView
-from schemas.common import JobState
+from schemas.common import CONTROLPLANE_SOURCE, JobState
 
 #: The terms of the breakdown, in the order they are shown.
 TERMS: Final = (
     "productive",
     "recomputation",
     "backup",
+    "stragglers",
     "detection",
     "decision",
     "restore",
@@ -49,16 +56,39 @@ TERMS: Final = (
 )
 #: The terms of an incident's window, in its timeline's order.
 INCIDENT_TERMS: Final = ("detection", "decision", "restore", "resume")
-#: The event types a counter reads (a reader may fetch only these).
-GOODPUT_TYPES: Final = ("generation.started", "train.step", "backup.snapshot", "backup.catalog")
+#: The event types a counter reads (a reader may fetch only these; ``goodput_types``).
+GOODPUT_TYPES: Final = (
+    "generation.started",
+    "train.step",
+    "backup.snapshot",
+    "backup.catalog",
+    "member.slow",
+    "liveness.summary",
+)
 #: What the log does not carry, so the breakdown does not count it.
 NOT_MEASURED: Final = (
     "backup: only the copy of each rank's own state into CPU memory is measured (its"
     " backup.snapshot seconds); the copy of the state every rank has alike and the"
     " replication to peers, which run beside the steps, show as longer steps",
-    "waiting for stragglers: steps are timed per job, not per rank",
+    "stragglers: only members the control plane recorded slow (member.slow) count, from the"
+    " detection window before their record on; the time a step waits for them is taken from"
+    " their sustained compute times (the least per-heartbeat mean over the window) at the"
+    " liveness summaries' resolution, and the step a window began at from step records kept"
+    " at 1-s resolution; a member slower than its peers but never recorded slow counts as"
+    " productive",
 )
+#: Step records a generation keeps to find the step it was at a detection window before a
+#: ``member.slow`` (at most one a second: an hour's).
+RECENT_STEPS: Final = 3600
+_RECENT_EVERY: Final = timedelta(seconds=1)
 _TERMINAL: Final = (JobState.COMPLETED, JobState.STOPPED)
+
+
+def goodput_types(slowed: bool) -> tuple[str, ...]:
+    """The event types a counter needs of a job: the liveness summaries only when a member of
+    it was recorded slow (``slowed``: ``JobView.slow`` is not empty): without one they count
+    nothing, and they are most of a large job's log."""
+    return GOODPUT_TYPES if slowed else tuple(t for t in GOODPUT_TYPES if t != "liveness.summary")
 
 
 class StepAt(NamedTuple):
@@ -90,8 +120,20 @@ class GenerationSteps:
     #: The newest backup step and its slowest copy so far (not yet added above: it may be
     #: after the generation's last step, in its idle tail).
     pending: tuple[int, float] | None = None
+    #: Its members the control plane recorded slow: member -> (baseline, threshold, excess:
+    #: the seconds each step waits for it now, 0 once a summary found it under the threshold).
+    slow: dict[str, tuple[float, float, float]] = field(default_factory=dict)
+    #: The step record the stragglers' seconds are counted up to (``stragglers_*_s``).
+    mark: StepAt | None = None
+    #: The seconds its steps waited for slow members up to ``mark``, at or below
+    #: ``high_before`` (in recomputation) and beyond it (in productive time).
+    stragglers_recompute_s: float = 0.0
+    stragglers_productive_s: float = 0.0
+    #: Its recent step records, at most one a second (``RECENT_STEPS``; emptied once a newer
+    #: generation steps: a ``member.slow`` is of the current generation).
+    recent: deque[StepAt] = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
 
-    def _step(self, step: int, at: datetime, high: int | None) -> None:
+    def _step(self, step: int, at: datetime, high: int | None, keep: bool = True) -> None:
         if self.first is None:
             self.first = self.last = StepAt(step, at)
             self.high_before = high
@@ -99,6 +141,9 @@ class GenerationSteps:
             self.last = StepAt(step, at)
         else:
             return  # another member's record of a step already counted
+        recent = self.recent
+        if keep and (not recent or at - recent[-1].at >= _RECENT_EVERY):
+            recent.append(self.last)
         h = self.high_before
         if h is not None:
             if step <= h:
@@ -120,6 +165,88 @@ class GenerationSteps:
             self.backup_recompute_s += seconds
         else:
             self.backup_productive_s += seconds
+
+    def _excess(self) -> float:
+        """The seconds each step waits for its slow members now (for the slowest)."""
+        return max((e for _, _, e in self.slow.values()), default=0.0)
+
+    def _split(self, step: float, at: datetime, to: StepAt, excess: float) -> tuple[float, float]:
+        """(recomputation, productive): the seconds the steps after ``step`` (at ``at``) up to
+        ``to`` waited at ``excess`` a step, at most the time between them, split at
+        ``high_before`` in proportion of the steps."""
+        steps = to.step - step
+        if steps <= 0 or excess <= 0:
+            return 0.0, 0.0
+        seconds = min(steps * excess, _span(at, to.at))
+        h = self.high_before
+        below = 0.0 if h is None else min(max(h - step, 0.0), steps)
+        redo = seconds * below / steps
+        return redo, seconds - redo
+
+    def _count(self, step: float, at: datetime, to: StepAt, excess: float) -> None:
+        redo, made = self._split(step, at, to, excess)
+        self.stragglers_recompute_s += redo
+        self.stragglers_productive_s += made
+
+    def _advance(self) -> None:
+        """Count the steps since ``mark`` at the current excess, and mark the last one."""
+        start, last = self.mark or self.first, self.last
+        if last is None:
+            return
+        if start is not None and self.slow:
+            self._count(start.step, start.at, last, self._excess())
+        self.mark = last
+
+    def _step_at(self, when: datetime) -> tuple[float, datetime]:
+        """The step it was at ``when`` (interpolated between its records around it; its
+        oldest record kept when ``when`` is before it), and that record's time or ``when``."""
+        recent, last = self.recent, self.last
+        assert last is not None
+        if not recent:
+            return last.step, last.at
+        i = bisect_right(recent, when, key=lambda r: r.at)
+        if i == 0:
+            return recent[0].step, recent[0].at
+        a = recent[i - 1]
+        b = recent[i] if i < len(recent) else last
+        if b.at <= a.at or b.step <= a.step:
+            return a.step, a.at
+        if when >= b.at:
+            return b.step, b.at
+        return a.step + (b.step - a.step) * ((when - a.at) / (b.at - a.at)), when
+
+    def _slow_member(
+        self, member: str, compute: float, baseline: float, threshold: float, since: datetime
+    ) -> None:
+        """A ``member.slow``: each step since ``since`` (its detection window's start) waited
+        ``compute - baseline`` for it (what more than for the members already slow)."""
+        self._advance()
+        excess = max(0.0, compute - baseline)
+        more = excess - self._excess()
+        last = self.last
+        if last is not None and more > 0:
+            step, at = self._step_at(since)
+            self._count(step, at, last, more)
+        self.slow[member] = (baseline, threshold, excess)
+
+    def _computed(self, values: dict[str, float]) -> None:
+        """A summary's sustained compute times of slow members: the steps since ``mark``
+        waited at the excess before it, and each one's excess is its new value's."""
+        self._advance()
+        slow = self.slow
+        for member, value in values.items():
+            base, threshold, _ = slow[member]
+            slow[member] = (base, threshold, value - base if value > threshold else 0.0)
+
+    def stragglers(self) -> tuple[float, float]:
+        """The seconds its steps waited for slow members, in recomputation and in productive
+        time (to its last step, at the current excess after ``mark``)."""
+        redo, made = self.stragglers_recompute_s, self.stragglers_productive_s
+        start, last = self.mark or self.first, self.last
+        if self.slow and start is not None and last is not None:
+            more_redo, more_made = self._split(start.step, start.at, last, self._excess())
+            redo, made = redo + more_redo, made + more_made
+        return redo, made
 
     def backups(self) -> tuple[float, float, float]:
         """Its backups' copy seconds in recomputation, in productive time, and after its
@@ -176,6 +303,10 @@ class GoodputCounter:
     """Each generation's step and backup records, counted from a job's events in log order."""
 
     generations: dict[int, GenerationSteps] = field(default_factory=dict)
+    #: The generations with a member recorded slow (their summaries are read).
+    slowed: set[int] = field(default_factory=set)
+    #: The newest generation that stepped (the one keeping recent step records).
+    newest: int | None = None
 
     def _of(self, generation: int) -> GenerationSteps:
         found = self.generations.get(generation)
@@ -200,9 +331,17 @@ class GoodputCounter:
             if kind == "train.step":
                 if ignored and stored.position in ignored:
                     continue
-                g = self._of(event.generation)
-                high = self._high_before(event.generation) if g.first is None else None
-                g._step(event.payload.step, stored.recorded_at, high)
+                n = event.generation
+                g = self._of(n)
+                high = None
+                if g.first is None:
+                    high = self._high_before(n)
+                    newest = self.newest
+                    if newest is None or n > newest:
+                        if newest is not None:
+                            self._of(newest).recent.clear()
+                        self.newest = n
+                g._step(event.payload.step, stored.recorded_at, high, n == self.newest)
             elif kind == "generation.started":
                 g = self._of(event.payload.generation)
                 if g.started_at is None:
@@ -213,6 +352,41 @@ class GoodputCounter:
                 seconds = event.payload.columns().seconds
                 if seconds:
                     self._of(event.generation)._backup(event.payload.step, max(seconds))
+            elif kind == "member.slow":
+                if event.source == CONTROLPLANE_SOURCE:
+                    p = event.payload
+                    self.slowed.add(event.generation)
+                    window = timedelta(seconds=p.window_s)
+                    since = (p.evidence.at or stored.recorded_at) - window
+                    self._of(event.generation)._slow_member(
+                        p.member, p.compute_s, p.baseline_s, p.threshold_s, since
+                    )
+            elif kind == "liveness.summary" and self.slowed and event.source == CONTROLPLANE_SOURCE:
+                self._summary(event.payload)
+
+    def _summary(self, p: Any) -> None:
+        """A summary part's sustained compute times of members recorded slow in their
+        generation (a part lists up to 16k members: one pass over its columns)."""
+        if p.compute_window_ms is None:
+            return
+        slowed, generations = self.slowed, self.generations
+        found: dict[int, dict[str, float]] = {}
+        columns = p.columns
+        if columns is not None and columns.compute_ms is not None:
+            for member, n, ms in zip(
+                columns.members, columns.generation, columns.compute_ms, strict=True
+            ):
+                if ms is not None and n in slowed and member in generations[n].slow:
+                    found.setdefault(n, {})[member] = ms / 1000
+        regular = p.regular
+        if regular is not None and regular.compute_ms is not None and regular.generation in slowed:
+            n = regular.generation
+            slow = generations[n].slow
+            for member, ms in zip(regular.members, regular.compute_ms, strict=True):
+                if ms is not None and member in slow:
+                    found.setdefault(n, {})[member] = ms / 1000
+        for n, values in found.items():
+            generations[n]._computed(values)
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,8 +449,10 @@ class _Piece(NamedTuple):
     start: datetime
     end: datetime
     term: str
-    #: Backup copy seconds inside it (training pieces only).
+    #: Backup copy seconds and seconds waiting for slow members inside it (training pieces
+    #: only).
     backup: float = 0.0
+    stragglers: float = 0.0
     incident: str | None = None
     generation: int | None = None
 
@@ -315,7 +491,7 @@ def _windows(view: JobView, t0: datetime, t1: datetime) -> list[_Piece]:
 
 
 def _without(piece: _Piece, windows: Sequence[_Piece]) -> list[_Piece]:
-    """``piece`` less every window, its backup seconds shared in proportion."""
+    """``piece`` less every window, its backup and stragglers seconds shared in proportion."""
     parts = [(piece.start, piece.end)]
     for w in windows:
         if w.end <= piece.start or w.start >= piece.end:
@@ -327,8 +503,17 @@ def _without(piece: _Piece, windows: Sequence[_Piece]) -> list[_Piece]:
             if part[1] > part[0]
         ]
     whole = _span(piece.start, piece.end)
+
+    def share(seconds: float, a: datetime, b: datetime) -> float:
+        return seconds * _span(a, b) / whole if whole else 0.0
+
     return [
-        piece._replace(start=a, end=b, backup=piece.backup * _span(a, b) / whole if whole else 0)
+        piece._replace(
+            start=a,
+            end=b,
+            backup=share(piece.backup, a, b),
+            stragglers=share(piece.stragglers, a, b),
+        )
         for a, b in parts
     ]
 
@@ -341,9 +526,13 @@ def _sum(pieces: Iterable[_Piece], lo: datetime, hi: datetime) -> dict[str, floa
         length = _span(a, b)
         if not length:
             continue
-        backup = min(length, p.backup * length / _span(p.start, p.end)) if p.backup else 0.0
-        out[p.term] += length - backup
+        whole = _span(p.start, p.end)
+        # Both taken out of the piece, together at most its length.
+        backup = min(length, p.backup * length / whole) if p.backup else 0.0
+        slow = min(length - backup, p.stragglers * length / whole) if p.stragglers else 0.0
+        out[p.term] += length - backup - slow
         out["backup"] += backup
+        out["stragglers"] += slow
     return out
 
 
@@ -369,8 +558,9 @@ def goodput(view: JobView, counter: GoodputCounter, now: datetime) -> Goodput | 
         b = min(max(split, a), t1)
         c = min(max(g.last.at, b), t1)
         redo, made, _ = g.backups()
-        others.append(_Piece(a, b, "recomputation", redo, generation=g.generation))
-        others.append(_Piece(b, c, "productive", made, generation=g.generation))
+        slow_redo, slow_made = g.stragglers()
+        others.append(_Piece(a, b, "recomputation", redo, slow_redo, generation=g.generation))
+        others.append(_Piece(b, c, "productive", made, slow_made, generation=g.generation))
         cursor = c
     pieces = list(windows)
     for piece in others:

@@ -9,10 +9,13 @@ import statistics
 import subprocess
 import sys
 import uuid
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 
+from controlplane.core.fold import fold_noting
+from controlplane.core.goodput import GoodputCounter, goodput
 from controlplane.settings import Settings
 from controlplane.store.postgres import PostgresEventStore
 from schemas.common import FaultReason
@@ -150,3 +153,29 @@ async def test_a_slow_rank_is_flagged_and_replaced_and_a_hiccup_is_not(
     )
     assert during > before * 1.15, (before, during)
     assert abs(after - before) <= 0.1 * before, (before, after)
+
+    # Goodput: the steps the slow rank held up, from its detection window on, are the
+    # stragglers term (each waited about its compute time less the baseline), never more than
+    # the time it was slow (its first slow step to generation 1's last step).
+    log = pg_store.read(job_id=job_id)
+    view, ignored = fold_noting(None, log)
+    counter = GoodputCounter()
+    counter.count(log, ignored)
+    found = goodput(view, counter, log[-1].recorded_at)
+    assert found is not None
+    waited = found.seconds["stragglers"]
+    slow_for = (max(s.recorded_at for s in steps1.values()) - onset).total_seconds()
+    steps_in_window = sum(
+        1
+        for s in steps1.values()
+        if s.recorded_at >= slow.recorded_at - timedelta(seconds=p.window_s)
+        and s.recorded_at <= slow.recorded_at
+    )
+    print(
+        f"stragglers {waited:.2f} s of {found.wall_s:.1f} s (the window's {steps_in_window}"
+        f" steps at {(p.compute_s - p.baseline_s) * 1e3:.1f} ms: about"
+        f" {steps_in_window * (p.compute_s - p.baseline_s):.2f} s)"
+    )
+    assert 0 < waited <= slow_for, (waited, slow_for)
+    assert sum(found.seconds.values()) == pytest.approx(found.wall_s)
+    assert found.generations[0].seconds["stragglers"] == pytest.approx(waited)

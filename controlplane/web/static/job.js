@@ -132,8 +132,8 @@
 
   // ---------------------------------------------------------------- goodput
 
-  const TERMS = ["productive", "recomputation", "backup", "detection", "decision", "restore",
-    "resume", "waiting", "idle"];
+  const TERMS = ["productive", "recomputation", "backup", "stragglers", "detection", "decision",
+    "restore", "resume", "waiting", "idle"];
 
   /** One bar of the wall time, a segment per term, and each incident's cost. */
   function renderGoodput(found) {
