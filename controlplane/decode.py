@@ -128,15 +128,18 @@ def decode_heartbeats(subject: str, data: bytes) -> Beats | str:
         job, node = parsed.job_id, parsed.node
         if isinstance(message, HeartbeatMessage):
             p = message.payload
-            compute = p.compute_seconds
+            compute, since, ready = p.compute_seconds, p.since_step_seconds, p.ready_seconds
             return Beats(job, node, [parsed.member], [message.incarnation], [message.generation],
                          [p.step], [p.phase], [round(p.step_seconds * 1000)], [0],
-                         None if compute is None else [round(compute * 1000)])  # fmt: skip
+                         None if compute is None else [round(compute * 1000)],
+                         None if since is None else [round(since * 1000)],
+                         None if ready is None else [round(ready * 1000)])  # fmt: skip
         m = message
         if _LAUNCHER in m.members:
             return "forged: a launcher relays its members' heartbeats, not its own"
         return Beats(job, node, m.members, m.incarnation, m.generation, m.step, m.phase,
-                     m.step_ms, m.age_ms, m.compute_ms)  # fmt: skip
+                     m.step_ms, m.age_ms, m.compute_ms, m.since_step_ms,
+                     m.ready_ms)  # fmt: skip
     except Exception as exc:  # a bug here must not stop the listener
         log.exception("decoding a heartbeat on %r failed", subject[:_SUBJECT_KEPT])
         return printable(f"undecodable: {type(exc).__name__}: {exc}")

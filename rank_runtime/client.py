@@ -174,6 +174,12 @@ class EventClient:
         #: The compute time of the steps finished since the last heartbeat, and their count.
         self._compute_seconds = 0.0
         self._computed = 0
+        #: Where the member is in its steps (``time.monotonic``): when it finished its last
+        #: step (or began training), when the next step's gradients were all ready on it
+        #: (None: not yet), and the phase its previous heartbeat saw.
+        self._stepped_at = time.monotonic()
+        self._ready_at: float | None = None
+        self._beat_phase: Phase | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -262,10 +268,36 @@ class EventClient:
         time of the steps since the previous heartbeat."""
         with self._lock:
             self.step = step
+            self._stepped_at = time.monotonic()
+            self._ready_at = None
             self._step_seconds = max(self._step_seconds, seconds)
             if compute is not None and math.isfinite(compute) and compute >= 0:
                 self._compute_seconds += compute
                 self._computed += 1
+
+    def step_began(self) -> None:
+        """The member began a step: its gradients are not ready yet."""
+        self._ready_at = None
+
+    def gradients_ready(self) -> None:
+        """Every gradient of the member's current step is ready: from here it waits for its
+        peers' (the evidence that tells a stalled peer from a stalled group)."""
+        self._ready_at = time.monotonic()
+
+    def _progress(self) -> tuple[float | None, float | None]:
+        """Seconds since the last step and since the next step's gradients were ready (in
+        phase train; None otherwise), at most what a heartbeat carries."""
+        phase = self.phase
+        now = time.monotonic()
+        if phase is not self._beat_phase:
+            if phase is Phase.TRAIN:
+                self._stepped_at = now  # training (again): nothing was due before
+            self._beat_phase = phase
+        if phase is not Phase.TRAIN:
+            return None, None
+        ready = self._ready_at
+        since = min(max(0.0, now - self._stepped_at), _COMPUTE_MAX_S)
+        return since, None if ready is None else min(max(0.0, now - ready), _COMPUTE_MAX_S)
 
     def _take_step_seconds(self) -> tuple[float, float | None]:
         """The longest step and the mean compute time since the previous heartbeat."""
@@ -284,10 +316,15 @@ class EventClient:
         Never blocks on I/O."""
         identity = self.identity
         step_seconds, compute = self._take_step_seconds()
+        since, ready = self._progress()
         payload: dict[str, Any] = {"step": self.step, "phase": self.phase.value,
                                    "step_seconds": step_seconds}  # fmt: skip
         if compute is not None:
             payload["compute_seconds"] = compute
+        if since is not None:
+            payload["since_step_seconds"] = round(since, 3)
+        if ready is not None:
+            payload["ready_seconds"] = round(ready, 3)
         message = {
             "job_id": identity.job_id,
             "type": "member.heartbeat",

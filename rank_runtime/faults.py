@@ -14,13 +14,19 @@ sleep as compute (a slower device). A spare that takes its rank later is not slo
 ``slow@STEP:rank=R:SECONDSs`` (e.g. ``2s``) is one slow step: the rank sleeps SECONDS once
 after STEP (a hiccup).
 
+``stall@STEP:rank=R`` makes the rank's loop stop after STEP for good, its process alive and its
+heartbeats going on (a data loader on a hung filesystem, a kernel that never returns): its
+peers wait for it in the next step's collectives, and only where it is in its steps shows it
+(docs/design.md, "Stalled steps").
+
 ``crash@recover:rank=R`` fires in the member that had rank R when it receives a reallocation,
 before it acks: a second fault while the job recovers (and, when that member holds a copy the
 plan restores from, the loss of a holder during the restore).
 
 Step faults run inside the member when it finishes the step (``ELASTIC_FAULTS`` carries them
 from the launcher): a crash is ``SIGKILL`` of itself (nothing is flushed, like a real crash), a
-hang is ``SIGSTOP`` (the process stays, silent), a slow step sleeps. Each fires once per job:
+hang is ``SIGSTOP`` (the process stays, silent), a stall blocks the loop (the process stays,
+beating), a slow step sleeps. Each fires once per job:
 the member claims it first with an exclusive marker file in ``ELASTIC_FAULTS_STATE`` (the
 launcher's directory), so a rank that replays the step after a recovery does not fire it again.
 
@@ -51,7 +57,7 @@ SERVE = -2
 FORGE_FACTOR = 50.0
 
 _STEP_FAULT = re.compile(
-    r"^(?P<kind>crash|hang|slow|nan|tamper)@(?P<step>\d+|recover|serve):rank=(?P<rank>\d+)"
+    r"^(?P<kind>crash|hang|stall|slow|nan|tamper)@(?P<step>\d+|recover|serve):rank=(?P<rank>\d+)"
     r"(?::(?P<seconds>\d+(\.\d+)?)(?P<unit>[sx])?)?(?::for=(?P<for>\d+(\.\d+)?))?$"
 )
 #: The largest slowdown factor a ``slow`` fault takes.
@@ -150,7 +156,7 @@ def parse(spec: str) -> StepFault | RandomFaults:
             raise FaultSpecError(f"{spec!r}: every must be > 0 seconds")
         return RandomFaults(every, int(m["seed"] or 0))
     raise FaultSpecError(
-        f"{spec!r}: expected crash@STEP:rank=R, hang@STEP:rank=R,"
+        f"{spec!r}: expected crash@STEP:rank=R, hang@STEP:rank=R, stall@STEP:rank=R,"
         " slow@STEP:rank=R:FACTOR[:for=SECONDS], slow@STEP:rank=R:SECONDSs, nan@STEP:rank=R,"
         " crash@recover:rank=R, tamper@serve:rank=R or random:every=SECONDS[:seed=N]"
     )
@@ -235,6 +241,9 @@ def inject(faults: list[StepFault], step: int, rank: int, state_dir: str | None 
             continue
         if fault.kind == "hang":
             os.kill(os.getpid(), signal.SIGSTOP)
+        elif fault.kind == "stall":
+            while True:  # the loop never comes back; the heartbeat thread goes on
+                time.sleep(3600)
         else:
             from rank_runtime import trace
 

@@ -44,7 +44,8 @@ def run(
     fault: Annotated[
         list[str] | None,
         typer.Option(
-            help="crash@STEP:rank=R, hang@STEP:rank=R, slow@STEP:rank=R:FACTOR[:for=SECONDS]"
+            help="crash@STEP:rank=R, hang@STEP:rank=R, stall@STEP:rank=R (its loop stops, its"
+            " heartbeats go on), slow@STEP:rank=R:FACTOR[:for=SECONDS]"
             " (that process FACTOR times slower from STEP on), slow@STEP:rank=R:SECONDSs (one"
             " slow step), crash@recover:rank=R (on a reallocation, before acking it),"
             " tamper@serve:rank=R (its peer store serves forged copies) or"

@@ -60,14 +60,23 @@ class _Latest:
     phase: str
     step_seconds: float
     compute_seconds: float | None = None
+    since_step_seconds: float | None = None
+    ready_seconds: float | None = None
+
+
+def _ms_column(values: list[float | None]) -> list[int | None] | None:
+    """An optional column in milliseconds (None: no member reported a value)."""
+    if all(v is None for v in values):
+        return None
+    return [None if v is None else round(v * 1000) for v in values]
 
 
 def node_message(
     job_id: str, node: str, emitted_at: str, heard: list[tuple[str, _Latest]], now: float
 ) -> bytes:
     """``heard`` (member, its latest heartbeat) as ``node``'s ``node.heartbeat``, a column
-    per field (``schemas.events.NodeHeartbeatMessage``; ``compute_ms`` only when a member
-    reported a compute time)."""
+    per field (``schemas.events.NodeHeartbeatMessage``; ``compute_ms``, ``since_step_ms`` and
+    ``ready_ms`` only when a member reported one)."""
     message = {
         "job_id": job_id, "type": "node.heartbeat", "v": 1, "source": f"{node}/launcher",
         "emitted_at": emitted_at,
@@ -80,10 +89,14 @@ def node_message(
         "phase": [h.phase for _, h in heard],
         "step_ms": [round(h.step_seconds * 1000) for _, h in heard],
     }  # fmt: skip
-    if any(h.compute_seconds is not None for _, h in heard):
-        message["compute_ms"] = [
-            None if h.compute_seconds is None else round(h.compute_seconds * 1000) for _, h in heard
-        ]
+    for name, values in (
+        ("compute_ms", [h.compute_seconds for _, h in heard]),
+        ("since_step_ms", [h.since_step_seconds for _, h in heard]),
+        ("ready_ms", [h.ready_seconds for _, h in heard]),
+    ):
+        column = _ms_column(values)
+        if column is not None:
+            message[name] = column
     return json.dumps(message, separators=(",", ":")).encode()
 
 
@@ -144,7 +157,7 @@ class HeartbeatRelay:
             p = beat.payload
             self._latest[member] = _Latest(
                 self._clock(), beat.incarnation, beat.generation, p.step, p.phase.value,
-                p.step_seconds, p.compute_seconds,
+                p.step_seconds, p.compute_seconds, p.since_step_seconds, p.ready_seconds,
             )  # fmt: skip
         return None
 

@@ -182,6 +182,11 @@ class _Parts:
         #: When the step's last gradient was ready on this rank (``time.perf_counter``;
         #: None: no backward this step, or not measured).
         self.grads_ready: float | None = None
+        #: Gradients accumulated this step, of how many; ``on_ready`` is called when all are
+        #: (with ``grads_ready``): a stalled step's evidence (``EventClient.gradients_ready``).
+        self.accumulated = 0
+        self.gradients = 0
+        self.on_ready: Callable[[], None] | None = None
         if self.kind in ("replicated", "zero"):
             self._time_gradients()
 
@@ -195,10 +200,14 @@ class _Parts:
 
         def ready(_: torch.Tensor) -> None:
             self.grads_ready = time.perf_counter()
+            self.accumulated += 1
+            if self.accumulated == self.gradients and self.on_ready is not None:
+                self.on_ready()
 
         for parameter in self.module.parameters():
             if parameter.requires_grad:
                 parameter.register_post_accumulate_grad_hook(ready)  # type: ignore[no-untyped-call]
+                self.gradients += 1
 
     def unique(self) -> dict[str, Any]:
         """What only this rank has of the model and optimizer."""
@@ -469,6 +478,7 @@ class Session:
             with elastic.group_sockets.recording():
                 model, optimizer = self._build(self.world)
             parts = _Parts(model, optimizer)
+            parts.on_ready = elastic.client.gradients_ready
             built = time.perf_counter()
             trace.mark("build", wall, built - started, generation=generation)
             if not elastic.complete_restore():
@@ -627,6 +637,8 @@ class _StepGuard:
         parts = self._session._parts
         assert parts is not None
         parts.grads_ready = None
+        parts.accumulated = 0
+        self._session.elastic.client.step_began()
         self._started = time.perf_counter()
         return parts.model, parts.optimizer
 

@@ -133,6 +133,9 @@ class FaultReason(StrEnum):
     #: Its compute time per step stayed above the job's baseline (``member.slow``) and the
     #: policy replaces it (``slow_action``).
     SLOW = "slow"
+    #: Peers whose gradients of a step were ready waited in its collectives for it longer
+    #: than the step timeout (docs/design.md, "Stalled steps").
+    STALLED = "stalled"
 
 
 class ReallocationMode(StrEnum):

@@ -236,6 +236,26 @@ class JobPolicy(Strict):
     slow_action: Literal["ignore", "replace"] = "ignore"
     slow_horizon_s: PositiveSeconds = 600.0
     slow_recovery_s: PositiveSeconds = 30.0
+    #: Stalled members (docs/design.md, "Stalled steps"): members of the world whose
+    #: gradients of a step are ready wait in its collectives for one that has not reached
+    #: that point; once the wait passes the step timeout, the members behind (at most half
+    #: the world) have failed (``stalled``). ``fixed``: ``step_timeout_s`` (0: never looked
+    #: for). ``auto``: ``step_timeout_k`` times the ``step_timeout_quantile`` of the longest
+    #: steps the log's interval ``liveness.summary`` events show over the last
+    #: ``step_timeout_window_s``, clamped to ``[step_timeout_floor_s,
+    #: step_timeout_ceiling_s]``; with fewer than ``step_timeout_min_steps`` of them the fixed
+    #: one holds.
+    step_timeout_mode: Literal["fixed", "auto"] = "fixed"
+    #: (The default is half the runtime's default collective timeout, 60 s: a wait that long
+    #: fails the collectives anyway, naming nobody.)
+    step_timeout_s: Annotated[float, Field(ge=0, le=3600, allow_inf_nan=False)] = 30.0
+    step_timeout_k: Annotated[float, Field(gt=0, le=1000, allow_inf_nan=False)] = 5.0
+    step_timeout_quantile: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] = 0.99
+    step_timeout_min_steps: Annotated[int, Field(ge=1, le=10_000_000)] = 50
+    step_timeout_floor_s: PositiveSeconds = 10.0
+    #: (A heartbeat carries a wait of at most an hour: no step timeout is longer.)
+    step_timeout_ceiling_s: Annotated[float, Field(gt=0, le=3600, allow_inf_nan=False)] = 1800.0
+    step_timeout_window_s: PositiveSeconds = 600.0
 
     @model_validator(mode="after")
     def _world_bounds(self) -> JobPolicy:
@@ -245,6 +265,11 @@ class JobPolicy(Strict):
             raise ValueError(
                 f"heartbeat_timeout_floor_s {self.heartbeat_timeout_floor_s:g} must not exceed"
                 f" heartbeat_timeout_ceiling_s {self.heartbeat_timeout_ceiling_s:g}"
+            )
+        if self.step_timeout_floor_s > self.step_timeout_ceiling_s:
+            raise ValueError(
+                f"step_timeout_floor_s {self.step_timeout_floor_s:g} must not exceed"
+                f" step_timeout_ceiling_s {self.step_timeout_ceiling_s:g}"
             )
         if self.world_size is not None and not (
             self.min_world <= self.world_size <= self.max_world
@@ -304,6 +329,12 @@ class MemberHeartbeat(Strict):
     #: The mean compute time of the steps it finished since its previous heartbeat, apart
     #: from time blocked in collectives (None: none finished, or not measured).
     compute_seconds: ComputeSeconds | None = None
+    #: In phase train: seconds since it finished its last step (``step``; or since it began
+    #: training in its generation), and since the gradients of the step after it were ready
+    #: on it (None: not yet, or not measured). A stalled step's evidence (docs/design.md,
+    #: "Stalled steps"); None outside phase train.
+    since_step_seconds: ComputeSeconds | None = None
+    ready_seconds: ComputeSeconds | None = None
 
 
 class HeartbeatMessage(Strict):
@@ -394,13 +425,18 @@ class NodeHeartbeatMessage(Strict):
     #: Each member's heartbeat's ``compute_seconds``, milliseconds (None: none; the column
     #: is absent from older launchers' messages).
     compute_ms: list[_ComputeMs | None] | None = None
+    #: Each member's heartbeat's ``since_step_seconds`` and ``ready_seconds``, milliseconds
+    #: (None: none; a column absent: no member reported one).
+    since_step_ms: list[_ComputeMs | None] | None = None
+    ready_ms: list[_ComputeMs | None] | None = None
 
     @model_validator(mode="after")
     def _aligned(self) -> NodeHeartbeatMessage:
         count = len(self.members)
         names = ["incarnation", "generation", "age_ms", "step", "phase", "step_ms"]
-        if self.compute_ms is not None:
-            names.append("compute_ms")
+        names += [
+            n for n in ("compute_ms", "since_step_ms", "ready_ms") if getattr(self, n) is not None
+        ]
         for name in names:
             if len(getattr(self, name)) != count:
                 raise ValueError(
@@ -477,16 +513,22 @@ class LivenessColumns(Strict):
     #: ``phase`` (None: the same; the column absent: the same for all, or a summary recorded
     #: before). Self-calibrating timeouts charge the gap to it.
     max_gap_phase: list[Phase | None] | None = None
+    #: Each member's last heartbeat's ``since_step_seconds`` and ``ready_seconds`` in
+    #: milliseconds (None: none; a column absent: none for everyone, or a summary recorded
+    #: before): the evidence of a stalled step (docs/design.md, "Stalled steps").
+    since_step_ms: list[_ComputeMs | None] | None = None
+    ready_ms: list[_ComputeMs | None] | None = None
 
     @model_validator(mode="after")
     def _aligned(self) -> LivenessColumns:
         count = len(self.members)
         names = ["generation", "last_ms", "first_ms", "beats", "max_gap_ms", "max_gap_at_ms",
                  "phase", "step", "max_step_ms"]  # fmt: skip
-        if self.compute_ms is not None:
-            names.append("compute_ms")
-        if self.max_gap_phase is not None:
-            names.append("max_gap_phase")
+        names += [
+            n
+            for n in ("compute_ms", "max_gap_phase", "since_step_ms", "ready_ms")
+            if getattr(self, n) is not None
+        ]
         for name in names:
             if len(getattr(self, name)) != count:
                 raise ValueError(
@@ -512,6 +554,24 @@ class LivenessColumns(Strict):
         if self.compute_ms is not None:
             for member, ms in zip(self.members, self.compute_ms, strict=True):
                 yield member, None if ms is None else ms / 1000
+
+    def progress(
+        self,
+    ) -> Iterator[tuple[str, int, int, datetime, float | None, float | None]]:
+        """(member, step, generation, last heartbeat, seconds since its step, seconds since
+        the next step's gradients were ready) of each member listed (none when the part
+        carries neither column)."""
+        opened, ready = self.since_step_ms, self.ready_ms
+        if opened is None and ready is None:
+            return
+        epoch = self.epoch_ms
+        for i, member in enumerate(self.members):
+            o = None if opened is None else opened[i]
+            r = None if ready is None else ready[i]
+            yield (
+                member, self.step[i], self.generation[i], at_ms(epoch + self.last_ms[i]),
+                None if o is None else o / 1000, None if r is None else r / 1000,
+            )  # fmt: skip
 
     def rows(self) -> Iterator[LivenessRow]:
         epoch, assumed = self.epoch_ms, set(self.assumed)
@@ -957,7 +1017,9 @@ class FaultDetected(Strict):
     detail: Text
     evidence: Annotated[list[Evidence], Field(max_length=1024)] = Field(default_factory=list)
     #: A heartbeat timeout's threshold in force for each member found silent, in
-    #: ``members`` order (absent from detections recorded before, and of other reasons).
+    #: ``members`` order (absent from detections recorded before, and of other reasons); of
+    #: a ``stalled`` detection, the step timeout (phase train; ``gaps`` counts the longest
+    #: steps it was derived from and ``gap_s`` is their quantile).
     thresholds: Annotated[list[HeartbeatThreshold], Field(max_length=MAX_WORLD)] | None = None
 
 

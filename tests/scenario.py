@@ -283,10 +283,16 @@ class SoftScenario(Scenario):
         step: int = 0,
         phase: str = "train",
         compute: float | dict[str, float] | None = None,
+        step_seconds: float = 0.0,
+        since: dict[str, float | None] | None = None,
+        ready: dict[str, float | None] | None = None,
     ) -> None:
         """``compute``: each member's mean compute time per step since its previous
-        heartbeat (one value for all, or by member; None: none reported)."""
+        heartbeat (one value for all, or by member; None: none reported); ``step_seconds``:
+        the longest step each finished since; ``since``, ``ready``: by member, the seconds
+        since its last step and since the next step's gradients were ready."""
         window_s = self.v.effective_policy.slow_window_s
+        since, ready = since or {}, ready or {}
         for name in members:
             member = self.v.members[name]
             self.table.observe(
@@ -300,6 +306,9 @@ class SoftScenario(Scenario):
                 phase=Phase(phase),
                 compute_seconds=compute.get(name) if isinstance(compute, dict) else compute,
                 window_s=window_s,
+                step_seconds=step_seconds,
+                since_step_seconds=since.get(name),
+                ready_seconds=ready.get(name),
             )
 
     def summarize(self, reason: str) -> None:

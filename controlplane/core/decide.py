@@ -54,6 +54,7 @@ from controlplane.core.mesh import Layout, full_layout, layout
 from controlplane.core.placement import SilentNode, place_columns, silent_nodes
 from controlplane.core.records import StoredEvent
 from controlplane.core.restore import plan_restore, refused_sources
+from controlplane.core.stall import stall_deadline
 from controlplane.core.statemachine import TERMINAL
 from controlplane.core.straggler import Slow, judge
 from controlplane.core.timeline import timeline
@@ -103,6 +104,7 @@ _REASON_ORDER = (
     FaultReason.HEARTBEAT_TIMEOUT,
     FaultReason.RECOVERY_DEADLINE,
     FaultReason.SLOW,
+    FaultReason.STALLED,
 )
 
 _S = JobState
@@ -246,6 +248,11 @@ def next_deadline(view: JobView) -> datetime | None:
     waiting = report_deadline(view)
     if waiting is not None:
         deadlines.append(waiting)
+    # Peers waiting in a step's collectives for a member behind (``core/stall.py``).
+    if view.progress:
+        stall = stall_deadline(view)
+        if stall is not None:
+            deadlines.append(stall)
     if view.state is _S.RECOVERING and view.open_incident is not None:
         incident = view.incidents[view.open_incident]
         if incident.decisions:
@@ -1301,7 +1308,8 @@ def _summary(findings: list[Finding]) -> str:
 
 
 def _thresholds(findings: list[Finding]) -> list[HeartbeatThreshold] | None:
-    """The threshold in force for each of ``findings`` (heartbeat timeouts; None: other)."""
+    """The threshold in force for each of ``findings`` (heartbeat and step timeouts; None:
+    other)."""
     out = []
     for f in findings:
         t = f.threshold

@@ -6,7 +6,8 @@ an error of its own (an exception, running out of memory), when peers reported a
 names it *and* that is corroborated (see below), or when its last heartbeat is older than the
 timeout of the phase it last reported (backup and restore get their own, longer timeouts), or
 when it was recorded as slow (``member.slow``, ``core/straggler.py``) in the current generation
-with the policy's action ``replace``. A member already named by a ``fault.detected`` is not
+with the policy's action ``replace``, or when its peers waited for it in a step's collectives
+past the step timeout (``core/stall.py``). A member already named by a ``fault.detected`` is not
 found again, so detection is idempotent.
 
 A peer naming a suspect is evidence, not proof: one member (or one node's credential) must not
@@ -30,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
+from controlplane.core.stall import stalled
 from controlplane.core.timeouts import Threshold, fixed
 from controlplane.core.view import FaultReport, Heartbeat, JobView, Member, MemberStatus
 from schemas.common import FaultKind, FaultReason, Phase
@@ -322,9 +324,50 @@ def detect(view: JobView, now: datetime) -> list[Finding]:
             mark.reason[:4096],
             ((member_id, "member.slow", mark.position, mark.at),),
         )
+    if view.progress and not findings:
+        _stalled(view, now, findings)
     return [findings[m] for m in sorted(findings)]
+
+
+def _stalled(view: JobView, now: datetime, findings: dict[str, Finding]) -> None:
+    """The members a stall's waiters waited for past the step timeout (``core/stall.py``)."""
+    stall = stalled(view, now)
+    if stall is None:
+        return
+    limit = stall.threshold
+    waiter = max(stall.waiters, key=lambda w: view.progress[w].at)
+    seen = view.progress[waiter]
+    waited = (
+        f"{len(stall.waiters)} peer(s) with every gradient of step {stall.step} ready waited"
+        f" {stall.waited_s:.1f}s for it in the step's collectives (step timeout"
+        f" {limit.seconds:g}s{_derived(limit)})"
+    )
+    for member_id, p in stall.behind.items():
+        rank = view.members[member_id].rank
+        where = (
+            f"finished step {p.step} {p.since_step_s:.1f}s before its last heartbeat"
+            if p.step + 1 == stall.step
+            else f"at step {p.step}, behind"
+        )
+        findings[member_id] = Finding(
+            member_id,
+            FaultReason.STALLED,
+            f"{member_id} (rank {rank}) {where} and had not all its gradients of step"
+            f" {stall.step}; {waited}"[:4096],
+            (
+                (member_id, _PROGRESS, p.position, p.at),
+                (waiter, _PROGRESS, seen.position, seen.at),
+            ),
+            limit,
+        )
+
+
+#: The event that shows where a member was in its steps (its heartbeat, in the decision's
+#: summary).
+_PROGRESS = "liveness.summary"
 
 
 def _derived(limit: Threshold) -> str:
     """How ``limit`` was derived, for a detail (nothing for the policy's plain fixed one)."""
-    return "" if limit.how == f"fixed policy {limit.seconds:g}s" else f": {limit.how}"
+    plain = (f"fixed policy {limit.seconds:g}s", f"fixed step timeout {limit.seconds:g}s")
+    return "" if limit.how in plain else f": {limit.how}"

@@ -48,6 +48,7 @@ from controlplane.core.view import (
     Mark,
     Member,
     MemberStatus,
+    Progress,
     ReplicaCopy,
     ShardBackup,
     SlowMark,
@@ -515,8 +516,13 @@ class _Fold:
             heartbeats[member_id] = Heartbeat(last_at, position, "liveness.summary", phase)
         if p.compute_window_ms is not None:
             self._compute(stored, p)
-        if p.reason == "interval" and self.view.effective_policy.heartbeat_timeout_mode == "auto":
-            self._gaps(p)
+        self._progress(stored, p)
+        if p.reason == "interval":
+            policy = self.view.effective_policy
+            if policy.heartbeat_timeout_mode == "auto":
+                self._gaps(p)
+            if policy.step_timeout_mode == "auto":
+                self._steps(p)
         regular = p.regular
         if regular is None:
             return
@@ -542,6 +548,45 @@ class _Fold:
             view.gap_samples, timeouts.samples_of(p, view.members), p.at, policy
         )
         view.thresholds = timeouts.derive(view.gap_samples, policy)
+
+    def _steps(self, p: Any) -> None:
+        """An interval summary's longest steps: into the window, and the step timeout
+        derived again (``core/timeouts.py``)."""
+        view = self.view
+        policy = view.effective_policy
+        view.step_samples = timeouts.window(
+            view.step_samples, timeouts.step_samples_of(p, view.members), p.at, policy,
+            policy.step_timeout_window_s,
+        )  # fmt: skip
+        view.step_threshold = timeouts.derive_step(view.step_samples, policy)
+
+    def _progress(self, stored: StoredEvent, p: Any) -> None:
+        """A summary's progress columns: where each member it lists was in its steps at its
+        last heartbeat; a member named regular was progressing (forgotten)."""
+        view = self.view
+        columns, regular = p.columns, p.regular
+        known = view.progress
+        if not known and (
+            columns is None or (columns.since_step_ms is None and columns.ready_ms is None)
+        ):
+            return  # nothing known, nothing told: the usual case costs nothing
+        progress = dict(known)
+        members = view.members
+        if regular is not None:
+            for member_id in regular.members:
+                progress.pop(member_id, None)
+        if columns is not None:
+            listed = set()
+            for member_id, step, generation, at, opened, ready in columns.progress():
+                listed.add(member_id)
+                if member_id in members:
+                    progress[member_id] = Progress(
+                        step, generation, at, opened, ready, stored.position
+                    )
+            for member_id in columns.members:
+                if member_id not in listed:
+                    progress.pop(member_id, None)
+        view.progress = progress
 
     def _compute(self, stored: StoredEvent, p: Any) -> None:
         """A summary's compute times: each member it lists or names (its current process),

@@ -47,7 +47,7 @@ from typing import NamedTuple
 
 from controlplane.core.detect import heartbeat_timeout, silence_limit
 from controlplane.core.straggler import MIN_SAMPLES
-from controlplane.core.view import Computed, Heartbeat, JobView, MemberStatus
+from controlplane.core.view import Computed, Heartbeat, JobView, MemberStatus, Progress
 from schemas.common import Phase
 from schemas.events import (
     SUMMARY_COLUMN_MEMBERS,
@@ -91,6 +91,10 @@ class Beats(NamedTuple):
     #: The mean compute time of each member's steps since its previous heartbeat,
     #: milliseconds (None: none; the column None: a sender that reports none).
     compute_ms: list[int | None] | None = None
+    #: Each member's milliseconds since its last step and since the next step's gradients
+    #: were ready (None: none; the column None: a sender that reports none).
+    since_step_ms: list[int | None] | None = None
+    ready_ms: list[int | None] | None = None
 
     def source(self, i: int) -> str:
         return f"{self.node}/{self.members[i]}"
@@ -132,6 +136,18 @@ class Heard:
     compute_times: deque[int] | None = None
     compute_mins: deque[tuple[int, int]] | None = None
     sustained_ms: int | None = None
+    #: Its last heartbeat's milliseconds since its last step, and since the next step's
+    #: gradients were ready (None: none): a stalled step's evidence (``core/stall.py``).
+    since_step_ms: int | None = None
+    ready_ms: int | None = None
+
+    def progress(self, position: int | None = None) -> Progress:
+        """Where it was in its steps at its last heartbeat (``JobView.progress``)."""
+        since, ready = self.since_step_ms, self.ready_ms
+        return Progress(
+            self.step, self.generation, self.last_at, None if since is None else since / 1000,
+            None if ready is None else ready / 1000, position,
+        )  # fmt: skip
 
     def _computed(self, ms: int, generation: int, value: int | None, window_ms: int) -> bool:
         """A heartbeat's compute time (``value``, None: none) heard at ``ms``; whether the
@@ -216,6 +232,8 @@ def take_beats(table: LivenessTable, view: JobView | None, beats: Beats, at: dat
     window_ms = round(view.effective_policy.slow_window_s * 1000)
     computes = beats.compute_ms
     computed = table._computed_of(job_id) if window_ms > 0 else None
+    sinces, readies = beats.since_step_ms, beats.ready_ms
+    progress = table._progress_of(job_id) if sinces is not None or readies is not None else None
     at = on_the_ms(at)
     arrived_ms = ms_of(at)
     stats = table.stats
@@ -268,6 +286,13 @@ def take_beats(table: LivenessTable, view: JobView | None, beats: Beats, at: dat
         if computed is not None:
             value = None if computes is None else computes[i]
             _mark_compute(computed, member_id, heard, ms, when, value, window_ms)
+        if progress is not None:
+            heard.since_step_ms = None if sinces is None else sinces[i]
+            heard.ready_ms = None if readies is None else readies[i]
+            progress[member_id] = heard.progress()
+        elif heard.since_step_ms is not None or heard.ready_ms is not None:
+            heard.since_step_ms = heard.ready_ms = None
+            table._progress_of(job_id).pop(member_id, None)
     return refused
 
 
@@ -340,6 +365,9 @@ class LivenessTable:
         #: Job -> member -> its sustained compute time as a probe shows it (``Computed``),
         #: kept with every beat of a member whose heartbeats cover the window.
         self._computes: dict[str, dict[str, Computed]] = {}
+        #: Job -> member -> where it was in its steps at its last heartbeat (``Progress``),
+        #: kept with every beat that carries it.
+        self._progress: dict[str, dict[str, Progress]] = {}
         self.stats = LivenessStats()
 
     def heard(self, job_id: str, member_id: str) -> Heard | None:
@@ -363,6 +391,12 @@ class LivenessTable:
             computed = self._computes[job_id] = {}
         return computed
 
+    def _progress_of(self, job_id: str) -> dict[str, Progress]:
+        progress = self._progress.get(job_id)
+        if progress is None:
+            progress = self._progress[job_id] = {}
+        return progress
+
     def _marks_of(self, job_id: str) -> dict[str, Heartbeat]:
         marks = self._marks.get(job_id)
         if marks is None:
@@ -383,11 +417,14 @@ class LivenessTable:
         step_seconds: float = 0.0,
         compute_seconds: float | None = None,
         window_s: float = 0.0,
+        since_step_seconds: float | None = None,
+        ready_seconds: float | None = None,
     ) -> None:
         """One heartbeat of ``member_id`` (process ``incarnation``) received at ``at``
         (``step_seconds``: the longest step it finished since its previous one;
         ``compute_seconds``: their mean compute time, kept over ``window_s``, the job's
-        ``slow_window_s``)."""
+        ``slow_window_s``; ``since_step_seconds``, ``ready_seconds``: where it is in its
+        steps, ``MemberHeartbeat``)."""
         at = on_the_ms(at)
         ms = ms_of(at)
         step_ms = round(step_seconds * 1000)
@@ -413,6 +450,14 @@ class LivenessTable:
         if window_ms > 0:
             value = None if compute_seconds is None else round(compute_seconds * 1000)
             _mark_compute(self._computed_of(job_id), member_id, heard, ms, at, value, window_ms)
+        heard.since_step_ms = (
+            None if since_step_seconds is None else round(since_step_seconds * 1000)
+        )
+        heard.ready_ms = None if ready_seconds is None else round(ready_seconds * 1000)
+        if heard.since_step_ms is not None or heard.ready_ms is not None:
+            self._progress_of(job_id)[member_id] = heard.progress()
+        else:
+            self._progress.get(job_id, {}).pop(member_id, None)
 
     def probe(self, view: JobView, *, exact: bool = False) -> JobView:
         """``view`` with the table's liveness in its ``heartbeats`` (evidence ``TABLE``, no
@@ -436,6 +481,9 @@ class LivenessTable:
         # heartbeats no longer cover the window is not one).
         computed = self._computes.get(job_id)
         compute = dict(computed) if computed else {}
+        # Where members are in their steps: the table's, over the log's (older, if any).
+        known = self._progress.get(job_id)
+        progress = {**view.progress, **known} if known else view.progress
         marks = self._marks.get(job_id)
         if marks and not exact:
             merged.update(marks)
@@ -450,12 +498,15 @@ class LivenessTable:
                 if heard.incarnation != member.incarnation:
                     del table[member_id], marks[member_id]
                     compute.pop(member_id, None)
+                    if known and member_id in known:
+                        del known[member_id]
+                        progress.pop(member_id, None)
                     self._sorted.pop(job_id, None)
                     continue
                 current = merged.get(member_id)
                 if current is None or heard.last_at > current.at:
                     merged[member_id] = marks[member_id]
-        return replace(view, heartbeats=merged, compute=compute)
+        return replace(view, heartbeats=merged, compute=compute, progress=progress)
 
     def exact_for(self, view: JobView, probe: JobView, member_ids: Iterable[str]) -> bool:
         """Whether the quick ``probe`` of ``view`` holds each of ``member_ids`` (active
@@ -616,10 +667,12 @@ class LivenessTable:
         if members:
             marks = self._marks_of(job_id)
             computed = self._computes.get(job_id, {})
+            progress = self._progress.get(job_id, {})
             for member_id in [m for m in members if m not in keep]:
                 del members[member_id]
                 marks.pop(member_id, None)
                 computed.pop(member_id, None)
+                progress.pop(member_id, None)
             self._sorted.pop(job_id, None)
 
 
@@ -647,12 +700,21 @@ def _regular(
     common = Counter((h.generation, h.phase) for _, h in steady).most_common(1)[0][0]
     steps = sorted(h.max_step_ms for _, h in steady)
     slow = steps[len(steps) // 2] * 1.25
+    # Not finished a step for longer than that (and two intervals): a stalled step's
+    # evidence, listed with its progress (``core/stall.py``).
+    late = max(slow, bound_ms)
     generation, phase = common
     chosen: list[tuple[str, Heard]] = []
     rest: list[tuple[str, Heard]] = []
     for pair in steady:  # (a loop: on Python 3.11 cheaper than two comprehensions)
         h = pair[1]
-        if h.generation == generation and h.phase is phase and h.max_step_ms <= slow:
+        since = h.since_step_ms
+        if (
+            h.generation == generation
+            and h.phase is phase
+            and h.max_step_ms <= slow
+            and (since is None or since <= late)
+        ):
             chosen.append(pair)
         else:
             rest.append(pair)
@@ -698,6 +760,8 @@ def _columns(
         max_step_ms=[h.max_step_ms for _, h in listed],
         compute_ms=_known([h.sustained_ms for _, h in listed]) if computes else None,
         max_gap_phase=_gap_phases(listed),
+        since_step_ms=_known([h.since_step_ms for _, h in listed]),
+        ready_ms=_known([h.ready_ms for _, h in listed]),
     )
 
 

@@ -101,10 +101,17 @@ def samples_of(summary: Any, members: Mapping[str, Any]) -> list[GapSample]:
 
 
 def window(
-    samples: Iterable[GapSample], new: Iterable[GapSample], at: datetime, policy: JobPolicy
+    samples: Iterable[GapSample],
+    new: Iterable[GapSample],
+    at: datetime,
+    policy: JobPolicy,
+    window_s: float | None = None,
 ) -> tuple[GapSample, ...]:
-    """``samples`` and ``new``, less those older than the policy's window before ``at``."""
-    since = at - timedelta(seconds=policy.heartbeat_timeout_window_s)
+    """``samples`` and ``new``, less those older than the window before ``at`` (``window_s``,
+    default the policy's ``heartbeat_timeout_window_s``)."""
+    if window_s is None:
+        window_s = policy.heartbeat_timeout_window_s
+    since = at - timedelta(seconds=window_s)
     return tuple(s for s in (*samples, *new) if s.at >= since)
 
 
@@ -160,3 +167,59 @@ def derive(samples: Iterable[GapSample], policy: JobPolicy) -> dict[Phase, Thres
 
 def _q(q: float) -> str:
     return "max" if q >= 1 else f"p{q * 100:g}"
+
+
+def step_samples_of(summary: Any, members: Mapping[str, Any]) -> list[GapSample]:
+    """The longest steps an interval ``liveness.summary`` payload shows (each member's
+    longest step finished in the window, milliseconds; the members it names as regular at
+    their bound, ``RegularMembers.max_step_ms``: an upper bound, so a derived timeout errs
+    long), as one sample of phase train (steps are trained)."""
+    per: dict[int, int] = {}
+    for entry in summary.members:
+        ms = round(entry.max_step_s * 1000)
+        if ms > 0 and entry.member in members:
+            per[ms] = per.get(ms, 0) + 1
+    columns = summary.columns
+    if columns is not None:
+        for member, ms in zip(columns.members, columns.max_step_ms, strict=True):
+            if ms > 0 and member in members:
+                per[ms] = per.get(ms, 0) + 1
+    regular = summary.regular
+    if regular is not None and regular.max_step_ms > 0:
+        named = sum(1 for m in regular.members if m in members)
+        if named:
+            per[regular.max_step_ms] = per.get(regular.max_step_ms, 0) + named
+    return [GapSample(summary.at, Phase.TRAIN, tuple(sorted(per.items())))] if per else []
+
+
+def fixed_step(policy: JobPolicy, note: str = "") -> Threshold | None:
+    """The policy's fixed step timeout (None: ``step_timeout_s`` 0, never looked for)."""
+    seconds = policy.step_timeout_s
+    if seconds <= 0:
+        return None
+    return Threshold(Phase.TRAIN, seconds, "fixed", f"fixed step timeout {seconds:g}s{note}")
+
+
+def derive_step(samples: Iterable[GapSample], policy: JobPolicy) -> Threshold | None:
+    """The step timeout from ``samples`` under an ``auto`` policy: ``step_timeout_k`` times
+    the ``step_timeout_quantile`` of the longest steps, within the floor and the ceiling;
+    the fixed one below ``step_timeout_min_steps`` of them."""
+    k, q = policy.step_timeout_k, policy.step_timeout_quantile
+    floor, ceiling = policy.step_timeout_floor_s, policy.step_timeout_ceiling_s
+    least = policy.step_timeout_min_steps
+    step_ms, count = quantile_ms((g for s in samples for g in s.gaps), q)
+    if count < least:
+        return fixed_step(policy, f" (auto: {count} steps recorded, fewer than {least})")
+    step_s = step_ms / 1000
+    raw = k * step_s
+    seconds = min(max(raw, floor), ceiling)
+    clamp = (
+        f", raised to the floor {floor:g}s" if raw < floor
+        else f", cut to the ceiling {ceiling:g}s" if raw > ceiling
+        else ""
+    )  # fmt: skip
+    how = (
+        f"step timeout {seconds:g}s = {k:g} x {_q(q)} step {step_s:g}s over {count} longest"
+        f" steps, within [{floor:g}, {ceiling:g}]{clamp}"
+    )
+    return Threshold(Phase.TRAIN, seconds, "auto", how, count, q, step_s, k, floor, ceiling)

@@ -221,6 +221,23 @@ class Computed(NamedTuple):
     at: datetime
 
 
+class Progress(NamedTuple):
+    """Where a member was in its steps at its last heartbeat (``JobView.progress``): the
+    evidence of a stalled step (``core/stall.py``)."""
+
+    #: The last step it finished, and the generation it beat in.
+    step: int
+    generation: int
+    #: When that heartbeat was heard.
+    at: datetime
+    #: Seconds since it finished ``step`` (None: not in phase train), and since the next
+    #: step's gradients were ready on it (None: not yet, or not measured).
+    since_step_s: float | None
+    ready_s: float | None
+    #: The ``liveness.summary`` that recorded it (None: a decider's probe of its table).
+    position: int | None
+
+
 class SlowMark(NamedTuple):
     """A ``member.slow`` recorded of a member (``JobView.slow``)."""
 
@@ -447,6 +464,15 @@ class JobView:
     #: member -> its sustained compute time per step, from the newest summary that knew it
     #: (absent: not known over a whole window); straggler detection reads it.
     compute: dict[str, Computed] = field(default_factory=dict)
+    #: member -> where it was in its steps at its last heartbeat, from the newest summary
+    #: that listed it with the columns of a step's progress (absent: not known, or named
+    #: regular: progressing); stall detection reads it.
+    progress: dict[str, Progress] = field(default_factory=dict)
+    #: The longest steps interval summaries showed over ``step_timeout_window_s`` (kept only
+    #: under ``step_timeout_mode`` ``auto``), and the step timeout derived from them (None:
+    #: the policy's fixed one).
+    step_samples: tuple[GapSample, ...] = ()
+    step_threshold: Threshold | None = None
     #: The heartbeat gaps interval summaries showed over the policy's window (kept only under
     #: ``heartbeat_timeout_mode`` ``auto``), and each phase's timeout derived from them
     #: (``core/timeouts.py``; empty: the policy's fixed ones).
