@@ -153,6 +153,13 @@ class Mesh(Strict):
         return " x ".join(f"{name}={degree}" for name, degree in self.dims)
 
 
+def _per_phase(value: float | dict[Phase, float], phase: Phase, default: float) -> float:
+    """``value`` for ``phase``: one for all, or the phase's (else train's, else ``default``)."""
+    if isinstance(value, dict):
+        return value.get(phase, value.get(Phase.TRAIN, default))
+    return value
+
+
 class JobPolicy(Strict):
     """How a job is run and recovered; fixed by ``job.registered``."""
 
@@ -185,8 +192,10 @@ class JobPolicy(Strict):
     heartbeat_timeout_k: Annotated[float, Field(gt=0, le=1000, allow_inf_nan=False)] = 3.0
     heartbeat_timeout_quantile: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] = 0.99
     heartbeat_timeout_min_gaps: Annotated[int, Field(ge=1, le=10_000_000)] = 100
-    heartbeat_timeout_floor_s: PositiveSeconds = 1.0
-    heartbeat_timeout_ceiling_s: PositiveSeconds = 300.0
+    #: One value for every phase, or one per phase (a phase not listed takes train's, else
+    #: the default: 1 s and 300 s).
+    heartbeat_timeout_floor_s: PositiveSeconds | dict[Phase, PositiveSeconds] = 1.0
+    heartbeat_timeout_ceiling_s: PositiveSeconds | dict[Phase, PositiveSeconds] = 300.0
     heartbeat_timeout_window_s: PositiveSeconds = 600.0
     backup_interval: PositiveInt = 10
     redundancy: Annotated[int, Field(ge=0, le=8)] = 2
@@ -257,15 +266,25 @@ class JobPolicy(Strict):
     step_timeout_ceiling_s: Annotated[float, Field(gt=0, le=3600, allow_inf_nan=False)] = 1800.0
     step_timeout_window_s: PositiveSeconds = 600.0
 
+    def heartbeat_floor(self, phase: Phase) -> float:
+        """The floor of ``phase``'s derived heartbeat timeout (``auto``)."""
+        return _per_phase(self.heartbeat_timeout_floor_s, phase, 1.0)
+
+    def heartbeat_ceiling(self, phase: Phase) -> float:
+        """The ceiling of ``phase``'s derived heartbeat timeout (``auto``)."""
+        return _per_phase(self.heartbeat_timeout_ceiling_s, phase, 300.0)
+
     @model_validator(mode="after")
     def _world_bounds(self) -> JobPolicy:
         if self.min_world > self.max_world:
             raise ValueError("min_world must not exceed max_world")
-        if self.heartbeat_timeout_floor_s > self.heartbeat_timeout_ceiling_s:
-            raise ValueError(
-                f"heartbeat_timeout_floor_s {self.heartbeat_timeout_floor_s:g} must not exceed"
-                f" heartbeat_timeout_ceiling_s {self.heartbeat_timeout_ceiling_s:g}"
-            )
+        for phase in Phase:
+            floor, ceiling = self.heartbeat_floor(phase), self.heartbeat_ceiling(phase)
+            if floor > ceiling:
+                raise ValueError(
+                    f"heartbeat_timeout_floor_s {floor:g} must not exceed"
+                    f" heartbeat_timeout_ceiling_s {ceiling:g} (phase {phase.value})"
+                )
         if self.step_timeout_floor_s > self.step_timeout_ceiling_s:
             raise ValueError(
                 f"step_timeout_floor_s {self.step_timeout_floor_s:g} must not exceed"

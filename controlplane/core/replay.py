@@ -729,7 +729,7 @@ def _timeouts(policy: JobPolicy) -> list[float]:
     """The heartbeat timeouts ``policy`` may apply (under ``auto``, down to its floor)."""
     fixed = list(policy.heartbeat_timeout_s.values())
     if policy.heartbeat_timeout_mode == "auto":
-        fixed.append(policy.heartbeat_timeout_floor_s)
+        fixed.extend(policy.heartbeat_floor(phase) for phase in Phase)
     return fixed
 
 

@@ -138,10 +138,10 @@ def derive(samples: Iterable[GapSample], policy: JobPolicy) -> dict[Phase, Thres
     for sample in samples:
         by_phase.setdefault(sample.phase, []).extend(sample.gaps)
     k, q = policy.heartbeat_timeout_k, policy.heartbeat_timeout_quantile
-    floor, ceiling = policy.heartbeat_timeout_floor_s, policy.heartbeat_timeout_ceiling_s
     least = policy.heartbeat_timeout_min_gaps
     out: dict[Phase, Threshold] = {}
     for phase in Phase:
+        floor, ceiling = policy.heartbeat_floor(phase), policy.heartbeat_ceiling(phase)
         gap_ms, count = quantile_ms(by_phase.get(phase, ()), q)
         if count < least:
             out[phase] = fixed(
