@@ -127,9 +127,11 @@ def _waited_since(progress: Progress) -> datetime:
     return progress.at - timedelta(seconds=progress.ready_s)
 
 
-def stalled(view: JobView, now: datetime) -> Stall | None:
-    """The stall of ``view``'s world at ``now``, once every waiter waited past the step
-    timeout (None: none)."""
+def _shown(
+    view: JobView, now: datetime | None
+) -> tuple[Threshold, datetime, int, list[str], dict[str, Progress]] | None:
+    """(step timeout, when the latest waiter's gradients were ready, frontier, waiters,
+    members behind) of the stall ``view`` shows (None: none, or no timeout)."""
     limit = step_threshold(view)
     if limit is None:
         return None
@@ -138,6 +140,16 @@ def stalled(view: JobView, now: datetime) -> Stall | None:
         return None
     frontier, waiters, behind = sides
     latest = max(_waited_since(view.progress[w]) for w in waiters)
+    return limit, latest, frontier, waiters, behind
+
+
+def stalled(view: JobView, now: datetime) -> Stall | None:
+    """The stall of ``view``'s world at ``now``, once every waiter waited past the step
+    timeout (None: none)."""
+    shown = _shown(view, now)
+    if shown is None:
+        return None
+    limit, latest, frontier, waiters, behind = shown
     waited = (now - latest).total_seconds()
     if waited < limit.seconds:
         return None
@@ -147,12 +159,5 @@ def stalled(view: JobView, now: datetime) -> Stall | None:
 def stall_deadline(view: JobView) -> datetime | None:
     """When the stall the view shows would pass the step timeout (None: it shows none; the
     evidence's freshness is for ``stalled`` to judge then)."""
-    limit = step_threshold(view)
-    if limit is None:
-        return None
-    sides = _sides(view, None)
-    if sides is None:
-        return None
-    _, waiters, _ = sides
-    latest = max(_waited_since(view.progress[w]) for w in waiters)
-    return latest + timedelta(seconds=limit.seconds)
+    shown = _shown(view, None)
+    return None if shown is None else shown[1] + timedelta(seconds=shown[0].seconds)

@@ -150,19 +150,23 @@ def derive(samples: Iterable[GapSample], policy: JobPolicy) -> dict[Phase, Thres
             )  # fmt: skip
             continue
         gap_s = gap_ms / 1000
-        raw = k * gap_s
-        seconds = min(max(raw, floor), ceiling)
-        clamp = (
-            f", raised to the floor {floor:g}s" if raw < floor
-            else f", cut to the ceiling {ceiling:g}s" if raw > ceiling
-            else ""
-        )  # fmt: skip
+        seconds, clamp = _clamped(k * gap_s, floor, ceiling)
         how = (
             f"timeout {seconds:g}s = {k:g} x {_q(q)} gap {gap_s:g}s over {count} gaps in phase"
             f" {phase.value}, within [{floor:g}, {ceiling:g}]{clamp}"
         )
         out[phase] = Threshold(phase, seconds, "auto", how, count, q, gap_s, k, floor, ceiling)
     return out
+
+
+def _clamped(raw: float, floor: float, ceiling: float) -> tuple[float, str]:
+    """``raw`` within ``[floor, ceiling]``, and what the clamp did, in words ("" for nothing)."""
+    clamp = (
+        f", raised to the floor {floor:g}s" if raw < floor
+        else f", cut to the ceiling {ceiling:g}s" if raw > ceiling
+        else ""
+    )  # fmt: skip
+    return min(max(raw, floor), ceiling), clamp
 
 
 def _q(q: float) -> str:
@@ -211,13 +215,7 @@ def derive_step(samples: Iterable[GapSample], policy: JobPolicy) -> Threshold | 
     if count < least:
         return fixed_step(policy, f" (auto: {count} steps recorded, fewer than {least})")
     step_s = step_ms / 1000
-    raw = k * step_s
-    seconds = min(max(raw, floor), ceiling)
-    clamp = (
-        f", raised to the floor {floor:g}s" if raw < floor
-        else f", cut to the ceiling {ceiling:g}s" if raw > ceiling
-        else ""
-    )  # fmt: skip
+    seconds, clamp = _clamped(k * step_s, floor, ceiling)
     how = (
         f"step timeout {seconds:g}s = {k:g} x {_q(q)} step {step_s:g}s over {count} longest"
         f" steps, within [{floor:g}, {ceiling:g}]{clamp}"
