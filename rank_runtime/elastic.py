@@ -306,8 +306,10 @@ class Elastic:
         #: The steps the loop does not run (inclusive ranges): those the job's rollbacks
         #: skipped, as the command this member follows says (``Reallocate.skip``).
         self.skip: tuple[tuple[int, int], ...] = ()
-        #: Called when an injected ``nan@STEP`` fires: spoils the model (the session's).
-        self.poison: Callable[[], None] | None = None
+        #: Called when an injected ``nan@STEP`` or ``spike@STEP`` fires: multiplies the model's
+        #: floating-point parameters by its argument (NaN, or the spike's factor; the
+        #: session's).
+        self.poison: Callable[[float], None] | None = None
         #: A lasting ``slow`` fault that fired in this process (None: none).
         self._slowdown: faults.Slowdown | None = None
         #: A newer command ``step_done`` found, for ``recover`` to follow.
@@ -1035,7 +1037,7 @@ class Elastic:
             log.warning("fault injection: step %d's loss is NaN on this rank", step)
             loss = float("nan")
             if self.poison is not None:
-                self.poison()
+                self.poison(loss)
         anomaly = _non_finite(loss, grad_norm)
         if anomaly is not None:
             kind, detail = anomaly
@@ -1062,6 +1064,11 @@ class Elastic:
                 replicated() if replicated is not None else None,
                 later=later() if later is not None else None,
             )
+        factor = faults.spike(self._faults, step, world.rank, self._faults_state)
+        if factor != 1.0 and self.poison is not None:
+            log.warning("fault injection: parameters times %g on this rank after step %d",
+                        factor, step)  # fmt: skip
+            self.poison(factor)
         faults.inject(self._faults, step, world.rank, self._faults_state)
         self._superseded(world.generation)
 

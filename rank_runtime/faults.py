@@ -1,11 +1,16 @@
 """Fault injection: ``crash@STEP:rank=R``, ``hang@STEP:rank=R``,
 ``slow@STEP:rank=R:FACTOR[:for=SECONDS]``, ``slow@STEP:rank=R:SECONDSs``, ``nan@STEP:rank=R``,
-``crash@recover:rank=R``, ``tamper@serve:rank=R`` and ``random:every=S[:seed=N]`` (the launcher
-kills a random member every S seconds).
+``spike@STEP:rank=R:FACTOR``, ``crash@recover:rank=R``, ``tamper@serve:rank=R`` and
+``random:every=S[:seed=N]`` (the launcher kills a random member every S seconds).
 
 ``nan@STEP:rank=R`` makes the step's loss NaN on rank R, and its model's parameters with it (a
 step whose update went wrong): the member reports the non-finite step (``train.anomaly``) and
 waits for the control plane to roll the job back.
+
+``spike@STEP:rank=R:FACTOR`` (e.g. ``spike@25:rank=1:10``) multiplies rank R's model parameters
+by FACTOR once STEP is done (and backed up): an update that went wrong without turning
+non-finite. Nothing is reported by the rank; the job's loss spikes from the next step on, and
+the control plane finds the spike in the job's step records (the policy's ``loss_spike_k``).
 
 ``slow@STEP:rank=R:FACTOR`` (e.g. ``slow@20:rank=1:1.5``, or ``1.5x``) makes the process that
 has rank R at step STEP slower from that step on, until it ends (or for ``for=SECONDS`` of wall
@@ -57,11 +62,13 @@ SERVE = -2
 FORGE_FACTOR = 50.0
 
 _STEP_FAULT = re.compile(
-    r"^(?P<kind>crash|hang|stall|slow|nan|tamper)@(?P<step>\d+|recover|serve):rank=(?P<rank>\d+)"
+    r"^(?P<kind>crash|hang|stall|slow|spike|nan|tamper)@(?P<step>\d+|recover|serve):rank=(?P<rank>\d+)"
     r"(?::(?P<seconds>\d+(\.\d+)?)(?P<unit>[sx])?)?(?::for=(?P<for>\d+(\.\d+)?))?$"
 )
 #: The largest slowdown factor a ``slow`` fault takes.
 MAX_FACTOR = 100.0
+#: The largest factor a ``spike`` multiplies parameters by.
+MAX_SPIKE = 1e6
 _RANDOM = re.compile(r"^random:every=(?P<every>\d+(\.\d+)?)(?::seed=(?P<seed>\d+))?$")
 
 
@@ -79,14 +86,17 @@ class StepFault:
     rank: int
     #: A one-step ``slow``: how long the rank sleeps once.
     seconds: float = 0.0
-    #: A lasting ``slow``: how much slower the rank's steps become (0: a one-step one).
+    #: A lasting ``slow``: how much slower the rank's steps become (0: a one-step one); a
+    #: ``spike``: what the rank's parameters are multiplied by.
     factor: float = 0.0
     #: A lasting ``slow``'s wall time (None: until the process ends).
     duration: float | None = None
 
     def __str__(self) -> str:
         tail = ""
-        if self.kind == "slow" and self.factor:
+        if self.kind == "spike":
+            tail = f":{self.factor:g}"
+        elif self.kind == "slow" and self.factor:
             tail = f":{self.factor:g}x"
             if self.duration is not None:
                 tail += f":for={self.duration:g}"
@@ -125,6 +135,13 @@ def parse(spec: str) -> StepFault | RandomFaults:
     if m := _STEP_FAULT.match(text):
         kind = m["kind"]
         value = float(m["seconds"]) if m["seconds"] else 0.0
+        if kind == "spike":
+            if not m["step"].isdigit() or m["for"] or m["unit"] or not 1.0 < value <= MAX_SPIKE:
+                raise FaultSpecError(
+                    f"{spec!r}: a spike fires after a step and needs its factor, above 1 and at"
+                    f" most {MAX_SPIKE:g} (spike@STEP:rank=R:10)"
+                )
+            return StepFault(kind, int(m["step"]), int(m["rank"]), factor=value)
         if kind != "slow" and (m["seconds"] or m["for"]):
             raise FaultSpecError(f"{spec!r}: only a slow step takes seconds")
         seconds = factor = 0.0
@@ -158,6 +175,7 @@ def parse(spec: str) -> StepFault | RandomFaults:
     raise FaultSpecError(
         f"{spec!r}: expected crash@STEP:rank=R, hang@STEP:rank=R, stall@STEP:rank=R,"
         " slow@STEP:rank=R:FACTOR[:for=SECONDS], slow@STEP:rank=R:SECONDSs, nan@STEP:rank=R,"
+        " spike@STEP:rank=R:FACTOR,"
         " crash@recover:rank=R, tamper@serve:rank=R or random:every=SECONDS[:seed=N]"
     )
 
@@ -198,6 +216,20 @@ def poisons(faults: list[StepFault], step: int, rank: int, state_dir: str | None
     )
 
 
+def spike(faults: list[StepFault], step: int, rank: int, state_dir: str | None = None) -> float:
+    """The factor ``rank``'s parameters are multiplied by after ``step`` (``spike@STEP``;
+    claimed once per job; 1.0: none)."""
+    for fault in faults:
+        if (
+            fault.kind == "spike"
+            and fault.step == step
+            and fault.rank == rank
+            and claim(fault, state_dir)
+        ):
+            return fault.factor
+    return 1.0
+
+
 def slowdown(
     faults: list[StepFault], step: int, rank: int, state_dir: str | None, now: float
 ) -> Slowdown | None:
@@ -232,10 +264,10 @@ def pause(faults: list[StepFault], step: int, rank: int, state_dir: str | None) 
 
 def inject(faults: list[StepFault], step: int, rank: int, state_dir: str | None = None) -> None:
     """Carry out the faults due at ``step`` (``RECOVER`` on a reallocation) for ``rank`` (a
-    crash does not return); slow steps are ``pause``'s and ``slowdown``'s, and a ``nan``
-    fault is the step's own (``poisons``)."""
+    crash does not return); slow steps are ``pause``'s and ``slowdown``'s, a ``nan`` fault
+    is the step's own (``poisons``) and a ``spike`` the parameters' (``spike``)."""
     for fault in faults:
-        if fault.step != step or fault.rank != rank or fault.kind in ("slow", "nan"):
+        if fault.step != step or fault.rank != rank or fault.kind in ("slow", "nan", "spike"):
             continue
         if not claim(fault, state_dir):
             continue

@@ -47,7 +47,9 @@ def run(
             help="crash@STEP:rank=R, hang@STEP:rank=R, stall@STEP:rank=R (its loop stops, its"
             " heartbeats go on), slow@STEP:rank=R:FACTOR[:for=SECONDS]"
             " (that process FACTOR times slower from STEP on), slow@STEP:rank=R:SECONDSs (one"
-            " slow step), crash@recover:rank=R (on a reallocation, before acking it),"
+            " slow step), nan@STEP:rank=R (the step's loss and the rank's parameters NaN),"
+            " spike@STEP:rank=R:FACTOR (the rank's parameters times FACTOR after STEP),"
+            " crash@recover:rank=R (on a reallocation, before acking it),"
             " tamper@serve:rank=R (its peer store serves forged copies) or"
             " random:every=SECONDS[:seed=N]; repeatable."
         ),

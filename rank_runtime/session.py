@@ -326,7 +326,7 @@ class Session:
         self.elastic = elastic if elastic is not None else Elastic()
         #: Steps this loop never runs, besides those the job's rollbacks skip.
         self._skip = frozenset(skip)
-        # An injected ``nan@STEP`` spoils the model as a bad update would.
+        # An injected ``nan@STEP`` or ``spike@STEP`` spoils the model as a bad update would.
         self.elastic.poison = self._poison
         # The state a newcomer fetches arrives while ``build`` runs (``_enter_generation``).
         self.elastic.defer_restore = True
@@ -598,15 +598,16 @@ class Session:
             trace.mark("first_step", done - seconds, seconds, generation=first)
             trace.mark("step_done", done, time.time() - done, generation=first)
 
-    def _poison(self) -> None:
-        """Fill the current model's floating-point parameters with NaN (``nan@STEP``)."""
+    def _poison(self, factor: float) -> None:
+        """Multiply the current model's floating-point parameters by ``factor`` (NaN for
+        ``nan@STEP``, which makes them all NaN; a spike's factor for ``spike@STEP``)."""
         if self._parts is None:
             return
         with torch.no_grad():
             for parameter in self._parts.module.parameters():
                 local = parameter.to_local() if isinstance(parameter, DTensor) else parameter
                 if local.is_floating_point():
-                    local.fill_(float("nan"))
+                    local.mul_(factor)
 
     def _recover(self, error: BaseException, step: int) -> None:
         """Drop the parts (they hold the broken group) and follow the control plane."""

@@ -14,7 +14,7 @@ from controlplane.core.goodput import GoodputCounter, goodput
 from controlplane.core.replay import redecide
 from controlplane.core.timeline import timeline
 from schemas.common import JobState
-from tests.e2e.test_recovery import run_job
+from tests.e2e.test_recovery import POLICY, run_job
 from tests.integration.helpers import running_controlplane
 
 pytestmark = [pytest.mark.usefixtures("clean_stream"), pytest.mark.timeout(300)]
@@ -69,5 +69,54 @@ async def test_a_nan_on_one_rank_rolls_back_and_ends_where_a_run_skipping_its_ba
     clean, rolled = torch.load(reference_out), torch.load(faulty_out)
     assert abs(rolled["loss"] - clean["loss"]) <= 0.01 * abs(clean["loss"]), (rolled, clean)
     # In fact bit for bit: the same batches at the same steps, and the state restored exact.
+    for name, tensor in clean["params"].items():
+        assert torch.equal(rolled["params"][name], tensor), name
+
+
+SPIKE_STEP = 25
+SPIKE_POLICY = f"{POLICY},loss_spike_k=10,loss_spike_window=8"
+
+
+async def test_a_loss_spike_is_found_in_the_jobs_loss_and_rolled_back_past_its_batch(
+    settings, pg_store, tmp_path
+):
+    """``spike@25:rank=1:10``: rank 1's parameters are multiplied by 10 once step 25 is done
+    (an update gone wrong that stays finite). No rank reports anything: the control plane finds
+    the job's loss of step 26 above median + 10 x MAD of the 8 before it, rolls the world
+    back to the backup of step 20 and skips step 26's batch; the job ends where a fault-free
+    run skipping that batch ends."""
+    torch.set_num_threads(1)
+    reference_out, faulty_out = tmp_path / "reference.pt", tmp_path / "spike.pt"
+    faulty = f"job-spike-{uuid.uuid4().hex[:6]}"
+    reference = f"job-skip-{uuid.uuid4().hex[:6]}"
+    async with running_controlplane(settings) as cp:
+        code = await run_job(settings, faulty, faulty_out, [f"spike@{SPIKE_STEP}:rank=1:10"],
+                             spares=0, policy=SPIKE_POLICY)  # fmt: skip
+        view = cp.views[faulty]
+        assert view.state is JobState.COMPLETED, [(h.to_state, h.reason) for h in view.history]
+        [incident] = view.incidents.values()
+        [decision] = incident.decisions
+        skip = ",".join(f"{a}-{b}" for a, b in decision.skip)
+        # Fault-free with the same policy (no spike found in a healthy loss), skipping what
+        # the rollback skipped.
+        clean_code = await run_job(settings, reference, reference_out, [], spares=0,
+                                   policy=SPIKE_POLICY, example_args=("--skip-steps", skip))  # fmt: skip
+        assert clean_code == 0 and cp.views[reference].incidents == {}
+    assert code == 0
+    assert incident.kind == "anomaly" and incident.anomaly_step == SPIKE_STEP + 1
+    assert decision.mode == "rollback" and decision.restore_step == 20
+    assert decision.skip == ((SPIKE_STEP + 1, SPIKE_STEP + 1),)
+    assert timeline(incident).outcome == "recovered"
+
+    log = pg_store.read(job_id=faulty)
+    [detected] = [s.event.payload for s in log if s.event.type == "anomaly.detected"]
+    assert (detected.kind, detected.step, detected.members) == ("loss_spike", SPIKE_STEP + 1, [])
+    assert detected.loss is not None and detected.threshold is not None
+    assert detected.loss > detected.threshold
+    assert not [s for s in log if s.event.type in ("fault.detected", "train.anomaly")]
+    assert all(batch.matches for batch in redecide(log))
+
+    clean, rolled = torch.load(reference_out), torch.load(faulty_out)
+    assert abs(rolled["loss"] - clean["loss"]) <= 0.01 * abs(clean["loss"]), (rolled, clean)
     for name, tensor in clean["params"].items():
         assert torch.equal(rolled["params"][name], tensor), name

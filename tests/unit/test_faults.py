@@ -16,18 +16,21 @@ from rank_runtime.faults import (
     inject,
     poisons,
     slowdown,
+    spike,
 )
 from rank_runtime.faults import parse as parse_fault
 
 
 def test_every_kind_parses_and_round_trips():
     specs = ["crash@50:rank=1", "hang@7:rank=0", "slow@3:rank=2:1.5x", "slow@4:rank=1:2s",
-             "slow@5:rank=0:2x:for=30", "crash@recover:rank=3", "nan@25:rank=1"]  # fmt: skip
+             "slow@5:rank=0:2x:for=30", "crash@recover:rank=3", "nan@25:rank=1",
+             "spike@25:rank=1:10"]  # fmt: skip
     parsed = [parse_fault(s) for s in specs]
     assert parsed == [StepFault("crash", 50, 1), StepFault("hang", 7, 0),
                       StepFault("slow", 3, 2, factor=1.5), StepFault("slow", 4, 1, seconds=2.0),
                       StepFault("slow", 5, 0, factor=2.0, duration=30.0),
-                      StepFault("crash", RECOVER, 3), StepFault("nan", 25, 1)]  # fmt: skip
+                      StepFault("crash", RECOVER, 3), StepFault("nan", 25, 1),
+                      StepFault("spike", 25, 1, factor=10.0)]  # fmt: skip
     assert encode([p for p in parsed if isinstance(p, StepFault)]) == ",".join(specs)
     # The factor's ``x`` may be left out: ``slow@STEP:rank=R:FACTOR``.
     assert parse_fault("slow@20:rank=1:1.5") == StepFault("slow", 20, 1, factor=1.5)
@@ -56,6 +59,11 @@ def test_every_kind_parses_and_round_trips():
         ("nan@3:rank=0:2", "only a slow step"),
         ("nan@serve:rank=0", "tampers with what it serves"),
         ("nan@3", "nan@STEP:rank=R"),
+        ("spike@3:rank=0", "needs its factor"),
+        ("spike@3:rank=0:1", "above 1"),
+        ("spike@3:rank=0:2s", "needs its factor"),
+        ("spike@3:rank=0:2:for=3", "needs its factor"),
+        ("spike@recover:rank=0:2", "fires after a step"),
     ],
 )
 def test_bad_specs_say_what_is_expected(spec, says):
@@ -78,6 +86,15 @@ def test_a_nan_fault_spoils_its_step_once_and_is_no_signal(tmp_path):
     inject(faults, 25, 1, str(tmp_path))  # not a crash: the step's own check fires it
     assert poisons(faults, 25, 1, str(tmp_path))
     assert not poisons(faults, 25, 1, str(tmp_path))  # a replay of step 25 is clean
+
+
+def test_a_spike_fires_once_on_its_rank_after_its_step_and_is_no_signal(tmp_path):
+    faults = [parse_fault("spike@25:rank=1:10")]
+    assert spike(faults, 24, 1, str(tmp_path)) == 1.0
+    assert spike(faults, 25, 0, str(tmp_path)) == 1.0
+    inject(faults, 25, 1, str(tmp_path))  # not a crash: the member multiplies its parameters
+    assert spike(faults, 25, 1, str(tmp_path)) == 10.0
+    assert spike(faults, 25, 1, str(tmp_path)) == 1.0  # a replay of step 25 is clean
 
 
 def test_a_lasting_slowdown_fires_once_and_sleeps_its_share_of_each_step(tmp_path):

@@ -4,6 +4,7 @@ ends the old one at the step's end, whether or not a launcher's fence ever lands
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 
@@ -213,12 +214,26 @@ def test_an_injected_nan_spoils_the_step_once(tmp_path, monkeypatch):
     monkeypatch.setenv("ELASTIC_FAULTS_STATE", str(tmp_path))
     elastic = member("w1")
     spoiled = []
-    elastic.poison = lambda: spoiled.append(True)
+    elastic.poison = spoiled.append
     elastic.step_done(3, loss=0.5, samples=8)
     with pytest.raises(LossAnomaly):
         elastic.step_done(4, loss=0.5, samples=8)
-    assert spoiled == [True]
+    assert len(spoiled) == 1 and math.isnan(spoiled[0])
     elastic.step_done(4, loss=0.5, samples=8)  # the step replayed after the rollback is clean
+
+
+def test_an_injected_spike_multiplies_the_parameters_once_after_its_step(tmp_path, monkeypatch):
+    monkeypatch.setenv("ELASTIC_FAULTS", "spike@4:rank=1:10")
+    monkeypatch.setenv("ELASTIC_FAULTS_STATE", str(tmp_path))
+    elastic = member("w1")
+    spoiled: list[float] = []
+    elastic.poison = spoiled.append
+    elastic.step_done(3, loss=0.5, samples=8)
+    assert spoiled == []
+    elastic.step_done(4, loss=0.5, samples=8)  # reported as it was: the next steps show it
+    assert spoiled == [10.0]
+    elastic.step_done(4, loss=0.5, samples=8)  # the step replayed after the rollback is clean
+    assert spoiled == [10.0]
 
 
 def test_a_rollback_tells_the_member_which_steps_to_skip():
