@@ -967,6 +967,77 @@ def replay(
 
 
 @app.command()
+def simulate(
+    *,
+    ranks: Annotated[
+        int, typer.Option(min=2, max=65_536, help="Ranks of the job (8 a node, 16 nodes a rack).")
+    ] = 16_384,
+    days: Annotated[float, typer.Option(min=0.001, help="Simulated days.")] = 30.0,
+    strategy: Annotated[
+        str,
+        typer.Option(
+            help="Comma-separated: spares (hot backups, warm spare nodes; waits for a repair"
+            " when none is left), shrink (no spares: the world shrinks, grows back after"
+            " repairs), mixed (spares, then shrink), restart (checkpoint-restart, no control"
+            " plane). Several are run on the same failures and shown side by side."
+        ),
+    ] = "spares,mixed,restart",
+    preset: Annotated[
+        str,
+        typer.Option(
+            help="Failure rates: llama3 (419 in 54 days on 16,384 GPUs), rsc (MTTF 1.8 h at"
+            " 16,384 GPUs), seed512 (8 a day on 512 GPUs), none; per node-day, so they scale"
+            " with --ranks."
+        ),
+    ] = "llama3",
+    spares: Annotated[int, typer.Option(min=0, help="Spare nodes (8 ranks each).")] = 2,
+    seed: Annotated[int, typer.Option(help="Seed of the failures drawn.")] = 0,
+    trace: Annotated[
+        str | None,
+        typer.Option(
+            help='A failure trace instead of the preset: JSON lines {"at_s": S, "kind":'
+            ' "crash"|"hang"|"node"|"rack", "node": N} ("rack": N for a rack).'
+        ),
+    ] = None,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            help="The job and recovery model changed by key=value,... (step_s, backup_interval,"
+            " backup_cost_s, heartbeat_timeout_s, state_gb, transfer_gbps, reinit_s, repair_s,"
+            " restart_s, checkpoint_interval_s, checkpoint_cost_s, ...; docs/simulate.md)."
+        ),
+    ] = None,
+    sweep: Annotated[
+        str | None,
+        typer.Option(
+            help="Run once per value of a model field, e.g. backup_interval=5,10,20,50 or"
+            " checkpoint_interval_s=600,1200,2400; the best ETTR is reported next to"
+            " Young/Daly's interval sqrt(2 x cost x MTBF)."
+        ),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    progress: Annotated[bool, typer.Option("--progress", help=_PROGRESS_HELP)] = False,
+) -> None:
+    """Simulate a job's days with failures: the real fold and decider decide every incident.
+
+    Members, time and failures are simulated; detection, placement, restore points and
+    shrinking are the control plane's own decisions (core.decide) on the log it would have
+    recorded; the recovery phases after a decision come from a model (--model). Prints ETTR
+    and the lost-time breakdown per strategy (docs/simulate.md).
+    """
+    from controlplane.postmortem import commands
+
+    try:
+        commands.simulate(
+            ranks=ranks, days=days, strategies=strategy, preset=preset, spares=spares,
+            seed=seed, trace=trace, model=model, sweep=sweep, as_json=as_json,
+            show_progress=progress,
+        )  # fmt: skip
+    except commands.CommandError as exc:
+        raise _fail(str(exc), exc.code) from exc
+
+
+@app.command()
 def storage(
     *,
     job: Annotated[str | None, typer.Option(help="Only this job.")] = None,

@@ -40,24 +40,18 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any
 
 import psycopg
 
-from controlplane.core.catalog import pack
-from controlplane.core.decide import Context, decide, envelope
-from controlplane.core.fold import fold_noting
-from controlplane.core.liveness import LivenessTable
 from controlplane.core.records import StoredEvent
 from controlplane.core.snapshot import encode_view, fold_version
 from controlplane.core.steps import JobSteps, encode_steps
-from controlplane.core.view import JobView, MemberStatus
+from controlplane.core.view import JobView
+from controlplane.postmortem.simlog import SimJob, SimLog, Source
 from controlplane.settings import Settings, libpq_url
 from controlplane.store.postgres import PostgresEventStore, encode_row
-from schemas.common import CONTROLPLANE_SOURCE, Phase
+from schemas.common import Phase
 from schemas.events import (
-    EVENT_ADAPTER,
-    EVENT_CLASSES,
     CommandAcked,
     EnvelopeBase,
     LivenessEntry,
@@ -66,7 +60,6 @@ from schemas.events import (
     TrainResumed,
     TrainStep,
 )
-from schemas.ids import new_event_id
 
 #: Incidents a day (Llama 3: 419 unexpected interruptions in 54 days on 16,384 GPUs).
 INCIDENTS_PER_DAY = 8
@@ -78,8 +71,6 @@ SPARES = 2
 SNAPSHOT_INTERVAL_S: float = Settings.model_fields["snapshot_interval_s"].default
 #: History rows made, folded and written per batch.
 _CHUNK = 50_000
-#: The rendezvous the history's decisions name.
-_CONTEXT = Context(rendezvous="tcp://history:29400")
 #: The heartbeat interval of a many-rank history job's policy (``bench scale``'s).
 _BEAT_S = 0.25
 
@@ -112,91 +103,7 @@ class Written:
     incidents: int
 
 
-@dataclass(slots=True)
-class _Source:
-    """One process's events: its source, incarnation and sequence."""
-
-    source: str
-    incarnation: str
-    seq: int = 0
-
-
-@dataclass(slots=True)
-class _Job:
-    """The history job's events, made in log order and folded as they are made (the decider
-    decides on the folded view). ``take`` hands out what was made since its last call, with
-    the positions the fold did not believe."""
-
-    job_id: str
-    position: int
-    rng: random.Random
-    view: JobView | None = None
-    made: list[StoredEvent] = field(default_factory=list)
-    unfolded: int = 0
-    ignored: set[int] = field(default_factory=set)
-    sources: dict[str, _Source] = field(default_factory=dict)
-    #: The control plane's own sequence (decisions, summaries).
-    control: _Source = field(default_factory=lambda: _Source(CONTROLPLANE_SOURCE, "hist"))
-    clock: datetime = field(default_factory=lambda: datetime.min.replace(tzinfo=UTC))
-
-    @property
-    def v(self) -> JobView:
-        """The view of everything made (folded on demand)."""
-        if self.unfolded:
-            batch = self.made[len(self.made) - self.unfolded :]
-            self.view, ignored = fold_noting(self.view, batch)
-            self.ignored |= ignored
-            self.unfolded = 0
-        assert self.view is not None
-        return self.view
-
-    def add(self, events: list[EnvelopeBase], at: datetime) -> None:
-        """Record ``events`` at ``at`` (never before what was recorded last)."""
-        self.clock = at = max(at, self.clock)
-        for event in events:
-            self.position += 1
-            self.made.append(StoredEvent(self.position, at, event))
-        self.unfolded += len(events)
-
-    def take(self) -> tuple[list[StoredEvent], frozenset[int]]:
-        _ = self.v  # folded: the writer counts steps with what the fold ignored
-        made, self.made = self.made, []
-        ignored = frozenset(self.ignored)
-        self.ignored = set()
-        return made, ignored
-
-    def source(self, member: str) -> _Source:
-        return self.sources[member]
-
-    def event(
-        self, source: _Source, type_: str, payload: Any, at: datetime, generation: int
-    ) -> EnvelopeBase:
-        """An event of ``source``, built without validating again (``payload`` a model of
-        the type's payload: the shapes are the schemas', made here)."""
-        source.seq += 1
-        return EVENT_CLASSES[type_].model_construct(
-            event_id=new_event_id(), job_id=self.job_id, type=type_, v=1, source=source.source,
-            incarnation=source.incarnation, seq=source.seq, generation=generation,
-            emitted_at=at, payload=payload,
-        )  # fmt: skip
-
-    def validated(
-        self, source: _Source, type_: str, payload: dict[str, Any], at: datetime, generation: int
-    ) -> EnvelopeBase:
-        """An event of ``source`` through the schemas (the rare kinds)."""
-        source.seq += 1
-        return EVENT_ADAPTER.validate_python(
-            {"event_id": new_event_id(), "job_id": self.job_id, "type": type_, "v": 1,
-             "source": source.source, "incarnation": source.incarnation, "seq": source.seq,
-             "generation": generation, "emitted_at": at, "payload": payload},
-            strict=False,
-        )  # fmt: skip
-
-    def incarnation(self) -> str:
-        return f"{self.rng.getrandbits(48):012x}"
-
-
-def _standin(job: _Job, member: str, at: datetime, step: int, generation: int) -> EnvelopeBase:
+def _standin(job: SimLog, member: str, at: datetime, step: int, generation: int) -> EnvelopeBase:
     """A liveness summary naming ``member`` (of ``generation``, the current one): the row
     that stands in for a catalog, a summary or a recovery event of the job's day."""
     source = job.source(member)
@@ -213,7 +120,7 @@ def _standin(job: _Job, member: str, at: datetime, step: int, generation: int) -
     return job.event(job.control, "liveness.summary", summary, at, generation)
 
 
-def _step(job: _Job, member: str, step: int, at: datetime, generation: int) -> EnvelopeBase:
+def _step(job: SimLog, member: str, step: int, at: datetime, generation: int) -> EnvelopeBase:
     payload = TrainStep.model_construct(step=step, loss=_loss(step), step_seconds=1.0, samples=8)
     return job.event(job.source(member), "train.step", payload, at, generation)
 
@@ -225,46 +132,12 @@ def _loss(step: int) -> float:
 class _Many:
     """A job of ``ranks`` ranks and ``SPARES`` spares, started and recovered by the decider."""
 
-    def __init__(self, job: _Job, ranks: int) -> None:
+    def __init__(self, job: SimLog, ranks: int) -> None:
         self.job = job
         self.ranks = ranks
         self.rejoined = 0
-        #: node -> its launcher's events.
-        self.launchers: dict[str, _Source] = {}
-        #: member -> (node, rack).
-        self.where: dict[str, tuple[str, str]] = {}
-        #: Every member in order of joining.
-        self.members: list[str] = []
-
-    def _launcher(self, node: str) -> _Source:
-        found = self.launchers.get(node)
-        if found is None:
-            found = self.launchers[node] = _Source(f"{node}/launcher", self.job.incarnation())
-        return found
-
-    def _join(
-        self, names: list[tuple[str, str, str, str]], at: datetime, policy: dict[str, Any] | None
-    ) -> None:
-        """Each of ``names`` (member, node, rack, role) announced by its node's launcher,
-        then joined (the first asking for ``policy``)."""
-        job = self.job
-        launched, joined = [], []
-        for i, (member, node, rack, role) in enumerate(names):
-            job.sources[member] = _Source(f"{node}/{member}", job.incarnation())
-            self.where[member] = (node, rack)
-            self.members.append(member)
-            announced = {"member": member, "role": role, "pid": 1}
-            launched.append(
-                job.validated(self._launcher(node), "member.launched", announced, at, 0)
-            )
-            payload: dict[str, Any] = {
-                "node": node, "rack": rack, "host": f"host-{node}", "pid": 1, "role": role,
-                "device": "cuda", "backup_endpoint": f"{node}:7000",
-            }  # fmt: skip
-            if i == 0 and policy is not None:
-                payload["policy"] = policy
-            joined.append(job.validated(job.source(member), "member.joined", payload, at, 0))
-        job.add(launched + joined, at)
+        self.sim = SimJob(job, _BEAT_S)
+        self.where = self.sim.where
 
     def start(self, at: datetime) -> None:
         """Join the ranks (8 a node, 16 nodes a rack) and the spares; the decider starts it."""
@@ -276,60 +149,15 @@ class _Many:
         names = [(f"m{i}", f"n{i // 8}", f"r{i // 128}", "worker") for i in range(self.ranks)]
         racks = max(1, (self.ranks + 127) // 128)
         names += [(f"spare{s}", f"sn{s}", f"r{s % racks}", "spare") for s in range(SPARES)]
-        self._join(names, at, policy)
+        self.sim.join(names, at, policy)
         if not self.turn(at) or self.job.v.generation != 1:
             raise RuntimeError("the decider did not start the history job")
 
     def turn(self, now: datetime) -> int:
-        """The decider's turn at ``now``, as the service takes it: if anything is due (asked
-        of the view with every active member heard regularly until now), the liveness
-        summary of the decision, then the decisions taken on the view that folded it.
-        Return how many decisions were recorded."""
-        job = self.job
-        view = job.v
-        table = LivenessTable(now - timedelta(seconds=2 * _BEAT_S))
-        for member_id, member in view.members.items():
-            if member.status is not MemberStatus.ACTIVE:
-                continue
-            in_world = member.rank is not None
-            generation = view.generation if in_world else member.generation
-            for beat in (2, 1, 0):
-                table.observe(
-                    job.job_id, member_id, node=member.node, incarnation=member.incarnation,
-                    generation=generation, at=now - timedelta(seconds=beat * _BEAT_S),
-                    step=member.step, phase=Phase.TRAIN if in_world else Phase.WAITING,
-                )  # fmt: skip
-        if not decide(table.probe(view), now, _CONTEXT, rounds=1):
-            return 0
-        parts = table.summarize(view, now, "decision")
-        job.add(
-            [job.event(job.control, "liveness.summary", part, now, view.generation)
-             for part in parts],
-            now,
-        )  # fmt: skip
-        decided = decide(job.v, now, _CONTEXT)
-        events = []
-        for d in decided:
-            job.control.seq += 1
-            events.append(envelope(job.job_id, d, now, job.control.seq, job.control.incarnation))
-        job.add(events, now)
-        return len(decided)
+        return self.sim.turn(now)
 
     def backup(self, step: int, at: datetime) -> None:
-        """Every rank's report of its backup at ``step`` (its digest, the holders the
-        placement names), packed as the store packs them."""
-        job = self.job
-        view = job.v
-        reports = [
-            job.validated(job.source(owner), "backup.snapshot", {
-                "step": step, "shard": shard, "nbytes": 1 << 30,
-                "checksum": f"sha256:{job.rng.randbytes(32).hex()}",
-                "seconds": round(job.rng.uniform(0.3, 0.6), 6),
-                "holders": list(view.placement[shard]),
-            }, at, view.generation)
-            for shard, owner in enumerate(view.world)
-        ]  # fmt: skip
-        job.add([event for event, _ in pack(reports)], at)
+        self.sim.backup(step, at)
 
     def crash(self, victim: str, at: datetime, backup_step: int) -> int:
         """``victim`` is killed at ``at`` just after a backup at ``backup_step``; the world
@@ -339,7 +167,7 @@ class _Many:
         at += timedelta(seconds=0.3)
         node, _ = self.where[victim]
         exited = {"member": victim, "signal": 9}
-        job.add([job.validated(self._launcher(node), "member.exited", exited, at, 0)], at)
+        job.add([job.validated(self.sim.launcher(node), "member.exited", exited, at, 0)], at)
         at += timedelta(seconds=0.01)
         if not self.turn(at) or job.v.open_incident is None:
             raise RuntimeError(f"the decider did not act on {victim}'s exit")
@@ -362,16 +190,16 @@ class _Many:
         self.rejoined += 1
         node, rack = self.where[victim]
         at += timedelta(seconds=2.0)
-        self._join([(f"re{self.rejoined}", node, rack, "spare")], at, None)
+        self.sim.join([(f"re{self.rejoined}", node, rack, "spare")], at)
         self.turn(at)
         return restore + 1
 
 
-def _one_rank_head(job: _Job, at: datetime) -> None:
+def _one_rank_head(job: SimLog, at: datetime) -> None:
     """The one-rank history job's first events: its registration, its member's join and its
     first generation (validated as a member's and the decider's are)."""
     node, member = "hist-n0", "h0"
-    job.sources[member] = _Source(f"{node}/{member}", "hist", seq=0)
+    job.sources[member] = Source(f"{node}/{member}", "hist", seq=0)
     registered = {"name": "history", "policy": {"world_size": 1, "min_world": 1,
                                                 "redundancy": 0}}  # fmt: skip
     joined = {"node": node, "rack": "hist-r0", "host": "hist-host", "pid": 1, "role": "worker",
@@ -384,7 +212,7 @@ def _one_rank_head(job: _Job, at: datetime) -> None:
 
 
 def _history(
-    job: _Job, rows: int, start: datetime, seconds: float, *, ranks: int, incidents: int
+    job: SimLog, rows: int, start: datetime, seconds: float, *, ranks: int, incidents: int
 ) -> Iterator[tuple[list[StoredEvent], frozenset[int]]]:
     """The history's events in batches (see the module docstring), folded."""
     many = _Many(job, ranks) if ranks > 1 else None
@@ -500,7 +328,7 @@ class History:
         self.seconds = days * 86_400
         self.start = (end or datetime.now(UTC)) - timedelta(days=days)
         self.job_id = f"history-{uuid.uuid4().hex[:8]}"
-        self._job = _Job(self.job_id, first_position - 1, random.Random(rows))
+        self._job = SimLog(self.job_id, first_position - 1, random.Random(rows))
         self.first_position = first_position
 
     def batches(self) -> Iterator[tuple[list[StoredEvent], frozenset[int]]]:

@@ -314,3 +314,102 @@ def goodput(database_url: str, job_id: str, *, as_json: bool, now: datetime) -> 
         print(rendered(found).model_dump_json())
     else:
         report.print_goodput(_stdout_console(), found)
+
+
+def simulate(
+    *,
+    ranks: int,
+    days: float,
+    strategies: str,
+    preset: str,
+    spares: int,
+    seed: int,
+    trace: str | None,
+    model: str | None,
+    sweep: str | None,
+    as_json: bool,
+    show_progress: bool,
+) -> None:
+    """``elasticctl simulate``: each strategy's run (or a sweep of one model field), as a
+    table or one JSON object."""
+    from controlplane.postmortem import simulate as sim
+
+    chosen = [s.strip() for s in strategies.split(",") if s.strip()]
+    bad = [s for s in chosen if s not in sim.STRATEGIES]
+    if bad or not chosen:
+        raise CommandError(f"--strategy: one or more of {', '.join(sim.STRATEGIES)}")
+    if preset not in sim.PRESETS:
+        raise CommandError(f"--preset: one of {', '.join(sim.PRESETS)}")
+    try:
+        base = sim.model_with(sim.Model(), parse_overrides(model) if model else {})
+        failures = sim.read_trace(Path(trace)) if trace else None
+    except (ValueError, ReplayError, OSError) as exc:
+        raise CommandError(str(exc)) from exc
+    values: list[tuple[str | None, str | None]] = [(None, None)]
+    if sweep:
+        name, _, listed = sweep.partition("=")
+        values = [(name, v.strip()) for v in listed.split(",") if v.strip()]
+        if not values:
+            raise CommandError("--sweep FIELD=V1,V2,...")
+    console = progress_console(show_progress)
+    runs: list[dict[str, Any]] = []
+    rates = sim.PRESETS[preset].rates
+    for field, value in values:
+        try:
+            one = sim.model_with(base, {field: value}) if field and value else base
+        except ValueError as exc:
+            raise CommandError(f"--sweep: {exc}") from exc
+        for strategy in chosen:
+            label = f"{strategy} {field}={value}" if field else strategy
+            with progress_bar(console, f"simulate {label}", 1.0) as advance:
+                result = sim.simulate(
+                    strategy, ranks=ranks, days=days, spares=spares,  # type: ignore[arg-type]
+                    failures=failures, rates=rates, model=one, seed=seed, progress=advance,
+                )  # fmt: skip
+            summary = result.summary()
+            if field:
+                summary["sweep"] = {field: float(value or 0)}
+            runs.append(summary)
+    nodes = -(-ranks // sim.NODE_RANKS)
+    out: dict[str, Any] = {
+        "ranks": ranks, "days": days, "preset": preset, "seed": seed,
+        "failures_source": trace or sim.PRESETS[preset].source,
+        "failures_per_day": round(rates.per_day(nodes + spares, -(-nodes // sim.RACK_NODES)), 3),
+        "model": {k: getattr(base, k) for k in sim.Model.__dataclass_fields__},
+        "runs": runs,
+    }  # fmt: skip
+    per_day = out["failures_per_day"]
+    if per_day > 0:
+        mtbf = 86_400 / per_day
+        out["young_daly"] = {
+            "mtbf_s": round(mtbf, 1),
+            "checkpoint_interval_s": round(sim.young_daly(base.checkpoint_cost_s, mtbf), 1),
+            "backup_interval_steps": round(
+                sim.young_daly(base.backup_cost_s, mtbf) / base.step_s, 1
+            ),
+        }
+    if sweep and runs:
+        best = max(runs, key=lambda r: r["ettr"])
+        out["best"] = {"strategy": best["strategy"], **best["sweep"], "ettr": best["ettr"]}
+    if as_json:
+        print(json.dumps(out))
+        return
+    console_out = _stdout_console()
+    console_out.print(
+        f"{ranks:,} ranks, {days:g} days, {out['failures_source']}"
+        f" ({per_day:g} failures a day), seed {seed}"
+    )
+    for run in runs:
+        swept = f" {next(iter(run['sweep'].items()))}" if "sweep" in run else ""
+        lost = ", ".join(f"{k} {v:,.0f}s" for k, v in run["breakdown_s"].items()
+                         if v and k != "productive")  # fmt: skip
+        console_out.print(
+            f"{run['strategy']:>8}{swept}: ETTR {run['ettr']:.4f}, {run['incidents']} incidents"
+            f" (mean downtime {run['mean_downtime_s']}s), lost: {lost}"
+        )
+    if "young_daly" in out:
+        yd = out["young_daly"]
+        console_out.print(
+            f"Young/Daly: checkpoint every {yd['checkpoint_interval_s']:,}s,"
+            f" backup every {yd['backup_interval_steps']} steps (MTBF {yd['mtbf_s']:,}s)"
+        )

@@ -25,8 +25,11 @@ ROOT = Path(__file__).resolve().parents[2]
 #: state, no write each) and hang detection in about a second.
 INTERVAL_S = 0.25
 TIMEOUT_S = 1.0
-#: The step after which rank 2 stops (SIGSTOP): in the train phase, past a backup.
-HANG_STEP = 15
+#: The step after which rank 2 stops (SIGSTOP): in the train phase, past a backup, a second
+#: or more into training, so that the control plane heard it beat in training (15 steps take
+#: about 0.4 s: a rank that joined last could hang before one of its beats was taken, and
+#: the evidence would rightly be its join).
+HANG_STEP = 60
 EXAMPLE = str(ROOT / "examples" / "train.py")
 
 

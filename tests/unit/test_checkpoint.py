@@ -23,6 +23,7 @@ import torch.multiprocessing as mp
 
 from rank_runtime import checkpoint
 from rank_runtime.checkpoint import CheckpointError, ColdWriter, Saved
+from tests.groups import leave_group
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -257,7 +258,7 @@ def _fsdp_worker(rank: int, port: int, tmp_dir: str) -> None:
         if rank == 0:
             torch.save(full, Path(tmp_dir) / "full.pt")
     finally:
-        dist.destroy_process_group()
+        leave_group()
         store.set(f"exit-{rank}", "1")  # rank 0 hosts the store: it leaves last
         store.wait(["exit-0", "exit-1"])
 

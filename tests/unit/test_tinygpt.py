@@ -12,6 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.groups import leave_group
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -268,8 +270,7 @@ def _ngram_worker(rank: int, port: int, tmp_dir: str) -> None:
         record["error"] = traceback.format_exc()
     finally:
         (Path(tmp_dir) / f"ngram-{rank}.json").write_text(json.dumps(record))
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave_group()
 
 
 def test_hashed_ngrams_train_as_one_embedding_and_restore_into_an_uninitialised_build(
