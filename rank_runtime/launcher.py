@@ -133,6 +133,8 @@ class Running:
     incarnation: str = ""
     returncode: int | None = None
     killed_by_launcher: bool = False
+    #: The generation whose command left it out, for which the launcher killed it.
+    fenced_by: int | None = None
 
 
 #: ``elasticctl run``'s exit statuses (docs/operations.md, "Launcher exit codes"); a launcher
@@ -471,6 +473,7 @@ def _follow(
                     log.info("fencing %s: generation %d goes on without it", name,
                              command.generation)  # fmt: skip
                     m.killed_by_launcher = True
+                    m.fenced_by = command.generation
                     m.process.kill()
         followed.in_world |= world
         followed.world = world  # the watcher passes no older generation's command
@@ -517,6 +520,8 @@ def _report_exit(member: Running) -> None:
         payload["signal"] = -code
     else:
         payload["exit_code"] = code
+    if member.fenced_by is not None:
+        payload["fenced_by"] = member.fenced_by  # the exit is the decision's consequence
     member.reporter.publish("member.exited", payload)
     log.info("%s exited (%s)", member.slot.member,
              f"signal {-code}" if code < 0 else f"status {code}")  # fmt: skip

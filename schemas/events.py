@@ -925,6 +925,10 @@ class MemberExited(Strict):
     #: absent (older launchers), to whichever process of the member joined last.
     pid: NonNegInt | None = None
     incarnation: Ident | None = None
+    #: Why it ended, where its launcher knows: the generation whose command left it out of
+    #: the world, for which the launcher killed it (fencing). A consequence of that
+    #: decision, not a fault of its own (a counterfactual replay moves it with the decision).
+    fenced_by: PositiveInt | None = None
 
 
 class MemberLaunched(Strict):

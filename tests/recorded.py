@@ -74,9 +74,38 @@ def _recover(s: Scenario, t: float) -> float:
     return t + 1.0
 
 
-def two_incidents_scenario(kind: type[Scenario] = Scenario, **policy: Any) -> Scenario:
+def _fenced(s: Scenario, member: str, t: float, *, named: bool) -> None:
+    """Just after the decision at ``t`` that left ``member`` out: its launcher kills it, the
+    survivors' collective with it fails, and the launcher reports the exit."""
+    g = s.v.generation
+    s.at(t + 0.02)
+    for survivor in s.v.world:
+        s.add(
+            s.ev.make(
+                "member.fault",
+                {"kind": "collective_error", "detail": "Connection closed by peer",
+                 "suspects": [member]},
+                source=s._src(survivor),
+                generation=g - 1,
+            )
+        )  # fmt: skip
+    s.at(t + 0.05)
+    exited: dict[str, Any] = {"member": member, "signal": 9}
+    if named:
+        exited["fenced_by"] = g
+    s.add(s.ev.make("member.exited", exited, source=f"{s.nodes[member]}/launcher"))
+
+
+def two_incidents_scenario(
+    kind: type[Scenario] = Scenario, *, fencing: str | None = None, **policy: Any
+) -> Scenario:
     """The scenario behind :func:`two_incidents` (its log, view and clock); ``kind``
-    ``SoftScenario``: with heartbeats as soft state (summaries in the log instead)."""
+    ``SoftScenario``: with heartbeats as soft state (summaries in the log instead).
+
+    ``fencing``: what the hang's decision caused, as a live job records it: the survivors'
+    collective errors (released when the launcher kills the hung member), then that
+    member's exit, which its launcher reports with the generation it fenced it for
+    (``"named"``) or, as launchers before ``fenced_by`` did, without (``"unnamed"``)."""
     s = kind(
         JOB,
         world_size=4,
@@ -107,6 +136,8 @@ def two_incidents_scenario(kind: type[Scenario] = Scenario, **policy: Any) -> Sc
         s.heartbeat(*_alive(s, silent=("w10",)))
         if s.decide():
             break
+    if fencing is not None:
+        _fenced(s, "w10", t, named=fencing == "named")
     t = _recover(s, t)
     t = _train(s, s.v.last_step + 1, LAST_STEP, t)
     s.at(t)

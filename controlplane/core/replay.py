@@ -12,6 +12,7 @@ policy (see the comment above it).
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import json
@@ -38,6 +39,7 @@ from schemas.events import (
     GenerationStarted,
     JobPolicy,
     JobRegistered,
+    MemberExited,
     MemberHeartbeat,
     MemberHeartbeatEvent,
     MemberJoined,
@@ -207,7 +209,18 @@ def _comparable_decided(batch: Sequence[Decided]) -> list[tuple[str, str, Any]]:
 # decision are silent in between. This is exact up to the first decision that differs;
 # after it, it is a model: the members answer as they answered the recorded decision of the
 # same generation (the same command id: ids derive from the generation), whatever the
-# counterfactual decided.
+# counterfactual decided. The result says from when on (``replay_until``).
+#
+# What a decision caused is told apart from what the world did by cause, not by generation
+# alone: a launcher's ``member.exited`` of a member it fenced names the generation it fenced it
+# for (``fenced_by``), and a member's fault report in a generation a recorded decision had
+# already ended (after that decision's start, in log order) is that decision's consequence:
+# the collective errors its fencing released in the survivors. Both answer that decision and
+# move with it. A log from launchers that did not say ``fenced_by`` has the fencing inferred:
+# a SIGKILL exit, after a recorded start, of a member a recorded detection before that start
+# found failed. Without this, the recorded fencing exit replayed at its recorded time would be
+# taken for an independent crash, and a longer timeout would "detect" the hang at the moment
+# the recorded decision killed it.
 
 #: The counterfactual decider runs this long after a deadline, as the service wakes (at the
 #: deadline itself detection finds nothing: it compares "silent > timeout").
@@ -363,6 +376,8 @@ class Counterfactual:
     #: (of a generation) that the counterfactual never made.
     member_events: int
     unplayed: int
+    #: Until when it is a replay of the recording (``replay_until``); a simulation after.
+    replay_until: datetime | None = None
     notes: tuple[str, ...] = ()
 
     def pairs(self) -> list[tuple[IncidentFacts | None, IncidentFacts | None]]:
@@ -379,16 +394,96 @@ class _Due:
     stored: StoredEvent = field(compare=False)
 
 
-def _script_generation(event: EnvelopeBase, commands: Mapping[str, int]) -> int:
+def _script_generation(event: EnvelopeBase, commands: Mapping[str, int], started: int) -> int:
     """The generation whose decision ``event`` answers (0: none): its envelope's generation,
-    the one its payload restores or resumes, or the one of the command it acks."""
+    the one its payload restores or resumes, the one of the command it acks, the one its
+    launcher fenced it for, or (a fault report in a generation already ended) ``started``,
+    the newest generation the recording started before it (see the comment above)."""
     generation = event.generation
     payload = event.payload
     if event.type in ("restore.completed", "train.resumed"):
         generation = max(generation, payload.generation)
     elif event.type == "command.acked":
         generation = max(generation, commands.get(str(payload.command_id), 0))
+    elif event.type == "member.exited" and payload.fenced_by is not None:
+        generation = max(generation, payload.fenced_by)
+    elif event.type == "member.fault" and 0 < generation < started:
+        generation = started
     return generation
+
+
+@dataclass(slots=True)
+class _Causes:
+    """The recording's decisions, as the members' events answer them: where each generation
+    was started (log order), the commands' generations, and the members each recorded
+    detection found failed (for fencing exits a launcher did not name)."""
+
+    starts: list[tuple[int, int]] = field(default_factory=list)  # (position, generation)
+    commands: dict[str, int] = field(default_factory=dict)
+    #: member -> the positions of the recorded detections that named it, in log order.
+    detected: dict[str, list[int]] = field(default_factory=dict)
+    fenced: int = 0
+    inferred: int = 0
+    faults: int = 0
+
+    def _start(self, position: int) -> tuple[int, int, int]:
+        """The newest generation recorded started before ``position``: its generation, its
+        position and the position of the start before it (zeros: none)."""
+        i = bisect.bisect_left(self.starts, (position, 0))
+        if not i:
+            return 0, 0, 0
+        at, generation = self.starts[i - 1]
+        return generation, at, self.starts[i - 2][0] if i > 1 else 0
+
+    def of(self, stored: StoredEvent) -> StoredEvent:
+        """``stored``, with the fencing its launcher did not name inferred (see above)."""
+        event = stored.event
+        payload = event.payload
+        if not isinstance(payload, MemberExited) or payload.fenced_by is not None:
+            return stored
+        if payload.signal != _SIGKILL:
+            return stored
+        generation, at, before = self._start(stored.position)
+        found = self.detected.get(payload.member, ())
+        # Detected in the incident that start decided (after the start before it).
+        if not generation or not any(before < p < at for p in found):
+            return stored
+        self.inferred += 1
+        inferred = payload.model_copy(update={"fenced_by": generation})
+        return replace(stored, event=event.model_copy(update={"payload": inferred}))
+
+    def script(self, stored: StoredEvent) -> int:
+        event = stored.event
+        started, _, _ = self._start(stored.position)
+        generation = _script_generation(event, self.commands, started)
+        if event.type == "member.exited" and event.payload.fenced_by is not None:
+            self.fenced += 1
+        elif event.type == "member.fault" and generation > event.generation:
+            self.faults += 1
+        return generation
+
+    def note(self) -> str | None:
+        if not (self.fenced or self.faults):
+            return None
+        said = self.fenced - self.inferred
+        parts = []
+        if self.fenced:
+            parts.append(
+                f"{self.fenced} fencing exit(s) ({said} named by their launcher, {self.inferred}"
+                " inferred: a SIGKILL after the decision that left a detected member out)"
+            )
+        if self.faults:
+            parts.append(
+                f"{self.faults} fault report(s) sent in a generation a recorded decision had"
+                " already ended (the errors its fencing released)"
+            )
+        return (
+            " and ".join(parts) + " replayed as consequences of those decisions: they move"
+            " with the counterfactual's decision of the same generation, or are not replayed"
+        )
+
+
+_SIGKILL = 9
 
 
 class _Replay:
@@ -523,9 +618,10 @@ def counterfactual(
         raise ValueError("counterfactual of an empty log")
     job_id = log[0].event.job_id
     recorded_starts: dict[int, datetime] = {}
-    commands: dict[str, int] = {}
+    causes = _Causes()
     recorded_policy: JobPolicy | None = None
     recorded_reasons: dict[str, list[str]] = {}
+    recorded_decisions: list[StoredEvent] = []
     for stored in log:
         event = stored.event
         if event.job_id != job_id:
@@ -533,17 +629,24 @@ def counterfactual(
         if event.source != CONTROLPLANE_SOURCE:
             continue
         payload = event.payload
+        if event.type not in OBSERVATION_TYPES:
+            recorded_decisions.append(stored)
         if isinstance(payload, GenerationStarted):
-            recorded_starts.setdefault(payload.generation, stored.recorded_at)
+            if payload.generation not in recorded_starts:
+                recorded_starts[payload.generation] = stored.recorded_at
+                causes.starts.append((stored.position, payload.generation))
         elif isinstance(payload, ReallocationIssued):
-            commands[str(payload.command_id)] = payload.generation
+            causes.commands[str(payload.command_id)] = payload.generation
         elif isinstance(payload, JobRegistered) and recorded_policy is None:
             recorded_policy = payload.policy
         elif isinstance(payload, FaultDetected):
             recorded_reasons.setdefault(str(payload.incident_id), []).append(payload.reason.value)
+            for member in payload.members:
+                causes.detected.setdefault(member, []).append(stored.position)
+    causes.starts.sort()
 
     # The backup reports a catalog packs are members' events like the others.
-    members = [s for s in unpacked(log) if s.event.source != CONTROLPLANE_SOURCE]
+    members = [causes.of(s) for s in unpacked(log) if s.event.source != CONTROLPLANE_SOURCE]
     notes: list[str] = []
     requested = next(
         (
@@ -610,7 +713,7 @@ def counterfactual(
         recorded_starts=recorded_starts,
     )
     for stored in members:
-        generation = _script_generation(stored.event, commands)
+        generation = causes.script(stored)
         if generation in recorded_starts:
             scripts.setdefault(generation, []).append(stored)
         else:  # before any decision, or of a generation the recording never started
@@ -618,6 +721,11 @@ def counterfactual(
     # After the members' last event, deadlines run up to the log's end (and on while
     # recorded answers wait for a decision the counterfactual has not made yet).
     replay.run(horizon=max(s.recorded_at for s in log))
+    caused = causes.note()
+    if caused:
+        notes.append(caused)
+    until = replay_until(recorded_decisions, replay.decisions)
+    notes.append(_until_note(until))
     unplayed = sum(len(s) for s in scripts.values())
     if unplayed:
         notes.append(
@@ -639,7 +747,41 @@ def counterfactual(
         decisions=tuple(replay.decisions),
         member_events=replay.played,
         unplayed=unplayed,
+        replay_until=until,
         notes=tuple(notes),
+    )
+
+
+def replay_until(
+    recorded: Sequence[StoredEvent], decided: Sequence[StoredEvent]
+) -> datetime | None:
+    """When the counterfactual stops being a replay: the time of the first of its decisions
+    that differs from the recording's (ids, payloads, times), or of the first one only one
+    side made; None when it decided exactly as recorded. The job's registration is left out:
+    it records the policy, which the counterfactual changes on purpose."""
+    recorded = [s for s in recorded if s.event.type != "job.registered"]
+    decided = [s for s in decided if s.event.type != "job.registered"]
+    for r, d in itertools.zip_longest(recorded, decided):
+        if r is None:
+            return d.event.emitted_at
+        if d is None:
+            return r.event.emitted_at
+        a, b = r.event, d.event
+        if (a.event_id, a.type, a.emitted_at, a.payload) != (
+            b.event_id, b.type, b.emitted_at, b.payload
+        ):  # fmt: skip
+            return min(a.emitted_at, b.emitted_at)
+    return None
+
+
+def _until_note(until: datetime | None) -> str:
+    if until is None:
+        return "a replay throughout: the counterfactual decided as recorded"
+    return (
+        f"a replay until {until.isoformat()}, where its decisions first differ from the"
+        " recording's; a simulation after it: the members answer each decision as they"
+        " answered the recorded one of the same generation, shifted with it (the recorded"
+        " phase durations are the model)"
     )
 
 

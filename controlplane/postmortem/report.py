@@ -132,6 +132,10 @@ def _side(result: Counterfactual) -> dict[str, Any]:
         "decisions": len(result.decisions),
         "member_events": result.member_events,
         "unplayed": result.unplayed,
+        # Until when it replays the recording; a simulation after (None: throughout).
+        "replay_until": (
+            result.replay_until.isoformat() if result.replay_until is not None else None
+        ),
     }
 
 

@@ -424,9 +424,10 @@ class _Run:
         self.progress += span / (model.step_s + model.backup_cost_s / model.backup_interval)
         self.step = self.base + math.floor(self.progress)
 
-    def record_step(self, seconds: float) -> None:
+    def record_step(self, seconds: float, *, backup: bool = True) -> None:
         """What the log holds of training up to ``seconds``: the newest backup (every rank's
-        report) and rank 0's step record."""
+        report; not with ``backup`` false, when no decision is to restore it) and rank 0's
+        step record."""
         self.advance(seconds)
         view = self.log.v
         if not self.training or not view.world:
@@ -441,7 +442,7 @@ class _Run:
             then = self.at(self.step_at - (self.step - mark) * per)
             self._step_record(mark, then, view.generation, view.world[0])
         newest = self.step - self.step % self.model.backup_interval
-        if newest > self.backed_up:
+        if backup and newest > self.backed_up:
             self.job.backup(newest, at)
             self.backed_up = newest
         if self.step > view.last_step:
@@ -564,7 +565,9 @@ class _Run:
         self.rejoins += 1
         members = [f"n{node}-r{self.rejoins}-{k}" for k in range(count)]
         self.on_node.setdefault(node, []).extend(members)
-        self.record_step(seconds)
+        # Spares joining restore nothing: the backup a waiting job restores was recorded
+        # before its fault (it has not trained since), and a growth records its own.
+        self.record_step(seconds, backup=False)
         rack = f"r{node // RACK_NODES}"
         self.job.join([(m, f"n{node}", rack, "spare") for m in members], self.at(seconds))
         self.job.turn(self.at(seconds))

@@ -245,6 +245,29 @@ def check_metrics(scrapes: dict, summary: dict, incidents: tuple[dict, ...]) -> 
     assert ettr == pytest.approx(summary["ettr"], rel=0.01)
 
 
+def check_counterfactual(exported: Path, job: str, hang: dict) -> None:  # type: ignore[type-arg]
+    """The demo's log replayed under a 10 s heartbeat timeout (the demo's is 5 s): the hang
+    is found by that timeout about 10 s after w2's last heartbeat and costs about 10 s. The
+    launcher's fencing exit of w2 and the collective errors it released in the survivors
+    answer the recorded decision, and move with the counterfactual's, which comes later."""
+    from typer.testing import CliRunner
+
+    from controlplane.cli import app
+
+    args = ["replay", str(exported), "--job", job, "--policy", "heartbeat_timeout=10", "--json"]
+    replayed = CliRunner().invoke(app, args)
+    assert replayed.exit_code == 0, replayed.output
+    out = json.loads(replayed.stdout)
+    print("counterfactual notes:", *out["notes"], sep="\n  ")
+    _, pair = out["incidents"]
+    ours = pair["counterfactual"]
+    assert ours["reasons"][0] == "heartbeat_timeout", pair
+    silent = datetime.fromisoformat(ours["detected_at"]) - datetime.fromisoformat(ours["fault_at"])
+    assert 10 <= silent.total_seconds() < 10.5, pair
+    assert 10 <= ours["downtime_s"] < hang["downtime_s"] + 6, pair
+    assert any("fencing exit" in note for note in out["notes"]), out["notes"]
+
+
 @pytest.mark.timeout(420)
 def test_demo_recovers_every_fault_and_ends_at_the_reference_loss(tmp_path, state):
     started = time.monotonic()
@@ -314,6 +337,7 @@ def test_demo_recovers_every_fault_and_ends_at_the_reference_loss(tmp_path, stat
     assert summary["ettr"] * 0.99 <= ettr <= ceiling * 1.01, (ettr, summary["ettr"], ceiling)
 
     check_metrics(json.loads(scraped.read_text()), summary, (crash, hang))
+    check_counterfactual(exported, summary["job_id"], hang)
 
     kinds = " ".join(family.names())
     assert "nats-server" in kinds and "examples/train.py" in kinds, kinds

@@ -119,6 +119,12 @@ async def test_a_lost_rank_is_replaced_and_the_run_matches_a_fault_free_one(  # 
     assert [d.reason for d in detected] == [reason]
     [decision] = incident.decisions
     assert decision.mode == "replace" and "s0" in decision.world and decision.restore_step == 20
+    # The launcher's exit report of a member it fenced names the decision's generation (a
+    # counterfactual moves it with that decision); a crash is the member's own.
+    exits = [s.event.payload for s in pg_store.read(job_id=faulty, types=["member.exited"])]
+    fenced = {e.member: e.fenced_by for e in exits if e.fenced_by is not None}
+    hung = {incident.members[0]: decision.generation} if reason == "heartbeat_timeout" else {}
+    assert fenced == hung, exits
     assert code == status
     assert_matches_reference(reference, faulty_out)
 

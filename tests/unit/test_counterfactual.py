@@ -29,7 +29,7 @@ from controlplane.postmortem.replay import (
 from schemas.common import CONTROLPLANE_SOURCE, JobState, Phase
 from schemas.events import JobPolicy
 from tests.factories import T0
-from tests.recorded import CRASH_AT_S, HANG_LAST_HEARTBEAT_S, HANG_TIMEOUT_S
+from tests.recorded import CRASH_AT_S, HANG_LAST_HEARTBEAT_S, HANG_TIMEOUT_S, two_incidents_scenario
 from tests.recorded import two_incidents as _two_incidents
 from tests.scenario import RENDEZVOUS
 
@@ -74,6 +74,63 @@ def test_a_longer_heartbeat_timeout_moves_the_hang_detection_by_the_difference()
     )
     assert hang(longer).downtime_s == pytest.approx(recorded.downtime_s + 3 - late.total_seconds())
     assert longer.replayed.state is JobState.COMPLETED and longer.unplayed == 0
+
+
+@functools.cache
+def fenced_run(named: str) -> list:
+    """The recorded run with what its hang's decision caused: the survivors' collective
+    errors and the hung member's fencing exit (named by its launcher, or not)."""
+    return two_incidents_scenario(fencing=named).log
+
+
+@pytest.mark.parametrize("named", ["named", "unnamed"])
+def test_what_a_decision_caused_moves_with_it(named):
+    """A longer timeout on a run whose decision fenced the hung member: the fencing exit and
+    the errors it released in the survivors are the decision's consequences, not facts of
+    the world. The hang is found by its timeout after the member's last heartbeat, and the
+    downtime grows by the difference, as on the run without them; replayed at their
+    recorded times, the exit would have been taken for a crash found at once."""
+    log = fenced_run(named)
+    plain = counterfactual(two_incidents(), {"heartbeat_timeout": HANG_TIMEOUT_S + 5})
+    result = counterfactual(log, {"heartbeat_timeout": HANG_TIMEOUT_S + 5})
+    found = hang(result)
+    assert found.reasons == ("heartbeat_timeout",)
+    assert found.fault_at == at(HANG_LAST_HEARTBEAT_S)
+    assert found.detected_at == at(HANG_LAST_HEARTBEAT_S + HANG_TIMEOUT_S + 5 + TICK_S)
+    [_, recorded] = result.recorded_incidents
+    assert recorded.downtime_s < HANG_TIMEOUT_S + 2
+    assert found.downtime_s == pytest.approx(hang(plain).downtime_s)
+    assert found.downtime_s == pytest.approx(9.8, abs=0.01)
+    assert found.downtime_s > recorded.downtime_s + 4
+    assert result.replayed.state is JobState.COMPLETED and result.unplayed == 0
+    inferred = 0 if named == "named" else 1
+    [caused] = [n for n in result.notes if "fencing exit" in n]
+    assert f"1 fencing exit(s) ({1 - inferred} named by their launcher, {inferred} inferred" in (
+        caused
+    )
+    assert "3 fault report(s)" in caused
+    # A replay up to the hang's detection, which moved; a simulation after it.
+    assert result.replay_until == min(recorded.detected_at, found.detected_at)
+    assert any(n.startswith(f"a replay until {result.replay_until.isoformat()}")
+               for n in result.notes)  # fmt: skip
+
+
+def test_without_overrides_a_fenced_run_replays_as_recorded_until_the_hang():
+    """Under the recorded policy the consequences move with the same decision, only the
+    deadline (not the recording's once-a-second turn) sets when: the same incidents."""
+    result = counterfactual(fenced_run("named"), {})
+    [crash, found] = result.incidents
+    [recorded_crash, recorded] = result.recorded_incidents
+    assert crash == recorded_crash
+    assert found.reasons == recorded.reasons and found.decision == recorded.decision
+    assert found.detected_at <= recorded.detected_at
+
+
+def test_a_counterfactual_that_decides_as_recorded_is_a_replay_throughout():
+    log = [s for s in two_incidents() if s.recorded_at < at(HANG_LAST_HEARTBEAT_S)]
+    result = counterfactual(log, {})
+    assert result.replay_until is None
+    assert "a replay throughout" in " ".join(result.notes)
 
 
 def test_a_shorter_timeout_detects_the_hang_sooner():
@@ -297,9 +354,13 @@ def test_counterfactual_command(log_file):
     assert hang_["counterfactual"]["detected_at"] == at(47 + TICK_S).isoformat()
     assert hang_["counterfactual"]["reasons"] == ["heartbeat_timeout"]
     assert hang_["counterfactual"]["decision"].startswith("shrink to 3")
+    # A replay until the recorded decider's turn that found the hang (the earlier of the two).
+    assert out["counterfactual"]["replay_until"] == at(45).isoformat()
+    assert out["redecided"]["replay_until"] == at(44 + TICK_S).isoformat()
     text = CliRunner().invoke(app, args[:-1])
     assert text.exit_code == 0, text.output
     assert "counterfactual" in text.stdout and "+3.000s" in text.stdout
+    assert "a replay until 2026-01-01T00:00:45" in " ".join(text.stdout.split())
 
 
 @pytest.mark.parametrize(

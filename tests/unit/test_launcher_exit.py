@@ -141,7 +141,9 @@ def test_a_member_demoted_to_a_spare_is_not_fenced_and_one_left_out_is():
                          followed, fence=True)  # type: ignore[arg-type]  # fmt: skip
         by_name = {m.slot.member: m for m in members}
         assert by_name["w2"].killed_by_launcher  # left out: fenced
+        assert by_name["w2"].fenced_by == 2  # for generation 2: its exit will say so
         assert not by_name["w3"].killed_by_launcher and running["w3"].poll() is None
+        assert by_name["w3"].fenced_by is None
     finally:
         for p in running.values():
             p.kill()
