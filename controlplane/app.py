@@ -34,6 +34,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: How long past a pull request's expiry the event stream may stay quiet before it counts as
+#: not answering (the decider then leaves silences for later: ``Decider.events_current``).
+STREAM_ANSWER_GRACE_S = 1.0
+
 
 def load_views(store: EventStore) -> dict[str, JobView]:
     """Every job's view: from the store's view snapshot and the log after it (``snapshots``)."""
@@ -190,6 +194,10 @@ class ControlPlane:
                 assert session is not None
                 await session.refresh(job_id)
 
+            consumer = bus.EventConsumer(nc, settings)
+            # A pull request is answered by its expiry (the fetch wait); a second past it, the
+            # stream is not answering.
+            answer_s = settings.ingest_fetch_timeout_s + STREAM_ANSWER_GRACE_S
             decider = self.decider = Decider(
                 views=lambda: folded.current,
                 apply=folded.apply,
@@ -200,6 +208,7 @@ class ControlPlane:
                 liveness=table,
                 hear=heartbeats.catch_up,
                 hold=heartbeats.held,
+                events_current=lambda: consumer.answering(answer_s),
             )
             session = self.ingest = Session(
                 views=folded,
@@ -207,7 +216,7 @@ class ControlPlane:
                 appender=appender,
                 fetcher=Fetcher(
                     appender,
-                    bus.EventConsumer(nc, settings),
+                    consumer,
                     batch=settings.ingest_batch,
                     part=settings.ingest_part,
                     fetch_wait_s=settings.ingest_fetch_timeout_s,

@@ -221,6 +221,7 @@ async def ensure_stream(js: JetStreamContext, settings: Settings) -> None:
             storage=StorageType.FILE,
             max_age=settings.stream_max_age_s,
             duplicate_window=settings.stream_duplicate_window_s,
+            num_replicas=settings.stream_replicas,
         ),
     )
 
@@ -237,6 +238,7 @@ async def ensure_command_stream(js: JetStreamContext, settings: Settings) -> Non
             max_msgs_per_subject=settings.command_history,
             max_age=settings.stream_max_age_s,
             duplicate_window=settings.stream_duplicate_window_s,
+            num_replicas=settings.stream_replicas,
             # Members read the command in force by its subject (JetStream's direct get).
             allow_direct=True,
         ),
@@ -276,6 +278,8 @@ def delivery(reply: str) -> tuple[int, int]:
     return int(tokens[Msg.Ack.StreamSeq]), int(tokens[Msg.Ack.ConsumerSeq])
 
 
+#: How long the ingest's consumer waits for JetStream's API (consumer info, add, delete).
+_JS_API_TIMEOUT_S = 2.0
 #: A partly filled batch is handed over once this long passes without _WAKE_EVERY more.
 _LINGER_S = 0.005
 _WAKE_EVERY = 256
@@ -312,7 +316,9 @@ class EventConsumer:
 
     def __init__(self, nc: Client, settings: Settings) -> None:
         self._nc = nc
-        self._js = nc.jetstream()
+        # Short: while a clustered stream elects a leader its API does not answer, and the
+        # ingest's retry asks again sooner than nats-py's default of 5 s would.
+        self._js = nc.jetstream(timeout=_JS_API_TIMEOUT_S)
         self._settings = settings
         self._sub: Subscription | None = None
         self._inbox = ""
@@ -323,6 +329,13 @@ class EventConsumer:
         self._request_until = 0.0  # monotonic deadline of the outstanding pull request
         self._request_left = 0  # messages the outstanding request may still deliver
         self._expected = 1  # next consumer delivery sequence
+        #: When the oldest request the server has not answered yet was sent (None: every
+        #: one was answered, by messages or a status); see ``answering``.
+        self._asked_at: float | None = None
+        #: The ack floor a re-creation read before it deleted the consumer, while the
+        #: consumer is not added again (the server did not answer): the next attempt starts
+        #: after it, not at the stream's first message.
+        self._floor: int | None = None
         self._broken: str | None = None
         #: Bumped whenever the consumer is re-created; acks of older epochs are dropped.
         self.epoch = 0
@@ -339,12 +352,15 @@ class EventConsumer:
     async def _restart_consumer(self, reason: str) -> None:
         """Re-create the consumer at its ack floor: everything unacknowledged comes again."""
         info = await self._consumer_info()
-        floor = int(info.ack_floor.stream_seq or 0) if info and info.ack_floor else 0
         if info is not None:
+            floor = int(info.ack_floor.stream_seq or 0) if info.ack_floor else 0
+            self._floor = max(floor, self._floor or 0)
             await self._js.delete_consumer(self._settings.stream, self._settings.ingest_durable)
+        floor = self._floor or 0
         await self._js.add_consumer(
             self._settings.stream, consumer_config(self._settings, start_seq=floor + 1)
         )
+        self._floor = None
         self._expected = 1
         self.epoch += 1
         log.warning("re-reading the stream from sequence %d: %s", floor + 1, reason)
@@ -353,7 +369,12 @@ class EventConsumer:
         await ensure_stream(self._js, self._settings)
         info = await self._consumer_info()
         if info is None:
-            await self._js.add_consumer(self._settings.stream, consumer_config(self._settings))
+            # (Deleted by a re-creation the server did not finish: from its floor.)
+            start = (self._floor or 0) + 1
+            await self._js.add_consumer(
+                self._settings.stream, consumer_config(self._settings, start_seq=start)
+            )
+            self._floor = None
             self._expected = 1
         elif info.config.ack_policy != AckPolicy.ALL:
             await self._restart_consumer("the consumer had another ack policy")
@@ -405,6 +426,7 @@ class EventConsumer:
             self._on_status(status, (msg.headers or {}).get("Description", ""))
 
     def _on_delivery(self, delivery: Delivery) -> None:
+        self._asked_at = None
         self._request_left -= 1
         buffer = self._buffer
         buffer.append(delivery)
@@ -415,6 +437,7 @@ class EventConsumer:
         self._arrived.set()
 
     def _on_status(self, status: str, description: str) -> None:
+        self._asked_at = None
         if status in ("404", "408", "409"):
             # The pull request ended (no messages, expired, or refused).
             self._request_until = 0.0
@@ -443,6 +466,8 @@ class EventConsumer:
             f"$JS.API.CONSUMER.MSG.NEXT.{self._settings.stream}.{self._settings.ingest_durable}"
         )
         await self._nc.publish(subject, request, reply=self._inbox)
+        if self._asked_at is None:
+            self._asked_at = time.monotonic()
         self._request_left = batch
         # A request the server forgot (it restarted) is treated as ended after its expiry.
         self._request_until = time.monotonic() + wait_s + 0.5
@@ -484,9 +509,19 @@ class EventConsumer:
                 # Let the next batch stream in while this one is decoded and committed.
                 await self._request(batch, max(wait_s, 0.05))
         except _TRANSIENT as exc:
+            if self._asked_at is None:  # the server could not be asked: as good as no answer
+                self._asked_at = time.monotonic()
             await self.reset()
             raise BusUnavailable(f"{type(exc).__name__}: {exc}") from exc
         return taken
+
+    def answering(self, within_s: float) -> bool:
+        """Whether the stream answers: no request of this consumer has gone unanswered for
+        more than ``within_s`` seconds (a healthy server answers every pull request by its
+        expiry, with messages or a status; one whose stream or consumer leader is failing
+        over, or that lost its JetStream quorum, does not)."""
+        asked = self._asked_at
+        return asked is None or time.monotonic() - asked <= within_s
 
     def _continuous(self, msgs: list[Delivery]) -> bool:
         """Check that no delivery went missing before or inside ``msgs`` (one inbox, in order)."""

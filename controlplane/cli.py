@@ -802,6 +802,21 @@ def demo(
             ' at the end (one JSON object: {"api": TEXT, "controlplane": TEXT}).'
         ),
     ] = None,
+    nats_cluster: Annotated[
+        int,
+        typer.Option(
+            help="NATS nodes: 1 (one server), or a JetStream cluster of 3 or 5 with the streams"
+            " replicated on every node."
+        ),
+    ] = 1,
+    nats_kill_at: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Step after which the NATS node leading the events stream is killed (SIGKILL;"
+            " with --nats-cluster 3 or 5); 0: none.",
+        ),
+    ] = 0,
 ) -> None:
     """See the whole loop work on this machine: faults injected, detected, recovered.
 
@@ -819,6 +834,10 @@ def demo(
     ack, restore and resume phases, the downtime and the steps lost; the job's goodput (its
     wall time by term and its ETTR, as `elasticctl goodput` gives them); the final loss
     against the reference; the URL of the job's timeline page.
+
+    --nats-cluster 3 runs NATS as a three-node JetStream cluster (the streams at R3, every
+    client given every node); --nats-kill-at STEP kills the node leading the events stream
+    after STEP, and the run goes on on the other two.
 
     --json prints the summary as one JSON object on stdout (progress goes to stderr). --keep
     leaves the stack up for browsing until Ctrl-C. Ctrl-C (or SIGTERM) stops everything at any
@@ -853,6 +872,8 @@ def demo(
         script=script.resolve() if script is not None else EXAMPLE,
         export=export,
         metrics_out=metrics_out,
+        nats_cluster=nats_cluster,
+        nats_kill_at=nats_kill_at,
     )
     _log_warnings()
     try:
@@ -970,7 +991,10 @@ def replay(
 def simulate(
     *,
     ranks: Annotated[
-        int, typer.Option(min=2, max=65_536, help="Ranks of the job (8 a node, 16 nodes a rack).")
+        int,
+        typer.Option(
+            min=8, max=65_536, help="Ranks of the job, a multiple of 8 (8 a node, 16 nodes a rack)."
+        ),
     ] = 16_384,
     days: Annotated[float, typer.Option(min=0.001, help="Simulated days.")] = 30.0,
     strategy: Annotated[
@@ -1010,12 +1034,36 @@ def simulate(
     sweep: Annotated[
         str | None,
         typer.Option(
-            help="Run once per value of a model field, e.g. backup_interval=5,10,20,50 or"
-            " checkpoint_interval_s=600,1200,2400; the best ETTR is reported next to"
+            help="Run once per value of a model field, of ranks or of spares, e.g."
+            " backup_interval=5,10,20,50, checkpoint_interval_s=600,1200,2400,"
+            " ranks=512,2048,8192 or spares=0,1,2,4; the best ETTR is reported next to"
             " Young/Daly's interval sqrt(2 x cost x MTBF)."
         ),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    workers: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Processes to run the strategies (and sweep values) side by side in; 0: one"
+            " a core.",
+        ),
+    ] = 0,
+    reproduce: Annotated[
+        str | None,
+        typer.Option(
+            help="Run a published figure's reproduction instead (all, seed512-restart,"
+            " seed512-rebuild, seed512-elastic, llama3-restart): the published and the"
+            " simulated figures, the assumptions, and whether they agree within 20%.",
+        ),
+    ] = None,
+    plot: Annotated[
+        str | None,
+        typer.Option(
+            help="With --sweep: draw ETTR against the swept value, a line a strategy, to this"
+            " PNG file (the plot extra: matplotlib).",
+        ),
+    ] = None,
     progress: Annotated[bool, typer.Option("--progress", help=_PROGRESS_HELP)] = False,
 ) -> None:
     """Simulate a job's days with failures: the real fold and decider decide every incident.
@@ -1031,7 +1079,7 @@ def simulate(
         commands.simulate(
             ranks=ranks, days=days, strategies=strategy, preset=preset, spares=spares,
             seed=seed, trace=trace, model=model, sweep=sweep, as_json=as_json,
-            show_progress=progress,
+            show_progress=progress, workers=workers, reproduce=reproduce, plot=plot,
         )  # fmt: skip
     except commands.CommandError as exc:
         raise _fail(str(exc), exc.code) from exc

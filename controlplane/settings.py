@@ -38,6 +38,14 @@ class Settings(BaseSettings):
     stream_duplicate_window_s: PositiveFloat = Field(
         120.0, description="JetStream de-duplication window by Nats-Msg-Id"
     )
+    stream_replicas: int = Field(
+        1,
+        ge=1,
+        le=5,
+        description="Nodes that keep each of the events and commands streams (JetStream"
+        " replicas; an existing stream is brought to it): 1 on one server, 3 on a three-node"
+        " cluster, which loses no acknowledged event and goes on with a node down",
+    )
     ingest_durable: str = Field("controlplane-ingest", description="Durable pull consumer name")
     ingest_batch: PositiveInt = Field(
         10_000, description="Most messages fetched from JetStream in one batch"

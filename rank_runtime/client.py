@@ -23,6 +23,7 @@ import asyncio
 import collections
 import contextlib
 import errno
+import hashlib
 import json
 import logging
 import math
@@ -74,6 +75,8 @@ def _open_relay_socket() -> socket.socket:
     return sock
 
 
+#: Refused messages remembered, so that one read twice is refused (and reported) once.
+_REFUSED_KEPT = 1024
 #: Events sent per round before waiting for the server's acknowledgements.
 _WINDOW = 512
 #: The largest compute time per step a heartbeat carries (``schemas.common.ComputeSeconds``).
@@ -136,6 +139,10 @@ class EventClient:
             log.warning("%s is unset: commands are obeyed without checking who sent them",
                         COMMAND_KEY_ENV)  # fmt: skip
         self._refusal_times: collections.deque[float] = collections.deque()
+        #: Digests of the messages refused lately: the same message read twice (its
+        #: subscription and the read of the command in force, at a (re)connection) is one
+        #: refusal, reported once.
+        self._refused: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._newest_generation = 0
         self._unreported = 0
         #: This process's incarnation: the one its launcher chose (``ELASTIC_INCARNATION``,
@@ -449,6 +456,12 @@ class EventClient:
     def _refuse(self, subject: str, data: bytes, reason: str) -> None:
         """Drop a command that did not verify, log it, and report it (``command.refused``,
         at most ``_REFUSALS_PER_MINUTE`` a minute; the rest are counted into the next)."""
+        digest = hashlib.blake2b(subject.encode() + b"\0" + data, digest_size=16).digest()
+        if digest in self._refused:
+            return  # the same message, read again
+        self._refused[digest] = None
+        if len(self._refused) > _REFUSED_KEPT:
+            self._refused.popitem(last=False)
         self.stats.refused += 1
         command_id = _claimed_id(data)
         log.warning("refused a command on %s (%s)%s", subject, reason,

@@ -36,6 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from controlplane.api import examples, render, sql
 from controlplane.api.auth import Denied, TokenAuth
 from controlplane.api.metrics import CONTENT_TYPE, LogMetrics
+from controlplane.api.plan import plan_routes
 from controlplane.api.views import JobEntry, LiveViews, Reader, Rendered, store_reader
 from controlplane.core.goodput import Goodput
 from controlplane.core.records import StoredEvent
@@ -715,6 +716,7 @@ def create_app(settings: Settings, store: EventStore | None = None) -> FastAPI:
     router = APIRouter(prefix=API_PREFIX, dependencies=guard, responses={**auth_errors, **_INVALID})
     _view_routes(api, router)
     _event_routes(api, router)
+    plan_routes(router)
     app.include_router(router)
     _service_routes(api, app, guard)
     _install_error_handlers(app)

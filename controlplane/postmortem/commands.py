@@ -75,6 +75,56 @@ def progress_bar(
             bar.update(task, completed=total)
 
 
+def _reproduce(name: str, *, seed: int, as_json: bool, show_progress: bool) -> None:
+    """``elasticctl simulate --reproduce``: published figures next to simulated ones."""
+    from controlplane.postmortem import simulate as sim
+
+    names = list(sim.REPRODUCTIONS) if name == "all" else [name]
+    if any(n not in sim.REPRODUCTIONS for n in names):
+        raise CommandError(f"--reproduce: all, or one of {', '.join(sim.REPRODUCTIONS)}")
+    console = progress_console(show_progress)
+    out = []
+    for one in names:
+        with progress_bar(console, f"reproduce {one}", 1.0) as advance:
+            out.append(sim.reproduce(one, seed=seed, progress=advance))
+    if as_json:
+        print(json.dumps({"reproductions": out}))
+        return
+    console_out = _stdout_console()
+    for case in out:
+        console_out.print(f"{case['name']}: {case['claim']}")
+        console_out.print(f"  source: {case['source']}")
+        console_out.print(f"  assumed: {case['assumptions']}")
+        for key, published in case["published"].items():
+            if published is None:
+                continue
+            bound = case["above"] and key == "ettr"
+            verdict = "met" if bound else f"within {case['tolerance']:.0%}"
+            if not case["within"][key]:
+                verdict = f"NOT {verdict}"
+            console_out.print(
+                f"  {key}: published {'at least ' if bound else ''}{published:g}, simulated"
+                f" {case['simulated'][key]:g} ({verdict})"
+            )
+
+
+@contextmanager
+def progress_bars(
+    console: Console | None, descriptions: list[str]
+) -> Iterator[Callable[[int, float], None]]:
+    """A callable that sets how far task ``i`` of several (fractions, side by side) is; a
+    no-op without a console."""
+    if console is None:
+        yield lambda i, fraction: None
+        return
+    columns = [TextColumn("{task.description}"), BarColumn(), TaskProgressColumn()]
+    with Progress(*columns, TimeRemainingColumn(), console=console) as bar:
+        tasks = [bar.add_task(description, total=1.0) for description in descriptions]
+        yield lambda i, fraction: bar.update(tasks[i], completed=fraction)
+        for task in tasks:
+            bar.update(task, completed=1.0)
+
+
 def _stdout_console() -> Console:
     """Tables on stdout: the terminal's width, or a wide page when piped."""
     return Console(highlight=False, width=None if sys.stdout.isatty() else 160)
@@ -329,68 +379,40 @@ def simulate(
     sweep: str | None,
     as_json: bool,
     show_progress: bool,
+    workers: int = 0,
+    reproduce: str | None = None,
+    plot: str | None = None,
 ) -> None:
     """``elasticctl simulate``: each strategy's run (or a sweep of one model field), as a
-    table or one JSON object."""
+    table or one JSON object; the runs in ``workers`` processes (0: one a core). With
+    ``reproduce``, a published figure's run instead (``all``: each)."""
     from controlplane.postmortem import simulate as sim
 
-    chosen = [s.strip() for s in strategies.split(",") if s.strip()]
-    bad = [s for s in chosen if s not in sim.STRATEGIES]
-    if bad or not chosen:
-        raise CommandError(f"--strategy: one or more of {', '.join(sim.STRATEGIES)}")
-    if preset not in sim.PRESETS:
-        raise CommandError(f"--preset: one of {', '.join(sim.PRESETS)}")
+    if reproduce is not None:
+        _reproduce(reproduce, seed=seed, as_json=as_json, show_progress=show_progress)
+        return
+
     try:
-        base = sim.model_with(sim.Model(), parse_overrides(model) if model else {})
-        failures = sim.read_trace(Path(trace)) if trace else None
+        planned = sim.plan(
+            ranks=ranks, days=days, strategies=strategies, preset=preset, spares=spares,
+            seed=seed, model=parse_overrides(model) if model else None, sweep=sweep,
+            failures=sim.read_trace(Path(trace)) if trace else None, source=trace,
+        )  # fmt: skip
     except (ValueError, ReplayError, OSError) as exc:
         raise CommandError(str(exc)) from exc
-    values: list[tuple[str | None, str | None]] = [(None, None)]
-    if sweep:
-        name, _, listed = sweep.partition("=")
-        values = [(name, v.strip()) for v in listed.split(",") if v.strip()]
-        if not values:
-            raise CommandError("--sweep FIELD=V1,V2,...")
     console = progress_console(show_progress)
-    runs: list[dict[str, Any]] = []
-    rates = sim.PRESETS[preset].rates
-    for field, value in values:
-        try:
-            one = sim.model_with(base, {field: value}) if field and value else base
-        except ValueError as exc:
-            raise CommandError(f"--sweep: {exc}") from exc
-        for strategy in chosen:
-            label = f"{strategy} {field}={value}" if field else strategy
-            with progress_bar(console, f"simulate {label}", 1.0) as advance:
-                result = sim.simulate(
-                    strategy, ranks=ranks, days=days, spares=spares,  # type: ignore[arg-type]
-                    failures=failures, rates=rates, model=one, seed=seed, progress=advance,
-                )  # fmt: skip
-            summary = result.summary()
-            if field:
-                summary["sweep"] = {field: float(value or 0)}
-            runs.append(summary)
-    nodes = -(-ranks // sim.NODE_RANKS)
-    out: dict[str, Any] = {
-        "ranks": ranks, "days": days, "preset": preset, "seed": seed,
-        "failures_source": trace or sim.PRESETS[preset].source,
-        "failures_per_day": round(rates.per_day(nodes + spares, -(-nodes // sim.RACK_NODES)), 3),
-        "model": {k: getattr(base, k) for k in sim.Model.__dataclass_fields__},
-        "runs": runs,
-    }  # fmt: skip
+    labels = [f"simulate {label}" for label, _, _ in planned.runs()]
+    with progress_bars(console, labels) as advance:
+        out = sim.run_plan(planned, workers=workers or sim.cores(), progress=advance)
+    runs = out["runs"]
     per_day = out["failures_per_day"]
-    if per_day > 0:
-        mtbf = 86_400 / per_day
-        out["young_daly"] = {
-            "mtbf_s": round(mtbf, 1),
-            "checkpoint_interval_s": round(sim.young_daly(base.checkpoint_cost_s, mtbf), 1),
-            "backup_interval_steps": round(
-                sim.young_daly(base.backup_cost_s, mtbf) / base.step_s, 1
-            ),
-        }
-    if sweep and runs:
-        best = max(runs, key=lambda r: r["ettr"])
-        out["best"] = {"strategy": best["strategy"], **best["sweep"], "ettr": best["ettr"]}
+    if plot is not None:
+        from controlplane.postmortem.plots import PlotError, ettr_figure
+
+        try:
+            out["plot"] = str(ettr_figure(out, Path(plot)))
+        except (PlotError, OSError) as exc:
+            raise CommandError(str(exc)) from exc
     if as_json:
         print(json.dumps(out))
         return
@@ -400,7 +422,7 @@ def simulate(
         f" ({per_day:g} failures a day), seed {seed}"
     )
     for run in runs:
-        swept = f" {next(iter(run['sweep'].items()))}" if "sweep" in run else ""
+        swept = "".join(f" {k}={v:g}" for k, v in run.get("sweep", {}).items())
         lost = ", ".join(f"{k} {v:,.0f}s" for k, v in run["breakdown_s"].items()
                          if v and k != "productive")  # fmt: skip
         console_out.print(
@@ -413,3 +435,5 @@ def simulate(
             f"Young/Daly: checkpoint every {yd['checkpoint_interval_s']:,}s,"
             f" backup every {yd['backup_interval_steps']} steps (MTBF {yd['mtbf_s']:,}s)"
         )
+    if "plot" in out:
+        console_out.print(f"ETTR against {sweep.partition('=')[0] if sweep else ''}: {out['plot']}")

@@ -230,6 +230,7 @@ class SimJob:
         view = log.v
         generation, placement, world = view.generation, view.placement, view.world
         events: list[EnvelopeBase] = []
+        prefix = log.rng.randbytes(28).hex()
         for first in range(0, len(world), CATALOG_ENTRIES):
             shards = range(first, min(len(world), first + CATALOG_ENTRIES))
             sources = [log.source(world[shard]) for shard in shards]
@@ -241,7 +242,8 @@ class SimJob:
                 seqs=[source.seq for source in sources],
                 shards=list(shards),
                 nbytes=[nbytes] * len(shards),
-                checksums=[f"sha256:{log.rng.randbytes(32).hex()}" for _ in shards],
+                # Distinct digests of the same shape (a digest a shard, new each backup).
+                checksums=[f"sha256:{prefix}{shard:08x}" for shard in shards],
                 seconds=[round(log.rng.uniform(0.3, 0.6), 6) for _ in shards],
                 holders=[list(placement[shard]) for shard in shards],
             )

@@ -31,6 +31,11 @@ checkpoint), ``backup`` (the blocking copy of each backup or checkpoint), ``dete
 ``shrunk`` (the capacity a smaller world leaves unused) and ``idle`` (the rest). ETTR is
 productive time over wall time; the clock starts at the first generation's first step.
 
+``plan`` checks what the command (and the API's plan view) asks for, a ``Plan`` lists its
+runs, ``run_plan`` runs them (side by side in processes: ``run_all``) and shapes the command's
+JSON. ``REPRODUCTIONS`` are published figures with the runs that reproduce them and what each
+had to assume (``reproduce``).
+
 Failures during an incident's recovery are applied when it ends (a cascade is not
 simulated). Pure apart from the decider's own work: time is an argument, randomness comes
 from the seed, and the same inputs give the same result.
@@ -38,11 +43,15 @@ from the seed, and the same inputs give the same result.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+import multiprocessing
+import os
 import random
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -50,7 +59,7 @@ from typing import Any, Final, Literal
 
 from controlplane.core.view import MAX_STEP_LEAD
 from controlplane.postmortem.simlog import SimJob, SimLog
-from schemas.common import JobState
+from schemas.common import MAX_WORLD, JobState
 from schemas.events import TrainStep
 
 Strategy = Literal["spares", "shrink", "mixed", "restart"]
@@ -184,6 +193,114 @@ def model_with(model: Model, overrides: Mapping[str, object]) -> Model:
         else:
             values[key] = value
     return replace(model, **values)
+
+
+@dataclass(frozen=True, slots=True)
+class Reproduction:
+    """A published figure and the run that reproduces it, its assumptions in the open:
+    ETTR (``ettr``; ``above``: the figure is a lower bound) and the recovery a failure
+    costs (``recovery_s``: detection to the first step, a wait for a spare left out), each
+    None where the source gives none, within ``tolerance`` (relative)."""
+
+    claim: str
+    source: str
+    strategy: Strategy
+    ranks: int
+    days: float
+    preset: str
+    spares: int
+    model: Mapping[str, float]
+    ettr: float | None
+    recovery_s: float | None
+    assumptions: str
+    above: bool = False
+    tolerance: float = 0.2
+
+
+_SEED_TABLE = (
+    "the project's seed: 512 GPUs, 8 failures a day; recovery 45 min / 3 min / 90 s and"
+    " utilization 42% / 78% / 89% for checkpoint-restart / hot backup + rebuild / hot backup"
+    " + elastic scheduling"
+)
+
+REPRODUCTIONS: Final[dict[str, Reproduction]] = {
+    "seed512-restart": Reproduction(
+        claim="checkpoint-restart: 45 min a recovery, 42% utilization",
+        source=_SEED_TABLE, strategy="restart", ranks=512, days=30, preset="seed512",
+        spares=0, ettr=0.42, recovery_s=2700.0,
+        model={"restart_s": 2400, "checkpoint_load_s": 300, "checkpoint_interval_s": 10_800,
+               "checkpoint_cost_s": 60},
+        assumptions="restart and checkpoint load 45 min; the seed gives no checkpoint"
+        " interval: 42% needs one every 3 h (at Young/Daly's 19 min for a 1-minute checkpoint,"
+        " 72%); a hang or a lost node is found by the 10-minute collective timeout",
+    ),
+    "seed512-rebuild": Reproduction(
+        claim="hot backup + rebuild: 3 min a recovery, 78% utilization",
+        source=_SEED_TABLE, strategy="spares", ranks=512, days=30, preset="seed512",
+        spares=1, ettr=0.78, recovery_s=180.0, model={"reinit_s": 170},
+        assumptions="one spare node; a lost node is rebuilt in 12 h and the job waits for it"
+        " when no spare is left (the waits are most of what is lost); re-forming the group"
+        " 170 s makes the recovery 3 min",
+    ),
+    "seed512-elastic": Reproduction(
+        claim="hot backup + elastic scheduling: 90 s a recovery, 89% utilization",
+        source=_SEED_TABLE, strategy="mixed", ranks=512, days=30, preset="seed512",
+        spares=1, ettr=0.89, recovery_s=90.0, model={"reinit_s": 80},
+        assumptions="one spare node, then the world shrinks by a replica (a node) and grows"
+        " back after the repair; re-forming the group 80 s makes the recovery 90 s. The"
+        " simulation finds more (about 98%): the seed's figure counts losses it does not"
+        " state",
+    ),
+    "llama3-restart": Reproduction(
+        claim="Llama 3: effective training time above 90% with checkpoint-restart",
+        source="Dubey et al., 2024: 419 unexpected interruptions in 54 days on 16,384 GPUs",
+        strategy="restart", ranks=16_384, days=54, preset="llama3", spares=0, ettr=0.90,
+        recovery_s=None, above=True,
+        model={"restart_s": 300, "checkpoint_load_s": 60, "restart_hang_detect_s": 60,
+               "checkpoint_interval_s": 667, "checkpoint_cost_s": 20},
+        assumptions="the paper gives no restart time or checkpoint interval: above 90% needs"
+        " a restart and load within about 6 min, hangs found within a minute (NCCL's flight"
+        " recorder, not its 10-minute timeout) and a 20 s checkpoint at Young/Daly's interval"
+        " for the MTBF of 3.1 h (667 s); with the defaults (10 min + 2 min, hangs found by"
+        " the 10-minute timeout, 30-minute checkpoints), 83%",
+    ),
+}  # fmt: skip
+
+
+def reproduce(
+    name: str, *, seed: int = 0, progress: Callable[[float], None] | None = None
+) -> dict[str, Any]:
+    """Run reproduction ``name``: the published figures, the simulated ones, and whether
+    each is within the tolerance (at or above, for a lower bound)."""
+    case = REPRODUCTIONS[name]
+    model = model_with(Model(), case.model)
+    result = simulate(case.strategy, ranks=case.ranks, days=case.days, spares=case.spares,
+                      rates=PRESETS[case.preset].rates, model=model, seed=seed,
+                      progress=progress)  # fmt: skip
+    spent = [
+        sum(v for k, v in i.phases.items() if k != "waiting")
+        for i in result.incidents
+        if i.kind != "growth"
+    ]
+    simulated = {
+        "ettr": round(result.ettr, 4),
+        "recovery_s": round(sum(spent) / len(spent), 1) if spent else None,
+    }
+    published = {"ettr": case.ettr, "recovery_s": case.recovery_s}
+    within: dict[str, bool] = {}
+    for key, figure in published.items():
+        value = simulated[key]
+        if figure is None or value is None:
+            continue
+        close = abs(value - figure) <= case.tolerance * figure
+        within[key] = value >= figure if case.above and key == "ettr" else close
+    return {
+        "name": name, "claim": case.claim, "source": case.source,
+        "assumptions": case.assumptions, "strategy": case.strategy, "ranks": case.ranks,
+        "days": case.days, "seed": seed, "tolerance": case.tolerance, "above": case.above,
+        "published": published, "simulated": simulated, "within": within,
+        "run": result.summary(),
+    }  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -371,9 +488,20 @@ class _Run:
     """A job on the real decider (see the module docstring)."""
 
     def __init__(
-        self, strategy: Strategy, *, ranks: int, spares: int, days: float, model: Model, seed: int
+        self,
+        strategy: Strategy,
+        *,
+        ranks: int,
+        spares: int,
+        days: float,
+        model: Model,
+        seed: int,
+        every_turn: bool = False,
     ) -> None:
         self.strategy, self.ranks, self.model = strategy, ranks, model
+        #: Take the decider's turn at every repair, as the service does; by default only
+        #: where the decider can decide (see ``repair``).
+        self.every_turn = every_turn
         self.result = _new_result(strategy, ranks, days, seed)
         self.end = days * _DAY
         self.rng = random.Random(seed + 1)
@@ -499,7 +627,7 @@ class _Run:
         self._step_record(self.step, self.at(seconds), view.generation, view.world[0])
         self.stepped = view.generation
         self.training = True
-        self.job.turn(self.at(seconds))
+        self.job.turn(self.at(seconds))  # the job is running again (a decision)
 
     def fail(self, failure: Failure) -> None:
         """``failure`` at its time: record what the control plane would hear, take the
@@ -570,8 +698,13 @@ class _Run:
         self.record_step(seconds, backup=False)
         rack = f"r{node // RACK_NODES}"
         self.job.join([(m, f"n{node}", rack, "spare") for m in members], self.at(seconds))
-        self.job.turn(self.at(seconds))
-        self._recover(seconds, self.waiting)
+        # Spares joining change a decision only for a job that waits for them (a smaller
+        # world grows at a backup, ``backup_turn``): the turn, which costs a liveness table
+        # of every member, is taken then, or when asked (a test checks that the decisions
+        # are the same either way).
+        if self.every_turn or self.waiting is not None:
+            self.job.turn(self.at(seconds))
+            self._recover(seconds, self.waiting)
         if self.strategy != "spares" and len(self.log.v.world) < self.ranks:
             # Growth waits for a backup newer than the spares' joining.
             self.growth_due = self.step_at + (self.model.backup_interval + 1) * self.model.step_s
@@ -588,6 +721,12 @@ class _Run:
         then its first step, whose turn resolves the incident); without one, a fault's job
         waits for a spare."""
         view = self.log.v
+        waiting = self.waiting
+        if fault is not None and waiting is not None and fault is not waiting:
+            # Down already, waiting for spares: a failure now is part of the same stop (its
+            # detection and decision overlap the wait, counted once).
+            waiting.members += fault.members
+            fault = waiting
         if view.generation <= self.stepped:
             if fault is not None and fault.waiting_since is None:
                 fault.waiting_since = seconds
@@ -642,13 +781,15 @@ def simulate_decider(
     seed: int = 0,
     progress: Callable[[float], None] | None = None,
     keep: bool = True,
+    every_turn: bool = False,
 ) -> tuple[Result, SimLog]:
     """A run of a hot-backup strategy on the real decider (see the module docstring); the
     result and the log it made (what the control plane would have recorded; with ``keep``
     false, only what was made since the last failure, repair or growth: a long run's log
     does not fit in memory)."""
     began = time.perf_counter()
-    run = _Run(strategy, ranks=ranks, spares=spares, days=days, model=model, seed=seed)
+    run = _Run(strategy, ranks=ranks, spares=spares, days=days, model=model, seed=seed,
+               every_turn=every_turn)  # fmt: skip
     run.start()
     queue = list(failures)
     i = 0
@@ -718,6 +859,217 @@ def simulate(
     return result
 
 
+def cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+#: A worker's view of the runs' progress (shared memory, one fraction a run).
+_SHARED: Any = None
+
+
+def _share(shared: Any) -> None:
+    global _SHARED  # noqa: PLW0603  (a worker process's one handle, set as it starts)
+    _SHARED = shared
+
+
+def _one(index: int, kwargs: dict[str, Any]) -> Result:
+    def mark(fraction: float) -> None:
+        _SHARED[index] = fraction
+
+    return simulate(**kwargs, progress=mark)
+
+
+def run_all(
+    runs: Sequence[Mapping[str, Any]],
+    *,
+    workers: int = 1,
+    progress: Callable[[int, float], None] | None = None,
+) -> list[Result]:
+    """Each of ``runs`` (``simulate``'s keyword arguments), the results in order. The runs
+    are independent (each its own log, fold and decider), so with ``workers`` above one they
+    run side by side in that many processes; ``progress(i, fraction)`` says how far run
+    ``i`` is."""
+    if workers <= 1 or len(runs) <= 1:
+        return [
+            simulate(**run, progress=None if progress is None else functools.partial(progress, i))
+            for i, run in enumerate(runs)
+        ]
+    context = multiprocessing.get_context("spawn")  # no fork of a process with threads
+    shared = context.Array("d", len(runs), lock=False)
+    with ProcessPoolExecutor(min(workers, len(runs)), mp_context=context,
+                             initializer=_share, initargs=(shared,)) as pool:  # fmt: skip
+        futures = [pool.submit(_one, i, dict(run)) for i, run in enumerate(runs)]
+        pending = set(futures)
+        while pending:
+            _, pending = wait(pending, timeout=0.25, return_when=FIRST_COMPLETED)
+            if progress is not None:
+                for i, future in enumerate(futures):
+                    progress(i, 1.0 if future.done() else shared[i])
+        return [future.result() for future in futures]
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What ``elasticctl simulate`` (and the API's planning page) runs: ``strategies`` side
+    by side on the same failures, once, or once per value of ``field`` (a model field,
+    ``ranks`` or ``spares``). Made by ``plan``, which checks every value."""
+
+    ranks: int
+    days: float
+    strategies: tuple[Strategy, ...]
+    preset: str
+    spares: int
+    seed: int
+    model: Model
+    failures: tuple[Failure, ...] | None = None
+    #: Where ``failures`` come from (a trace file), None for the preset.
+    source: str | None = None
+    field: str | None = None
+    values: tuple[float, ...] = ()
+
+    def runs(self) -> list[tuple[str, dict[str, Any], dict[str, float] | None]]:
+        """Each run: its label, ``simulate``'s keyword arguments, the swept value."""
+        out: list[tuple[str, dict[str, Any], dict[str, float] | None]] = []
+        rates = PRESETS[self.preset].rates
+        failures = list(self.failures) if self.failures is not None else None
+        for value in self.values or (None,):
+            sized = {"ranks": self.ranks, "spares": self.spares}
+            model = self.model
+            swept = None
+            if self.field is not None and value is not None:
+                swept = {self.field: value}
+                if self.field in sized:
+                    sized[self.field] = int(value)
+                else:
+                    model = model_with(model, swept)
+            for strategy in self.strategies:
+                label = f"{strategy} {self.field}={value:g}" if swept else strategy
+                kwargs = {"strategy": strategy, **sized, "days": self.days, "failures": failures,
+                          "rates": rates, "model": model, "seed": self.seed}  # fmt: skip
+                out.append((label, kwargs, swept))
+        return out
+
+    def outcome(self, results: Sequence[Result]) -> dict[str, Any]:
+        """The JSON of ``elasticctl simulate``: the runs, the failure rate and Young/Daly's
+        intervals at the plan's size, the best run of a sweep."""
+        runs: list[dict[str, Any]] = []
+        for result, (_, _, swept) in zip(results, self.runs(), strict=True):
+            summary = result.summary()
+            if swept:
+                summary["sweep"] = swept
+            runs.append(summary)
+        nodes = math.ceil(self.ranks / NODE_RANKS)
+        per_day = PRESETS[self.preset].rates.per_day(
+            nodes + self.spares, math.ceil(nodes / RACK_NODES)
+        )
+        out: dict[str, Any] = {
+            "ranks": self.ranks, "days": self.days, "preset": self.preset, "seed": self.seed,
+            "failures_source": self.source or PRESETS[self.preset].source,
+            "failures_per_day": round(per_day, 3),
+            "model": asdict(self.model), "runs": runs,
+        }  # fmt: skip
+        if out["failures_per_day"] > 0:
+            mtbf = _DAY / out["failures_per_day"]
+            model = self.model
+            out["young_daly"] = {
+                "mtbf_s": round(mtbf, 1),
+                "checkpoint_interval_s": round(young_daly(model.checkpoint_cost_s, mtbf), 1),
+                "backup_interval_steps": round(
+                    young_daly(model.backup_cost_s, mtbf) / model.step_s, 1
+                ),
+            }
+        if self.field is not None and runs:
+            best = max(runs, key=lambda r: r["ettr"])
+            out["best"] = {"strategy": best["strategy"], **best["sweep"], "ettr": best["ettr"]}
+        return out
+
+
+#: Sizes a sweep may set besides the model's fields.
+SIZES: Final = ("ranks", "spares")
+
+
+def plan(
+    *,
+    ranks: int,
+    days: float,
+    strategies: str,
+    preset: str = "llama3",
+    spares: int = 2,
+    seed: int = 0,
+    model: Mapping[str, object] | None = None,
+    sweep: str | None = None,
+    failures: Sequence[Failure] | None = None,
+    source: str | None = None,
+) -> Plan:
+    """A checked ``Plan`` (``strategies``: comma-separated; ``sweep``: ``FIELD=V1,V2,...``);
+    ``ValueError`` saying what is wrong."""
+    chosen = tuple(s.strip() for s in strategies.split(",") if s.strip())
+    if not chosen or any(s not in STRATEGIES for s in chosen):
+        raise ValueError(f"--strategy: one or more of {', '.join(STRATEGIES)}")
+    if preset not in PRESETS:
+        raise ValueError(f"--preset: one of {', '.join(PRESETS)}")
+    if _whole_nodes(ranks) is None or spares < 0 or not 0 < days <= 3_650:
+        raise ValueError(
+            f"ranks a multiple of {NODE_RANKS} from {NODE_RANKS} to {MAX_WORLD:,} (whole nodes:"
+            f" a replica is a node), spares 0 or more, days up to 3,650"
+        )
+    base = model_with(Model(), model or {})
+    field: str | None = None
+    values: tuple[float, ...] = ()
+    if sweep:
+        name, _, listed = sweep.partition("=")
+        given = [v.strip() for v in listed.split(",") if v.strip()]
+        if not name or not given:
+            raise ValueError("--sweep FIELD=V1,V2,...")
+        numbers = []
+        for value in given:
+            if name in SIZES:
+                numbers.append(float(_size(name, value)))
+            else:
+                swept = model_with(base, {name: value})
+                numbers.append(float(getattr(swept, name)))
+        field, values = name, tuple(numbers)
+    return Plan(ranks, days, chosen, preset, spares, seed, base,  # type: ignore[arg-type]
+                None if failures is None else tuple(failures), source, field, values)  # fmt: skip
+
+
+def _whole_nodes(ranks: int) -> int | None:
+    """``ranks`` when they fill whole nodes (``NODE_RANKS`` each, up to ``MAX_WORLD``)."""
+    return ranks if NODE_RANKS <= ranks <= MAX_WORLD and ranks % NODE_RANKS == 0 else None
+
+
+def _size(field: str, value: str) -> int:
+    """A swept ``ranks`` (whole nodes, up to ``MAX_WORLD``) or ``spares`` (0 or more) value."""
+    try:
+        number = int(value)
+    except ValueError:
+        raise ValueError(f"{field}={value!r}: not a whole number") from None
+    if field == "ranks" and _whole_nodes(number) is None:
+        raise ValueError(
+            f"{field}={value!r}: must be a multiple of {NODE_RANKS} from {NODE_RANKS} to"
+            f" {MAX_WORLD:,}"
+        )
+    if field == "spares" and not 0 <= number <= MAX_WORLD:
+        raise ValueError(f"{field}={value!r}: must be 0 to {MAX_WORLD:,}")
+    return number
+
+
+def run_plan(
+    planned: Plan,
+    *,
+    workers: int = 1,
+    progress: Callable[[int, float], None] | None = None,
+) -> dict[str, Any]:
+    """Run ``planned`` (in up to ``workers`` processes: the runs on the decider take the
+    time, checkpoint-restart is arithmetic) and return its outcome."""
+    runs = planned.runs()
+    heavy = sum(1 for _, kwargs, _ in runs if kwargs["strategy"] != "restart")
+    results = run_all([kwargs for _, kwargs, _ in runs], workers=max(1, min(workers, heavy)),
+                      progress=progress)  # fmt: skip
+    return planned.outcome(results)
+
+
 def _close(result: Result) -> None:
     """The rest of the wall time is idle (the terms never overlap: a negative rest is a
     bug)."""
@@ -738,6 +1090,7 @@ def as_json(results: Iterable[Result]) -> list[dict[str, Any]]:
 
 
 __all__ = [
-    "KINDS", "PRESETS", "STRATEGIES", "TERMS", "Failure", "Model", "Rates", "Result", "asdict",
-    "draw", "model_with", "read_trace", "simulate", "young_daly",
+    "KINDS", "PRESETS", "REPRODUCTIONS", "SIZES", "STRATEGIES", "TERMS", "Failure", "Model",
+    "Plan", "Rates", "Reproduction", "Result", "asdict", "cores", "draw", "model_with", "plan",
+    "read_trace", "reproduce", "run_all", "run_plan", "simulate", "young_daly",
 ]  # fmt: skip

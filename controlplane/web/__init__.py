@@ -1,4 +1,5 @@
-"""The page for people: a job's state-machine history, its incidents' timelines, its loss curve.
+"""The page for people: a job's state-machine history, its incidents' timelines, its loss curve;
+and the plan view of the simulator.
 
 Plain HTML, vanilla JavaScript and inline SVG, shipped as package data (``static/``): no CDN,
 no build step, so it works offline. The HTML and scripts hold no data; the browser reads the
@@ -7,6 +8,7 @@ when the API asks for one. Include ``router`` in the API app:
 
 - ``GET /`` redirects to ``/ui/``, the list of jobs;
 - ``GET /ui/jobs/{job}`` is a job's page;
+- ``GET /ui/plan`` is the plan view (``elasticctl simulate`` at a request's size);
 - ``GET /ui/static/{name}`` serves the page's scripts and style.
 """
 
@@ -81,6 +83,12 @@ def job_page(job: str) -> HTMLResponse:
     """
     del job
     return _page("job.html")
+
+
+@router.get("/ui/plan", response_class=HTMLResponse)
+def plan_page() -> HTMLResponse:
+    """The plan view: ``GET /api/v1/simulate`` as a form, ETTR against a swept value."""
+    return _page("plan.html")
 
 
 @router.get("/ui/static/{name}")

@@ -268,6 +268,23 @@ def check_counterfactual(exported: Path, job: str, hang: dict) -> None:  # type:
     assert any("fencing exit" in note for note in out["notes"]), out["notes"]
 
 
+def completed_demo(tmp_path: Path, *args: str) -> tuple[dict, str, Family]:  # type: ignore[type-arg]
+    """Run ``elasticctl demo *args`` (with ``--json``) to its end, exit status 0: its summary,
+    its progress lines, and the processes it ran."""
+    proc, stderr = demo(tmp_path, *args)
+    family = Family(proc.pid)
+    with reaped(proc):
+        proc.wait(timeout=400)
+    family.close()
+    log = stderr.read_text()
+    print(log)
+    assert proc.returncode == 0, log[-3000:]
+    [line] = (tmp_path / "demo.out").read_text().splitlines()  # one JSON object, no more
+    summary = json.loads(line)
+    print(json.dumps(summary, indent=1))
+    return summary, log, family
+
+
 @pytest.mark.timeout(420)
 def test_demo_recovers_every_fault_and_ends_at_the_reference_loss(tmp_path, state):
     started = time.monotonic()
@@ -387,19 +404,10 @@ def test_a_signal_at_any_point_stops_everything(tmp_path, state, sig, when):
 def test_a_nan_rolls_the_same_world_back_and_ends_at_a_reference_skipping_its_batch(
     tmp_path, state
 ):
-    proc, stderr = demo(tmp_path, "--json", "--state-dir", str(state), "--steps", "40",
-                        "--backup-interval", "10", "--crash-at", "0", "--hang-at", "0",
-                        "--nan-at", "25", "--nan-rank", "1")  # fmt: skip
-    family = Family(proc.pid)
-    with reaped(proc):
-        proc.wait(timeout=400)
-    family.close()
-    log = stderr.read_text()
-    print(log)
-    assert proc.returncode == 0, log[-3000:]
-    [line] = (tmp_path / "demo.out").read_text().splitlines()
-    summary = json.loads(line)
-    print(json.dumps(summary, indent=1))
+    summary, log, family = completed_demo(
+        tmp_path, "--json", "--state-dir", str(state), "--steps", "40", "--backup-interval",
+        "10", "--crash-at", "0", "--hang-at", "0", "--nan-at", "25", "--nan-rank", "1",
+    )  # fmt: skip
 
     assert summary["faults_injected"] == ["nan@25:rank=1"]
     assert summary["recovered"] is True
@@ -421,5 +429,28 @@ def test_a_nan_rolls_the_same_world_back_and_ends_at_a_reference_skipping_its_ba
     assert final is not None and reference is not None
     assert abs(final - reference) <= 1e-3 * abs(reference), (final, reference)
     assert summary["loss_ok"] is True
+    assert leftovers(family, state) == []
+    assert not state.exists()
+
+
+@pytest.mark.timeout(420)
+def test_the_demo_on_a_nats_cluster_goes_on_with_the_events_leader_killed(tmp_path, state):
+    """``--nats-cluster 3 --nats-kill-at``: three nats-servers, the streams at R3; the node
+    leading the events stream killed mid-run, the faults around it: both recovered, the run
+    completed on the other two nodes, and nothing left behind."""
+    summary, log, family = completed_demo(
+        tmp_path, "--json", "--state-dir", str(state), "--no-reference", "--nats-cluster", "3",
+        "--nats-kill-at", "20", *SHORT,
+    )  # fmt: skip
+    assert summary["recovered"] is True
+    assert summary["job_state"] == "COMPLETED" and summary["completed_step"] == 40
+    nats = summary["nats"]
+    assert nats["nodes"] == 3 and nats["killed"]["led"] == "ELASTIC_EVENTS"
+    assert 20 <= nats["killed"]["after_step"] < 40  # (the demo polls the log: a few steps late)
+    assert "a JetStream cluster of 3, streams at R3" in log
+    assert f"killed NATS node {nats['killed']['node']}" in log
+    crash, hang = summary["incidents"]
+    assert crash["outcome"] == hang["outcome"] == "recovered", summary["incidents"]
+    assert sum("nats-server" in name for name in family.names()) >= 3
     assert leftovers(family, state) == []
     assert not state.exists()

@@ -63,7 +63,8 @@ def invalid_messages(job_id: str, count: int, rng: random.Random) -> list[tuple[
 
 
 async def publish(url: str, messages: list[Outgoing], **kw: Any) -> None:
-    nc = await nats.connect(url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+    servers = url.split(",")  # a cluster's nodes, as ELASTIC_NATS_URL lists them
+    nc = await nats.connect(servers=servers, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
     try:
         await publish_all(nc.jetstream(), messages, **kw)
     finally:
@@ -107,3 +108,22 @@ async def running_controlplane(
     finally:
         stop.set()
         await asyncio.wait_for(task, 30)
+
+
+def assert_sequences_whole(store: Any, job_id: str) -> None:
+    """Every member's events of ``job_id`` are in the log once each, with no seq missing
+    from 1 to its last (a backup's reports unpacked from the catalogs the store packed them
+    into): nothing a member sent was lost or stored twice."""
+    from controlplane.core.catalog import unpacked
+
+    log = store.read(job_id=job_id)
+    ids = [stored.event.event_id for stored in log]
+    assert len(ids) == len(set(ids)), "an event was stored twice"
+    seqs: dict[tuple[str, str], list[int]] = {}
+    for stored in unpacked(log):
+        event = stored.event
+        if event.source != "controlplane":
+            seqs.setdefault((event.source, event.incarnation), []).append(event.seq)
+    for (source, incarnation), got in seqs.items():
+        missing = sorted(set(range(1, max(got) + 1)) - set(got))
+        assert not missing and len(got) == len(set(got)), (source, incarnation, missing)

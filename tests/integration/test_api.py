@@ -717,6 +717,7 @@ def _schemathesis_test():
     on this pytest, so the schema is the app's, and the calls go to the served one)."""
     import schemathesis
     from hypothesis import HealthCheck, Phase, settings
+    from schemathesis.specs.openapi.checks import positive_data_acceptance
 
     spec = create_app(Settings(api_tokens=None)).openapi()
     schema = schemathesis.openapi.from_dict(spec)
@@ -730,8 +731,13 @@ def _schemathesis_test():
         database=None,
     )
     def test_no_request_makes_a_server_error(case, served):
-        """Valid and invalid requests get documented answers, never a 5xx."""
-        case.call_and_validate(base_url=served)
+        """Valid and invalid requests get documented answers, never a 5xx. The simulator's
+        route refuses a schema-valid run larger than a request may take (422, documented:
+        a budget of ranks times expected failures, not a bound a schema can state)."""
+        bounded = case.path.endswith("/simulate")
+        case.call_and_validate(
+            base_url=served, excluded_checks=[positive_data_acceptance] if bounded else None
+        )
 
     return test_no_request_makes_a_server_error
 

@@ -10,7 +10,9 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from typing import Any
 
+import nats.errors
 import pytest
 import sqlalchemy as sa
 
@@ -263,5 +265,41 @@ async def test_a_failure_report_is_handed_over_without_the_linger(settings, monk
             assert time.monotonic() - started < 1.0, kind
             assert [d.subject for d in got] == [heartbeat.subject, f"{base}.{kind}"]
             assert await consumer.ack_through(got[-1], consumer.epoch)
+    finally:
+        await nc.close()
+
+
+async def test_a_consumer_recreation_cut_short_resumes_from_its_floor(settings):
+    """Re-creating the ingest's consumer deletes it and adds it at its ack floor; a server
+    that stops answering in between (a clustered stream electing its leader) leaves none.
+    The next attempt starts after the floor the first one read, not at the stream's start
+    (a week of events read again)."""
+    base = "elastic.evt.job-floor.n0.m0"
+    nc = await bus.connect(settings)
+    try:
+        await bus.ensure_stream(nc.jetstream(), settings)
+        await publish(settings.nats_url, [Outgoing(f"{base}.member.heartbeat", b"{}")] * 10)
+        consumer = bus.EventConsumer(nc, settings)
+        got = await consumer.fetch(6, 5.0)
+        assert len(got) == 6 and await consumer.ack_through(got[-1], consumer.epoch)
+        floor = bus.delivery(got[-1].reply)[0]
+        await nc.flush()
+        real_add = consumer._js.add_consumer
+        calls = 0
+
+        async def add_once_unanswered(*args: Any, **kwargs: Any) -> Any:
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                raise nats.errors.TimeoutError
+            return await real_add(*args, **kwargs)
+
+        consumer._js.add_consumer = add_once_unanswered  # type: ignore[method-assign]
+        with pytest.raises(nats.errors.TimeoutError):
+            await consumer._restart_consumer("a test")
+        assert await consumer._consumer_info() is None  # deleted, not added again
+        await consumer._restart_consumer("a test")
+        info = await consumer._consumer_info()
+        assert info is not None and info.config.opt_start_seq == floor + 1
     finally:
         await nc.close()

@@ -376,3 +376,18 @@ def test_refusals_are_reported_at_most_ten_a_minute_and_the_rest_counted():
     data = _stop("job-flood").model_dump_json().encode()
     asyncio.run(client._on_command(SimpleNamespace(subject=subject, data=data, headers=None)))  # type: ignore[arg-type]
     assert json.loads(client._buffer[-1][2])["payload"]["suppressed"] == 15
+
+
+def test_the_same_forged_command_read_twice_is_one_refusal():
+    """A command is read through its subscription and again as the one in force at a
+    (re)connection: a forged one seen both ways is refused and reported once."""
+    client = EventClient(
+        identity("job-twice", "nats://127.0.0.1:1"), command_key=command_public_key(MASTER).hex()
+    )
+    subject = "elastic.cmd.job-twice.all"
+    data = _stop("job-twice").model_dump_json().encode()
+    for _ in range(2):
+        client._take_command(subject, data, None)
+    assert client.stats.refused == 1 and client.stats.published == 1
+    client._take_command(subject, _stop("job-twice").model_dump_json().encode(), None)
+    assert client.stats.refused == 2

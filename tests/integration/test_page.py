@@ -210,7 +210,7 @@ async def test_the_router_serves_the_pages_and_their_files() -> None:
         assert root.status_code == 307 and root.headers["location"] == "ui/"
         ui = await client.get("/ui")
         assert ui.status_code == 307 and ui.headers["location"] == "ui/"
-        for path in ("/ui/", "/ui/jobs/job-recorded"):
+        for path in ("/ui/", "/ui/jobs/job-recorded", "/ui/plan"):
             page = await client.get(path)
             assert page.status_code == 200, path
             assert page.headers["content-type"].startswith("text/html")
@@ -230,7 +230,7 @@ def test_the_page_works_offline() -> None:
         text = body.decode()
         urls = set(re.findall(r"https?://[^\s\"')]+", text)) - {"http://www.w3.org/2000/svg"}
         assert not urls, f"{name} refers to {urls}"
-    for page in ("job.html", "jobs.html"):
+    for page in ("job.html", "jobs.html", "plan.html"):
         for ref in re.findall(r'(?:src|href)="([^"#]+)"', STATIC_FILES[page].decode()):
             if "static/" in ref:
                 assert ref.rsplit("/", 1)[-1] in STATIC_FILES, f"{page} names missing {ref}"
@@ -515,3 +515,33 @@ def test_the_page_asks_for_a_token_and_uses_it(
             assert browser.js("sessionStorage.getItem('elastic.apiToken')") is None
         finally:
             browser.close()
+
+
+@pytest.mark.timeout(600)
+def test_the_plan_view_draws_a_sweep_from_the_simulator(chromium: str, tmp_path: Path) -> None:
+    """The plan view runs ``GET /api/v1/simulate`` with the address's query (what the form
+    puts there) and draws ETTR against the swept value, a line a strategy, with the runs
+    in a table: the figures the simulator gives."""
+    from controlplane.api.app import create_app
+    from controlplane.postmortem import simulate as sim
+    from controlplane.store.memory import InMemoryEventStore
+
+    app = create_app(Settings(api_refresh_s=0, api_tokens=None), InMemoryEventStore())
+    query = "ranks=64&days=1&preset=seed512&spares=1&seed=0&strategy=mixed,restart&sweep=spares=0,1"
+    with serve(app) as url:
+        dom = parse(browse(chromium, f"{url}/ui/plan?{query}", tmp_path, budget_ms=60_000))
+    assert dom.one("body").attrs.get("data-state") == "ready", dom.by_id("status").all_text
+    chart = dom.by_id("plan-chart")
+    assert {line.attrs["data-strategy"] for line in chart.find_all("polyline", "plan-line")} == {
+        "mixed", "restart"}  # fmt: skip
+    planned = sim.plan(ranks=64, days=1, preset="seed512", spares=1, seed=0,
+                       strategies="mixed,restart", sweep="spares=0,1")  # fmt: skip
+    expected = sim.run_plan(planned)["runs"]
+    rows = dom.by_id("runs").find_all("tr", None)
+    shown = [
+        [td.all_text for td in row.find_all("td")] for row in rows if "data-strategy" in row.attrs
+    ]
+    assert [(r[0], r[1], r[2]) for r in shown] == [
+        (run["strategy"], f"spares={run['sweep']['spares']:g}", f"{run['ettr']:.4f}")
+        for run in expected
+    ]

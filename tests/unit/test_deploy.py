@@ -54,6 +54,8 @@ from schemas.subjects import (
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
 NATS_CONF = ROOT / "deploy" / "nats" / "nats.conf"
+NATS_CLUSTER_CONF = ROOT / "deploy" / "nats" / "nats-cluster.conf"
+CLUSTER_COMPOSE = ROOT / "docker-compose.nats-cluster.yml"
 K8S = ROOT / "deploy" / "k8s"
 IMAGE = "elastic-controlplane"
 TRAINER_SH = "/app/deploy/trainer.sh"
@@ -245,6 +247,68 @@ def test_docker_compose_config_accepts_the_file() -> None:
         timeout=60,
     )
     assert done.returncode == 0, done.stderr
+
+
+def merged(base: dict[str, Any], over: dict[str, Any], key: str = "") -> dict[str, Any]:
+    """``over`` applied to ``base`` as Compose merges files: mappings key by key, a service's
+    ``volumes`` by their target, any other value replaced."""
+    out = dict(base)
+    for name, value in over.items():
+        old = out.get(name)
+        if isinstance(old, dict) and isinstance(value, dict):
+            out[name] = merged(old, value, name)
+        elif name == "volumes" and isinstance(old, list) and isinstance(value, list):
+            targets = {str(v).split(":")[1]: v for v in old}
+            targets.update({str(v).split(":")[1]: v for v in value})
+            out[name] = list(targets.values())
+        else:
+            out[name] = value
+    return out
+
+
+def test_the_nats_cluster_overlay_runs_three_nodes_every_client_reaches() -> None:
+    """docker-compose.nats-cluster.yml over docker-compose.yml: three NATS nodes on the
+    cluster configuration, each with the users and a store of its own, routes naming every
+    node; the control planes keep the streams on all three and every client names all three."""
+    overlay = yaml.safe_load(CLUSTER_COMPOSE.read_text())
+    schema = json.loads((ROOT / "tests" / "data" / "compose-spec.json").read_text())
+    errors = list(jsonschema.Draft7Validator(schema).iter_errors(overlay))
+    assert not errors, [e.message for e in errors]
+    stack = merged(compose(), overlay)
+    services = stack["services"]
+    nodes = sorted(
+        n for n, svc in services.items() if "/etc/nats/nats-cluster.conf" in svc.get("command", [])
+    )
+    assert nodes == ["nats", "nats-2", "nats-3"]
+    names = {service_env(services[n])["NATS_SERVER_NAME"] for n in nodes}
+    assert len(names) == len(nodes), "two nodes share a server name"
+    stores = set()
+    for name in nodes:
+        volumes = {str(v).split(":")[1]: str(v).split(":")[0] for v in services[name]["volumes"]}
+        assert volumes["/etc/nats/nats.conf"] == "./deploy/nats/nats.conf"
+        assert volumes["/etc/nats/nats-cluster.conf"] == "./deploy/nats/nats-cluster.conf"
+        assert volumes["/etc/nats/auth"] == "nats-creds"
+        stores.add(volumes["/data"])
+        assert services[name].get("healthcheck", {}).get("test"), f"{name} has no health check"
+    assert len(stores) == len(nodes) and stores <= set(stack["volumes"])
+    conf = NATS_CLUSTER_CONF.read_text()
+    assert re.search(r'^include "nats.conf"', conf, re.M)
+    assert set(re.findall(r"nats-route://([\w-]+):6222", conf)) == set(nodes)
+    for client in ("controlplane", "controlplane-standby", "trainer"):
+        env = service_env(services[client])
+        assert env["ELASTIC_NATS_URL"] == ",".join(f"nats://{n}:4222" for n in nodes), client
+    for client in ("controlplane", "controlplane-standby"):
+        assert service_env(services[client])["ELASTIC_STREAM_REPLICAS"] == str(len(nodes))
+        needs = services[client]["depends_on"]
+        assert all(needs[n]["condition"] == "service_healthy" for n in nodes), client
+    binary = _compose_binary()
+    if binary is not None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("ELASTIC_", "NATS_"))}
+        done = subprocess.run(
+            [*binary, "-f", str(COMPOSE), "-f", str(CLUSTER_COMPOSE), "config", "--quiet"],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
 
 
 def test_start_up_order_and_health_checks() -> None:
@@ -696,6 +760,110 @@ def nats_with_roles(tmp_path: Path) -> Iterator[tuple[str, Path]]:
             proc.kill()
             proc.wait()
         log.close()
+
+
+def _start_nats(config: Path, env: dict[str, str], port: int) -> subprocess.Popen[bytes]:
+    """``nats-server -c config``, once it listens on ``port``."""
+    from controlplane.devstack import nats_server_binary
+
+    log = config.with_suffix(".log")
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [nats_server_binary(), "-c", str(config)], stdout=out, stderr=subprocess.STDOUT,
+            env={**os.environ, **env}, start_new_session=True,
+        )  # fmt: skip
+    deadline = time.monotonic() + 15
+    while True:
+        assert proc.poll() is None, log.read_text()
+        with contextlib.suppress(OSError):
+            import socket
+
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return proc
+        assert time.monotonic() < deadline, "nats-server did not start"
+        time.sleep(0.05)
+
+
+@pytest.mark.services
+@pytest.mark.timeout(90)
+async def test_the_nats_cluster_config_keeps_the_streams_on_three_nodes(tmp_path: Path) -> None:
+    """Three real nats-servers, each deploy/nats/nats-cluster.conf over deploy/nats/nats.conf
+    (ports, stores and the routes' hosts moved to this machine) with the issued users: the
+    control plane's identity creates the streams at R3, and with the events stream's leader
+    killed another node leads it."""
+    import urllib.request
+
+    import nats.errors
+
+    from controlplane import bus, creds
+    from controlplane.devstack import free_port
+
+    hosts = ("nats", "nats-2", "nats-3")
+    routes = {host: free_port() for host in hosts}
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    urls, monitors = [], {}
+    try:
+        for i, host in enumerate(hosts):
+            directory = tmp_path / host
+            issued_users(directory / "auth")
+            port, monitors[host] = free_port(), free_port()
+            conf = NATS_CONF.read_text()
+            conf = re.sub(r"(?m)^listen: .*$", f"listen: 127.0.0.1:{port}", conf)
+            conf = re.sub(r"(?m)^http: .*$", f"http: 127.0.0.1:{monitors[host]}", conf)
+            conf = conf.replace("store_dir: /data/jetstream", f"store_dir: {directory / 'js'}")
+            (directory / "nats.conf").write_text(conf)
+            cluster = NATS_CLUSTER_CONF.read_text()
+            cluster = cluster.replace("listen: 0.0.0.0:6222", f"listen: 127.0.0.1:{routes[host]}")
+            for other, route in routes.items():
+                cluster = cluster.replace(
+                    f"nats-route://{other}:6222", f"nats-route://127.0.0.1:{route}"
+                )
+            (directory / "nats-cluster.conf").write_text(cluster)
+            procs[host] = _start_nats(
+                directory / "nats-cluster.conf", {"NATS_SERVER_NAME": f"nats-{i + 1}"}, port
+            )
+            urls.append(f"nats://127.0.0.1:{port}")
+        settings = Settings(
+            nats_url=",".join(urls), stream_replicas=3,
+            nats_creds=str(tmp_path / "nats" / "auth" / creds.CONTROLPLANE_FILE),
+        )  # fmt: skip
+        nc = await bus.connect(settings)
+        try:
+            js = nc.jetstream()
+            deadline = time.monotonic() + 30
+            while True:  # the cluster elects its meta leader first (until then: no answer)
+                try:
+                    await bus.ensure_stream(js, settings)
+                    await bus.ensure_command_stream(js, settings)
+                    break
+                except nats.errors.Error:
+                    assert time.monotonic() < deadline, "the cluster never took the streams"
+                    await asyncio.sleep(0.2)
+            for stream in (settings.stream, settings.command_stream):
+                info = await js.stream_info(stream)
+                assert info.config.num_replicas == 3 and info.cluster is not None
+                assert len(info.cluster.replicas or []) == 2
+            leader = (await js.stream_info(settings.stream)).cluster.leader  # type: ignore[union-attr]
+            varz = await asyncio.to_thread(
+                urllib.request.urlopen, f"http://127.0.0.1:{monitors['nats']}/varz"
+            )
+            with varz:
+                assert json.load(varz)["cluster"]["name"] == "elastic"
+            procs[hosts[int(str(leader).rsplit("-", 1)[1]) - 1]].kill()
+            deadline = time.monotonic() + 30
+            while True:
+                with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
+                    info = await js.stream_info(settings.stream)
+                    if info.cluster is not None and info.cluster.leader not in (None, leader):
+                        break
+                assert time.monotonic() < deadline, f"no new leader after {leader} was killed"
+                await asyncio.sleep(0.2)
+        finally:
+            await nc.close()
+    finally:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait()
 
 
 @pytest.mark.services

@@ -538,10 +538,13 @@ class _Store:
         return None
 
 
-async def _turn(queued: list[str], *, hear: bool) -> list[tuple[str, list[str]]]:
+async def _turn(
+    queued: list[str], *, hear: bool, stream: list[bool] | None = None
+) -> list[tuple[str, list[str]]]:
     """A running job of four, all heard at t=1; the decider's turn at t=3 (timeout 1 s)
     while the heartbeats of ``queued``, sent meanwhile, still wait unread in NATS (the
-    control plane's loop was busy). What it recorded: (fault reason, members) of each
+    control plane's loop was busy). With ``stream``, whether the event stream answers, turn
+    after turn (a turn each). What it recorded: (fault reason, members) of each
     ``fault.detected``."""
     from controlplane.core.fold import fold_jobs
     from controlplane.decider import Decider
@@ -565,8 +568,15 @@ async def _turn(queued: list[str], *, hear: bool) -> list[tuple[str, list[str]]]
         views=lambda: views, apply=apply, refresh=None, appender=store, publisher=None,
         context=s.context, clock=lambda: s.now, liveness=s.table,
         hear=catch_up if hear else None,
+        events_current=None if stream is None else lambda: answers[0],
     )  # fmt: skip
+    answers = list(stream or [True])
     await decider.turn()
+    for _ in answers[1:]:
+        answers.pop(0)
+        assert decider.next_wake is not None and decider.next_wake <= s.now + timedelta(seconds=1)
+        await decider.turn()
+    assert decider.stats.postponed == sum(1 for a in (stream or []) if not a)
     found = [
         (e.event.payload.reason.value, e.event.payload.members)
         for e in store.store.read(job_id=s.job_id, types=["fault.detected"])
@@ -583,6 +593,16 @@ async def test_a_silence_the_control_plane_caused_fails_no_one():
     assert await _turn(everyone, hear=False) == [("heartbeat_timeout", everyone)]
     assert await _turn(everyone, hear=True) == []
     assert await _turn(["w00", "w01", "w11"], hear=True) == [("heartbeat_timeout", ["w10"])]
+
+
+async def test_a_silence_waits_while_the_event_stream_does_not_answer():
+    """While the event stream does not answer (its leader failing over), a silent member's
+    last events (its exit, its completion) may be in it: the silence is judged on a later
+    turn, once the stream answers again (the decider wakes soon to look)."""
+    silent = [("heartbeat_timeout", ["w10"])]
+    assert await _turn(["w00", "w01", "w11"], hear=True, stream=[False]) == []
+    assert await _turn(["w00", "w01", "w11"], hear=True, stream=[False, False, True]) == silent
+    assert await _turn(["w00", "w01", "w11"], hear=True, stream=[True]) == silent
 
 
 def test_milliseconds_of_a_time_are_exact_and_round_down():

@@ -119,6 +119,28 @@ const Elastic = (() => {
     return out;
   }
 
+  /**
+   * A chart's axes: the x axis along the bottom with ticks at `xTicks`, the y axis on the left
+   * with a grid line at each of `yTicks`, `xLabel` at the bottom right. `box` is
+   * {width, height, left, right, top, bottom}; `x`, `y` map values to the chart's coordinates.
+   */
+  function axes(box, x, y, xTicks, yTicks, xLabel) {
+    const { width, height, left, right, top, bottom } = box;
+    const group = svg("g", { class: "axis" },
+      svg("line", { x1: left, x2: width - right, y1: height - bottom, y2: height - bottom }),
+      svg("line", { x1: left, x2: left, y1: top, y2: height - bottom }));
+    for (const v of xTicks) {
+      group.append(svg("line", { x1: x(v), x2: x(v), y1: height - bottom, y2: height - bottom + 4 }),
+        svg("text", { x: x(v), y: height - bottom + 17, "text-anchor": "middle", text: v }));
+    }
+    for (const v of yTicks) {
+      group.append(svg("line", { class: "grid", x1: left, x2: width - right, y1: y(v), y2: y(v) }),
+        svg("text", { x: left - 6, y: y(v) + 4, "text-anchor": "end", text: Number(v.toPrecision(4)) }));
+    }
+    group.append(svg("text", { x: width - right, y: height - 4, "text-anchor": "end", text: xLabel }));
+    return group;
+  }
+
   function status(text, state) {
     const node = document.getElementById("status");
     node.textContent = text;
@@ -184,5 +206,5 @@ const Elastic = (() => {
     return el("span", { class: "badge state-" + String(state).toLowerCase(), text: state });
   }
 
-  return { API, ROOT, ApiError, get, el, svg, ms, time, seconds, number, ticks, status, run, stateBadge };
+  return { API, ROOT, ApiError, get, el, svg, ms, time, seconds, number, ticks, axes, status, run, stateBadge };
 })();

@@ -4,7 +4,7 @@
 "use strict";
 
 (() => {
-  const { el, svg, get, run, status, time, seconds, number, ticks, ms, stateBadge, ApiError } = Elastic;
+  const { el, svg, get, run, status, time, seconds, number, ticks, axes, ms, stateBadge, ApiError } = Elastic;
 
   /** [[25, 25], [31, 33]] -> "25, 31-33" (the steps a rollback skipped); "" for none. */
   function stepRanges(ranges) {
@@ -206,19 +206,8 @@
       class: "chart-svg", viewBox: `0 0 ${WIDTH} ${height}`, role: "img",
       "aria-label": "loss by step, faults marked",
     });
-    const axes = svg("g", { class: "axis" },
-      svg("line", { x1: left, x2: WIDTH - right, y1: height - bottom, y2: height - bottom }),
-      svg("line", { x1: left, x2: left, y1: top, y2: height - bottom }));
-    for (const s of ticks(s0, s1, 10)) {
-      axes.append(svg("line", { x1: x(s), x2: x(s), y1: height - bottom, y2: height - bottom + 4 }),
-        svg("text", { x: x(s), y: height - bottom + 17, "text-anchor": "middle", text: s }));
-    }
-    for (const l of ticks(l0, l1, 6)) {
-      axes.append(svg("line", { class: "grid", x1: left, x2: WIDTH - right, y1: y(l), y2: y(l) }),
-        svg("text", { x: left - 6, y: y(l) + 4, "text-anchor": "end", text: Number(l.toPrecision(4)) }));
-    }
-    axes.append(svg("text", { x: WIDTH - right, y: height - 4, "text-anchor": "end", text: "step" }));
-    root.append(axes);
+    const box = { width: WIDTH, height, left, right, top, bottom };
+    root.append(axes(box, x, y, ticks(s0, s1, 10), ticks(l0, l1, 6), "step"));
     const order = new Map(incidents.map((inc, i) => [inc.incident_id, i + 1]));
     for (const [incidentId, step] of faults) {
       const n = order.get(incidentId) || "?";
