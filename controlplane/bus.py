@@ -356,26 +356,27 @@ class EventConsumer:
             floor = int(info.ack_floor.stream_seq or 0) if info.ack_floor else 0
             self._floor = max(floor, self._floor or 0)
             await self._js.delete_consumer(self._settings.stream, self._settings.ingest_durable)
-        floor = self._floor or 0
+        start = await self._add_consumer()
+        self.epoch += 1
+        log.warning("re-reading the stream from sequence %d: %s", start, reason)
+
+    async def _add_consumer(self) -> int:
+        """Add the consumer after the floor a re-creation read (from the stream's first
+        message without one); the stream sequence it starts at."""
+        start = (self._floor or 0) + 1
         await self._js.add_consumer(
-            self._settings.stream, consumer_config(self._settings, start_seq=floor + 1)
+            self._settings.stream, consumer_config(self._settings, start_seq=start)
         )
         self._floor = None
         self._expected = 1
-        self.epoch += 1
-        log.warning("re-reading the stream from sequence %d: %s", floor + 1, reason)
+        return start
 
     async def _subscribe(self) -> None:
         await ensure_stream(self._js, self._settings)
         info = await self._consumer_info()
         if info is None:
             # (Deleted by a re-creation the server did not finish: from its floor.)
-            start = (self._floor or 0) + 1
-            await self._js.add_consumer(
-                self._settings.stream, consumer_config(self._settings, start_seq=start)
-            )
-            self._floor = None
-            self._expected = 1
+            await self._add_consumer()
         elif info.config.ack_policy != AckPolicy.ALL:
             await self._restart_consumer("the consumer had another ack policy")
         elif info.num_ack_pending:

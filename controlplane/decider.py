@@ -196,7 +196,7 @@ class Decider:
         #: Keeps the heartbeats arriving meanwhile for after (``HeartbeatListener.held``):
         #: around a decision's append and command, once the summary is taken.
         self._hold = hold
-        #: Whether the event stream answers the ingest (``Fetcher.answering``): while it does
+        #: Whether the event stream answers the ingest (``EventConsumer.answering``): while it does
         #: not (its leader failing over, JetStream without a quorum), a member's last events
         #: (its exit, its completion) may be waiting there, and a silence is not judged.
         self._events_current = events_current
