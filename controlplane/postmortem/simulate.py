@@ -457,13 +457,8 @@ def simulate_restart(
         saved = math.floor(trained / (interval + cost))
         terms["backup"] += saved * cost
         terms["productive"] += trained - saved * cost
-    else:  # the job ended down: only what fits in the wall time counts
-        over = t - end
-        last = result.incidents[-1]
-        for term in ("restore", "detection"):
-            cut = min(over, last.phases[term])
-            terms[term] -= cut
-            over -= cut
+    else:
+        _end_down(result, t - end)
     result.final_world = ranks
     return result
 
@@ -611,7 +606,11 @@ class _Run:
             rack = f"r{node // RACK_NODES}"
             names += [(m, f"n{node}", rack, "spare" if spare else "worker") for m in members]
         self.job.join(names, self.at(0), policy)
-        self.job.turn(self.at(0))
+        # A turn may only register the job (its policy is then in force): the service takes
+        # the next one at once, as anything is due.
+        for _ in range(3):
+            if not self.job.turn(self.at(0)) or self.log.v.generation:
+                break
         if self.log.v.generation != 1:
             raise RuntimeError("the decider did not start the simulated job")
         # The clock starts with the first generation's first step (the job's start is not
@@ -798,10 +797,10 @@ def simulate_decider(
         due_repair = run.repairs[0][0] if run.repairs else math.inf
         due_growth = run.growth_due if run.growth_due is not None else math.inf
         nxt = min(due_failure, due_repair, due_growth)
-        if nxt >= run.end or run.log.v.state is JobState.STOPPED:
-            break
         # What happens during a recovery happens when it ends (no cascades).
         when = max(nxt, run.step_at)
+        if when >= run.end or run.log.v.state is JobState.STOPPED:
+            break
         if nxt == due_repair:
             _, node, count = run.repairs.pop(0)
             run.repair(node, when, count)
@@ -818,6 +817,7 @@ def simulate_decider(
     run.advance(run.end)
     view = run.log.v
     result = run.result
+    _end_down(result, run.step_at - run.end)
     _close(result)
     result.final_world = len(view.world)
     if view.state is JobState.STOPPED:
@@ -1068,6 +1068,18 @@ def run_plan(
     results = run_all([kwargs for _, kwargs, _ in runs], workers=max(1, min(workers, heavy)),
                       progress=progress)  # fmt: skip
     return planned.outcome(results)
+
+
+def _end_down(result: Result, over: float) -> None:
+    """The job ended ``over`` seconds into its last incident's recovery: only what fits in
+    the wall time counts (the phases cut from the latest back)."""
+    if over <= 0 or not result.incidents:
+        return
+    last = result.incidents[-1]
+    for term in ("resume", "restore", "waiting", "decision", "detection"):
+        cut = min(over, last.phases.get(term, 0.0))
+        result.breakdown[term] -= cut
+        over -= cut
 
 
 def _close(result: Result) -> None:

@@ -182,6 +182,32 @@ def test_without_a_spare_the_spares_strategy_waits_for_the_repair():
     assert result.final_world == 32
 
 
+@pytest.mark.parametrize("strategy", ["spares", "shrink", "restart"])
+def test_a_recovery_longer_than_the_job_counts_only_what_fits_in_the_wall_time(strategy):
+    """A restore of days in a job of hours: the job ends down, its terms still add up to the
+    wall time, and a failure during the overrun is never met."""
+    model = Model(ack_s=1e9, restart_s=1e9)
+    failures = [Failure(3_600.0, "crash", 0), Failure(7_200.0, "crash", 1)]
+    result = simulate(strategy, ranks=32, days=0.25, spares=1, failures=failures,
+                      model=model)  # fmt: skip
+    assert len(result.incidents) == 1 and sum(result.failures.values()) == 1
+    assert sum(result.breakdown.values()) == pytest.approx(result.wall_s)
+    down = result.breakdown["detection"] + result.breakdown["decision"] + result.breakdown[
+        "restore"]  # fmt: skip
+    assert down == pytest.approx(result.wall_s - 3_600.0, abs=1.0)
+    trained = sum(result.breakdown[t] for t in ("productive", "recomputation", "backup"))
+    assert trained == pytest.approx(3_600.0, abs=1.0)
+
+
+@pytest.mark.parametrize("timeout_s", [0.005, 1.5, 5.0])
+def test_a_job_starts_whatever_its_heartbeat_timeout(timeout_s):
+    """The first turn may only register the job's policy; the next starts it."""
+    model = Model(heartbeat_timeout_s=timeout_s)
+    result = simulate("spares", ranks=16, days=0.01, spares=1,
+                      failures=[Failure(60.0, "crash", 0)], model=model)  # fmt: skip
+    assert [i.mode for i in result.incidents] == ["replace"]
+
+
 def test_a_sweep_finds_the_checkpoint_interval_young_and_daly_predict():
     """Checkpoint-restart under exponential crashes: the best interval of a sweep is within
     20% of sqrt(2 x cost x MTBF)."""
