@@ -17,7 +17,7 @@ from controlplane.backoff import Backoff
 from controlplane.core.decide import Context
 from controlplane.core.liveness import Beats, LivenessTable, take_beats
 from controlplane.core.view import JobView
-from controlplane.decider import CommandPublisher, Decider, utcnow
+from controlplane.decider import CommandPublisher, ControlFault, Decider, utcnow
 from controlplane.errors import BusUnavailable, StoreUnavailable
 from controlplane.ingest import Fetcher
 from controlplane.lock import AdvisoryLock
@@ -209,6 +209,7 @@ class ControlPlane:
                 hear=heartbeats.catch_up,
                 hold=heartbeats.held,
                 events_current=lambda: consumer.answering(answer_s),
+                fault=ControlFault(settings.control_fault) if settings.control_fault else None,
             )
             session = self.ingest = Session(
                 views=folded,

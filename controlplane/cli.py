@@ -817,6 +817,22 @@ def demo(
             " with --nats-cluster 3 or 5); 0: none.",
         ),
     ] = 0,
+    standby: Annotated[
+        bool,
+        typer.Option(
+            "--standby",
+            help="Run a second control plane that stands by and takes over when the first"
+            " one's lock is gone.",
+        ),
+    ] = False,
+    control_plane_exit: Annotated[
+        str | None,
+        typer.Option(
+            help="Make the leading control plane exit, as a kill would, on the way out of the"
+            " first recovery's decision: `record` (recorded, its commands not published) or"
+            " `publish` (JetStream acknowledged them, no member acked yet); needs --standby.",
+        ),
+    ] = None,
 ) -> None:
     """See the whole loop work on this machine: faults injected, detected, recovered.
 
@@ -837,7 +853,10 @@ def demo(
 
     --nats-cluster 3 runs NATS as a three-node JetStream cluster (the streams at R3, every
     client given every node); --nats-kill-at STEP kills the node leading the events stream
-    after STEP, and the run goes on on the other two.
+    after STEP, and the run goes on on the other two. --standby runs a second control plane;
+    --control-plane-exit record|publish makes the first one exit while it recovers the first
+    fault, and the standby finishes the recovery. The summary's `log` says whether the log
+    holds every event the members sent, once each.
 
     --json prints the summary as one JSON object on stdout (progress goes to stderr). --keep
     leaves the stack up for browsing until Ctrl-C. Ctrl-C (or SIGTERM) stops everything at any
@@ -874,6 +893,8 @@ def demo(
         metrics_out=metrics_out,
         nats_cluster=nats_cluster,
         nats_kill_at=nats_kill_at,
+        standby=standby or control_plane_exit is not None,
+        control_exit=control_plane_exit,
     )
     _log_warnings()
     try:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -162,6 +163,47 @@ class CommandPublisher:
                 await task
 
 
+#: The status a process leaves with at an injected control-plane fault (a kill's 128 + 9).
+FAULT_EXIT_STATUS = 137
+
+
+class ControlFault:
+    """``ELASTIC_CONTROL_FAULT`` (chaos runs and tests): the process exits, as a kill would
+    (no clean-up: its lock, NATS and PostgreSQL connections end with it), at a point on the
+    way out of the decision that starts a generation: once it is recorded (``record``), or
+    once JetStream acknowledged its commands (``publish``), before any member acks them."""
+
+    def __init__(self, spec: str) -> None:
+        point, _, generation = spec.removeprefix("exit-after-").partition(":")
+        if point not in ("record", "publish") or not generation.isdigit():
+            raise ValueError(f"a control fault is exit-after-record:G or -publish:G, not {spec!r}")
+        self.point = point
+        self.generation = int(generation)
+        self._published: str | None = None
+
+    def recorded(self, job_id: str, decided: Sequence[Decided]) -> None:
+        """``decided`` of ``job_id`` is in the log: exit now (``record``), or once its
+        commands are acknowledged (``publish``)."""
+        if not any(d.type == "generation.started" and d.generation == self.generation
+                   for d in decided):  # fmt: skip
+            return
+        if self.point == "record":
+            self._exit(f"recorded {job_id}'s decision that starts generation {self.generation}")
+        self._published = job_id
+
+    def published(self) -> None:
+        """The turn's commands were acknowledged by JetStream (or the wait for them ended)."""
+        if self._published is not None:
+            self._exit(f"published {self._published}'s commands of generation {self.generation}")
+
+    @staticmethod
+    def _exit(what: str) -> None:
+        log.critical("control fault (ELASTIC_CONTROL_FAULT): exiting, having %s", what)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os._exit(FAULT_EXIT_STATUS)
+
+
 class Decider:
     """Decides for every job in ``views`` (a mapping the owner keeps current)."""
 
@@ -179,6 +221,7 @@ class Decider:
         hear: Callable[[], Awaitable[None]] | None = None,
         hold: Callable[[], AbstractContextManager[None]] | None = None,
         events_current: Callable[[], bool] | None = None,
+        fault: ControlFault | None = None,
     ) -> None:
         self._views = views
         self._apply = apply
@@ -201,6 +244,8 @@ class Decider:
         #: (its exit, its completion) may be waiting there, and a silence is not judged.
         self._events_current = events_current
         self._postponed_since: float | None = None
+        #: An injected fault (``ELASTIC_CONTROL_FAULT``), None in service.
+        self._fault = fault
         #: One run of this decider: the ``incarnation`` of its events.
         self.incarnation = uuid.uuid4().hex[:16]
         self._seq: dict[str, int] = {}
@@ -311,6 +356,8 @@ class Decider:
                 )
                 if appended is None:
                     continue
+                if self._fault is not None:
+                    self._fault.recorded(job_id, decided)
                 if summary and liveness is not None:
                     liveness.summarized(job_id, now, "decision")
                 folded = time.perf_counter()
@@ -332,6 +379,8 @@ class Decider:
             # The commands leave inside the turn, before the ingest (and whatever collection
             # it sets off) has the loop again.
             await self._publisher.settle(SETTLE_S)
+        if self._fault is not None:
+            self._fault.published()
         self._reschedule()
 
     def _stream_silent(self, job_id: str, now: datetime) -> bool:

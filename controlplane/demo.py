@@ -55,6 +55,7 @@ from controlplane.core.fold import fold_noting
 from controlplane.core.goodput import GoodputCounter, goodput
 from controlplane.core.timeline import timeline
 from controlplane.core.view import Incident, JobView
+from controlplane.postmortem.audit import LogAudit, audit
 from controlplane.settings import DATABASE_URL_ENV, NATS_URL_ENV, Settings
 
 #: Marks a directory as a demo's state directory (so a later ``--state-dir`` may reuse it).
@@ -132,6 +133,14 @@ class DemoConfig:
     #: Step after which the NATS node leading the events stream is killed (a cluster of 3 or
     #: 5 only); 0: none.
     nats_kill_at: int = 0
+    #: A second control plane (``elasticctl serve``) stands by, taking over when the first
+    #: one's lock is gone; both serve the rendezvous on one port.
+    standby: bool = False
+    #: Where the leading control plane exits (as a kill would) on the way out of the first
+    #: recovery's decision (generation 2): ``record`` (recorded, its commands not yet
+    #: published) or ``publish`` (JetStream acknowledged them, no member acked yet); the
+    #: standby takes over. None: no such fault.
+    control_exit: str | None = None
 
     def faults(self) -> list[str]:
         """The launcher's ``--fault`` values, in step order."""
@@ -172,6 +181,13 @@ class DemoConfig:
             raise ValueError("--nats-kill-at needs --nats-cluster 3 or 5: one server has no other")
         if self.nats_kill_at and not 1 <= self.nats_kill_at < self.steps:
             raise ValueError("--nats-kill-at must lie in [1, --steps) (or be 0: none)")
+        if self.control_exit is not None:
+            if self.control_exit not in ("record", "publish"):
+                raise ValueError("--control-plane-exit must be record or publish")
+            if not self.standby:
+                raise ValueError("--control-plane-exit needs --standby: none would take over")
+            if not (self.crash_at or self.hang_at or self.nan_at):
+                raise ValueError("--control-plane-exit needs a fault: it exits on its decision")
         faults = sorted(
             (step, name, rank)
             for name, step, rank in (
@@ -782,6 +798,11 @@ class Demo:
         #: The NATS node ``--nats-kill-at`` killed: its name, the step after which, the stream
         #: it led.
         self.nats_killed: dict[str, Any] | None = None
+        #: The control plane ``--control-plane-exit`` made exit: where, and the step the run
+        #: had reached when it was seen gone.
+        self.control_exited: dict[str, Any] | None = None
+        #: The demo run's step as last polled.
+        self.step = 0
 
     # -------------------------------------------------------------- top level
 
@@ -852,8 +873,11 @@ class Demo:
         stack = self.stack = self._services()
         self.timings["services_s"] = time.monotonic() - t
         t = time.monotonic()
-        self._phase("starting the control plane (elasticctl serve)")
-        serve = self._serve(stack)
+        self._phase(
+            "starting the control plane (elasticctl serve)"
+            + (" and a standby" if config.standby else "")
+        )
+        serves = self._serve(stack)
         self._api(stack)
         self.timings["control_plane_s"] = time.monotonic() - t
 
@@ -883,7 +907,8 @@ class Demo:
             demo = self._launch(store, self.job_id, "demo", nproc=config.nproc,
                                 spares=config.spares, faults=faults)  # fmt: skip
             runs.insert(0, demo)
-            self._follow(runs, serve)
+            self._follow(runs, serves)
+            audited = audit(store.read(job_id=self.job_id))
             if config.export is not None:
                 from controlplane.postmortem import commands
 
@@ -895,7 +920,7 @@ class Demo:
         finally:
             store.close()
         self._phase("done")
-        return self._summary(demo.watch, runs[1].watch if len(runs) > 1 else None, faults)
+        return self._summary(demo.watch, runs[1].watch if len(runs) > 1 else None, faults, audited)
 
     # -------------------------------------------------------------- pieces
 
@@ -1006,8 +1031,14 @@ class Demo:
         env.update(extra)
         return env
 
-    def _serve(self, stack: Stack) -> Child:
+    def _serve(self, stack: Stack) -> list[Child]:
+        """The control plane, and its standby with ``--standby`` (started once the first one
+        leads): both serve the rendezvous on one port, so that a generation recorded by one
+        is met at the other."""
+        from controlplane.devstack import free_port
+
         assert self.children is not None
+        config = self.config
         env = self._env(stack, **stack.control_env())
         # Quicker reactions than the production defaults, unless the caller set them.
         for key, value in (
@@ -1019,18 +1050,29 @@ class Demo:
         ):
             if key not in os.environ:
                 env[key] = value
-        if self.config.metrics_out is not None:
-            from controlplane.devstack import free_port
-
-            host = env.setdefault("ELASTIC_METRICS_HOST", self.config.host)
+        if config.standby and env["ELASTIC_RENDEZVOUS_PORT"] == "0":
+            env["ELASTIC_RENDEZVOUS_PORT"] = str(free_port(env["ELASTIC_RENDEZVOUS_HOST"]))
+        standby_env = {**env, "ELASTIC_METRICS_PORT": "0"}
+        if config.metrics_out is not None:
+            host = env.setdefault("ELASTIC_METRICS_HOST", config.host)
             port = env.get("ELASTIC_METRICS_PORT") or str(free_port(host))
             env["ELASTIC_METRICS_PORT"] = port
             stack.metrics_url = f"http://{host}:{port}/metrics"
-        child = self.children.start("serve", [sys.executable, "-m", "controlplane", "serve"], env)
+        if config.control_exit is not None:
+            env["ELASTIC_CONTROL_FAULT"] = f"exit-after-{config.control_exit}:2"
+        serve = [sys.executable, "-m", "controlplane", "serve"]
+        child = self.children.start("serve", serve, env)
         self.stop.sleep(0.3)
         if not child.alive:
             raise DemoError(f"the control plane exited with status {child.popen.returncode}")
-        return child
+        if not config.standby:
+            return [child]
+        deadline = time.monotonic() + config.start_timeout_s
+        while "ingesting from" not in child.tail(200):  # it holds the lock: it leads
+            if not child.alive or time.monotonic() > deadline:
+                raise DemoError(f"the control plane did not start leading (see {child.log})")
+            self.stop.sleep(0.1)
+        return [child, self.children.start("serve-standby", serve, standby_env)]
 
     def _api(self, stack: Stack) -> None:
         assert self.children is not None
@@ -1107,7 +1149,7 @@ class Demo:
         launcher = self.children.start(f"launcher-{label}", argv, env)
         return Run(label, launcher, Watch(store, job_id), time.monotonic())
 
-    def _follow(self, runs: list[Run], serve: Child) -> None:
+    def _follow(self, runs: list[Run], serves: list[Child]) -> None:
         """Fold each run's log until every job ended (the log says so, or its launcher
         exited and the last events had time to arrive)."""
         config = self.config
@@ -1122,6 +1164,7 @@ class Demo:
                 view = run.watch.poll()
                 progress.update(run.watch, run.label)
                 if run.label == "demo" and view is not None:
+                    self.step = view.last_step
                     self._nats_fault(view.last_step)
                 if run.up is None and view is not None and view.history:
                     run.up = now - run.launched
@@ -1144,9 +1187,33 @@ class Demo:
                                         f"(see {run.launcher.log})")  # fmt: skip
             if all(run.ended is not None for run in runs):
                 return
-            if not serve.alive:
-                raise DemoError(f"the control plane exited (status {serve.popen.returncode})")
+            self._check_control_plane(serves)
             self.stop.sleep(0.25)
+
+    def _check_control_plane(self, serves: list[Child]) -> None:
+        """Raise ``DemoError`` when a control plane exited, unless it is the leader that
+        ``--control-plane-exit`` made exit (noted once, with the standby still up)."""
+        from controlplane.decider import FAULT_EXIT_STATUS
+
+        leader = serves[0]
+        point = self.config.control_exit
+        if (
+            point is not None
+            and self.control_exited is None
+            and not leader.alive
+            and leader.popen.returncode == FAULT_EXIT_STATUS
+        ):
+            self.control_exited = {"point": point, "generation": 2, "seen_after_step": self.step}
+            done = "recording" if point == "record" else "publishing"
+            self._phase(
+                f"the control plane exited after {done} the decision of generation 2 (step"
+                f" {self.step}): the standby takes over"
+            )
+        for child in serves:
+            if not child.alive and not (child is leader and self.control_exited is not None):
+                raise DemoError(
+                    f"the control plane ({child.name}) exited (status {child.popen.returncode})"
+                )
 
     def _nats_fault(self, step: int) -> None:
         """Kill the NATS node that leads the events stream once the demo run passed
@@ -1170,7 +1237,7 @@ class Demo:
         )
 
     def _summary(
-        self, watch: Watch, reference_watch: Watch | None, faults: list[str]
+        self, watch: Watch, reference_watch: Watch | None, faults: list[str], audited: LogAudit
     ) -> dict[str, Any]:
         config = self.config
         view = watch.view
@@ -1188,6 +1255,8 @@ class Demo:
             completed
             and len(incidents) >= len(faults)
             and all(i.outcome == "recovered" for i in incidents)
+            and audited.whole
+            and (config.control_exit is None or self.control_exited is not None)
         )
         final_loss = view.last_loss if completed else None
         reference_loss = (
@@ -1239,6 +1308,8 @@ class Demo:
             "api_note": stack.api_note or None,
             "services": stack.where,
             "nats": {"nodes": stack.stream_replicas, "killed": self.nats_killed},
+            "control_plane": {"standby": config.standby, "exited": self.control_exited},
+            "log": audited.summary(),
             "timings_s": {k: round(v, 1) for k, v in self.timings.items()},
             "state_dir": str(self.state) if config.keep else None,
         }

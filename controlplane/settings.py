@@ -153,6 +153,15 @@ class Settings(BaseSettings):
     metrics_port: int = Field(
         0, ge=0, le=65535, description="Port of the control plane's Prometheus exporter (0: off)"
     )
+    control_fault: str | None = Field(
+        None,
+        pattern=r"^(exit-after-(record|publish):[1-9][0-9]{0,8})?$",
+        description="Fault injection, for chaos runs and tests only: `exit-after-record:G` exits"
+        " the process (no clean-up, as a kill would) once it has recorded the decision that"
+        " starts generation G, before its commands are published; `exit-after-publish:G` once"
+        " JetStream has acknowledged those commands, before the members ack them; unset or"
+        " empty: none",
+    )
 
 
 def master_secret(settings: Settings) -> bytes | None:

@@ -113,7 +113,7 @@ class RendezvousStore(dist.Store):  # type: ignore[name-defined,misc]  # torch h
         self._ssl = ssl_context if ssl_context is not None or not endpoint.tls else client_tls()
         self._lock = threading.Lock()
         self._counter = 0
-        self._sock = self._handshake(self._open_socket())
+        self._sock = self._connected()
 
     @classmethod
     def connect(
@@ -130,17 +130,18 @@ class RendezvousStore(dist.Store):  # type: ignore[name-defined,misc]  # torch h
 
     # ------------------------------------------------------------------ the connection
 
-    def _open_socket(self) -> socket.socket:
+    def _connected(self) -> socket.socket:
+        """A connection, open and authenticated; tried again while the server is not up yet,
+        or goes away mid-handshake (a control plane that stops as its standby takes the port
+        over), until the timeout."""
         deadline = time.monotonic() + self._timeout.total_seconds()
         delay = 0.01
         while True:
             try:
-                sock = socket.create_connection(
-                    (self.endpoint.host, self.endpoint.port),
-                    timeout=max(0.1, min(10.0, deadline - time.monotonic())),
-                )
-                break
-            except OSError as exc:
+                return self._handshake(self._open_socket(deadline))
+            except ssl.SSLError:
+                raise  # a TLS misconfiguration: no retry mends it
+            except OSError as exc:  # refused, reset, or closed before its greeting
                 if time.monotonic() + delay > deadline:
                     raise dist.DistStoreError(
                         f"rendezvous store {self.endpoint.host}:{self.endpoint.port} not"
@@ -148,6 +149,12 @@ class RendezvousStore(dist.Store):  # type: ignore[name-defined,misc]  # torch h
                     ) from exc
                 time.sleep(delay)
                 delay = min(delay * 2, 0.5)
+
+    def _open_socket(self, deadline: float) -> socket.socket:
+        sock = socket.create_connection(
+            (self.endpoint.host, self.endpoint.port),
+            timeout=max(0.1, min(10.0, deadline - time.monotonic())),
+        )
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self._ssl is not None:
             sock = self._ssl.wrap_socket(sock, server_hostname=self.endpoint.host)

@@ -454,3 +454,32 @@ def test_the_demo_on_a_nats_cluster_goes_on_with_the_events_leader_killed(tmp_pa
     assert sum("nats-server" in name for name in family.names()) >= 3
     assert leftovers(family, state) == []
     assert not state.exists()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("point", ["record", "publish"])
+def test_the_standby_finishes_a_recovery_whose_leader_exited_mid_decision(tmp_path, state, point):
+    """``--control-plane-exit``: the leading control plane exits (as a kill would) once it has
+    recorded the crash's decision (its commands unpublished), or once JetStream acknowledged
+    them (no member acked yet); the standby takes the lock and the rendezvous port, sends
+    what the log says is owed, and both faults recover by the one decision each, the log
+    holding every member's events once."""
+    summary, log, family = completed_demo(
+        tmp_path, "--json", "--state-dir", str(state), "--no-reference",
+        "--control-plane-exit", point, *SHORT,
+    )  # fmt: skip
+    assert summary["recovered"] is True
+    assert summary["job_state"] == "COMPLETED" and summary["completed_step"] == 40
+    assert summary["control_plane"] == {
+        "standby": True,
+        "exited": {"point": point, "generation": 2,
+                   "seen_after_step": summary["control_plane"]["exited"]["seen_after_step"]},
+    }  # fmt: skip
+    assert "the standby takes over" in log
+    crash, hang = summary["incidents"]
+    assert crash["decisions"] == hang["decisions"] == 1, summary["incidents"]
+    assert crash["mode"] == "replace" and crash["outcome"] == hang["outcome"] == "recovered"
+    audit = summary["log"]
+    assert audit["whole"] and audit["missing"] == audit["duplicated"] == 0 and audit["events"]
+    assert sum(line.endswith("controlplane serve") for line in family.cmdlines.values()) == 2
+    assert leftovers(family, state) == []

@@ -112,18 +112,9 @@ async def running_controlplane(
 
 def assert_sequences_whole(store: Any, job_id: str) -> None:
     """Every member's events of ``job_id`` are in the log once each, with no seq missing
-    from 1 to its last (a backup's reports unpacked from the catalogs the store packed them
-    into): nothing a member sent was lost or stored twice."""
-    from controlplane.core.catalog import unpacked
+    from 1 to its last (``postmortem.audit``): nothing a member sent was lost or stored
+    twice."""
+    from controlplane.postmortem.audit import audit
 
-    log = store.read(job_id=job_id)
-    ids = [stored.event.event_id for stored in log]
-    assert len(ids) == len(set(ids)), "an event was stored twice"
-    seqs: dict[tuple[str, str], list[int]] = {}
-    for stored in unpacked(log):
-        event = stored.event
-        if event.source != "controlplane":
-            seqs.setdefault((event.source, event.incarnation), []).append(event.seq)
-    for (source, incarnation), got in seqs.items():
-        missing = sorted(set(range(1, max(got) + 1)) - set(got))
-        assert not missing and len(got) == len(set(got)), (source, incarnation, missing)
+    found = audit(store.read(job_id=job_id))
+    assert found.whole and found.events > 0, found

@@ -106,6 +106,39 @@ def test_every_operation_of_the_store_api(server: RendezvousServer) -> None:
     store.close()
 
 
+def test_a_store_that_goes_away_mid_handshake_is_reached_at_its_successor() -> None:
+    """The port's first owner accepts and drops connections before its greeting (a control
+    plane exiting), then a new server takes the port (its standby): the client gets there."""
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    successor: list[RendezvousServer] = []
+
+    def dying_then_replaced() -> None:
+        for _ in range(2):
+            conn, _ = listener.accept()
+            conn.close()
+        listener.close()
+        srv = RendezvousServer(master=MASTER, port=port)
+        srv.start()
+        successor.append(srv)
+
+    thread = threading.Thread(target=dying_then_replaced)
+    thread.start()
+    try:
+        store = RendezvousStore.connect(
+            f"tcp://127.0.0.1:{port}/job-a/1", job_secret(MASTER, "job-a"), timeout=SHORT
+        )
+        OPENED.append(store)
+        store.set("k", b"v")
+        assert store.get("k") == b"v"
+    finally:
+        thread.join(5)
+        for srv in successor:
+            srv.close()
+
+
 def test_a_wait_is_released_by_another_clients_set(server: RendezvousServer) -> None:
     import threading
 
