@@ -36,7 +36,15 @@ def run(
     ctx: typer.Context,
     script: Annotated[str, typer.Argument(help="The training script (its arguments follow).")],
     *,
-    nproc: Annotated[int, typer.Option(min=1, help="Workers to start (the world size).")] = 1,
+    nproc: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Workers to start (the world size). 0 with --spares K: a launcher of spares"
+            " only, beside the launchers of the job's workers (set the job's world_size in"
+            " --policy).",
+        ),
+    ] = 1,
     spares: Annotated[int, typer.Option(min=0, help="Warm spares to keep ready.")] = 0,
     nodes: Annotated[int, typer.Option(min=1, help="Pretend nodes to lay members over.")] = 1,
     racks: Annotated[int, typer.Option(min=1, help="Racks the nodes are spread over.")] = 1,
@@ -103,6 +111,8 @@ def run(
     from rank_runtime.identity import NATS_URL_ENV
 
     logjson.configure(logging.INFO, logjson.env_format(), text_format="%(message)s")
+    if nproc + spares == 0:
+        raise _fail(ctx, "nothing to launch: --nproc and --spares are both 0")
     try:
         launcher.script_path(script)
         job_policy = launch_policy(policy, nproc)
@@ -132,10 +142,15 @@ def run(
 
 def launch_policy(text: str | None, nproc: int) -> JobPolicy:
     """The policy ``elastic-run --policy TEXT`` asks for: ``world_size`` defaults to the
-    launcher's workers, ``max_world`` to no less than the world."""
+    launcher's workers (a launcher of spares only must name it), ``max_world`` to no less than
+    the world."""
     from schemas.events import JobPolicy
 
     values = parse_overrides(text) if text else {}
+    if nproc == 0 and "world_size" not in values:
+        raise ValueError(
+            "a launcher of spares only (--nproc 0) needs the job's world_size in --policy"
+        )
     values.setdefault("world_size", nproc)
     sizes = (values["world_size"], values.get("min_world", 1))
     values.setdefault("max_world", max([nproc, *(v for v in sizes if isinstance(v, int))]))

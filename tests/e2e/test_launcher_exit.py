@@ -4,6 +4,7 @@ a job that stopped fails its launcher."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -82,3 +83,41 @@ async def test_a_job_that_stops_fails_its_launcher(settings, tmp_path):
     assert view.state is JobState.STOPPED, [(h.to_state, h.reason) for h in view.history]
     assert code == 1, summary
     assert summary["outcome"] == "stopped" and summary["replaced"] == [], summary
+
+
+async def test_a_launcher_of_spares_only_gives_the_spare_that_replaces_a_crashed_rank(
+    settings, tmp_path
+):
+    """Two launchers of one job, as two pods: one runs the workers, the other only a spare
+    (``--nproc 0 --spares 1``, the job's world_size in its policy); a worker's crash is
+    repaired by the other pod's spare, the job completes and both launchers exit 0."""
+    job = f"job-pods-{os.getpid()}"
+    policy = "world_size=2,redundancy=1"
+    common = ["--job-id", job, "--policy", policy]
+    async with running_controlplane(settings) as cp:
+        results = await asyncio.gather(
+            run(settings, ["run", "--nproc", "2", "--node", "pod-a", "--rack", "rack0", *common,
+                           "--fault", "crash@12:rank=1", EXAMPLE, "--steps", "30"],
+                tmp_path / "a"),
+            run(settings, ["run", "--nproc", "0", "--spares", "1", "--node", "pod-b", "--rack",
+                           "rack1", *common, EXAMPLE, "--steps", "30"], tmp_path / "b"),
+        )  # fmt: skip
+        await wait_until(lambda: job in cp.views, 10, "the job's view")
+        view = cp.views[job]
+    (code_a, a), (code_b, b) = results
+    assert view.state is JobState.COMPLETED, [(h.to_state, h.reason) for h in view.history]
+    assert "pod-b-s0" in view.world, view.world
+    assert a["exits"]["pod-a-w1"] == -9 and a["replaced"] == ["pod-a-w1"], a
+    assert code_a == code_b == 0, (a, b)
+    assert b["exits"] == {"pod-b-s0": 0}, b
+
+
+def test_a_launcher_of_spares_only_must_be_told_the_world_size():
+    from rank_runtime.launcher_cli import launch_policy
+
+    with pytest.raises(ValueError, match="world_size in --policy"):
+        launch_policy("redundancy=1", 0)
+    assert launch_policy("world_size=16", 0).world_size == 16
+    proc = subprocess.run([*elasticctl(), "run", "--nproc", "0", EXAMPLE], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 2 and "both 0" in proc.stderr, proc.stderr
