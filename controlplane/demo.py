@@ -82,6 +82,10 @@ class Interrupted(Exception):
         self.signum = signum
 
 
+#: The generation whose decision ``--control-plane-exit`` exits on: the first recovery's.
+CONTROL_EXIT_GENERATION = 2
+
+
 @dataclass(frozen=True, slots=True)
 class DemoConfig:
     """What ``elasticctl demo`` runs; the defaults are the advertised demo."""
@@ -1059,7 +1063,8 @@ class Demo:
             env["ELASTIC_METRICS_PORT"] = port
             stack.metrics_url = f"http://{host}:{port}/metrics"
         if config.control_exit is not None:
-            env["ELASTIC_CONTROL_FAULT"] = f"exit-after-{config.control_exit}:2"
+            fault = f"exit-after-{config.control_exit}:{CONTROL_EXIT_GENERATION}"
+            env["ELASTIC_CONTROL_FAULT"] = fault
         serve = [sys.executable, "-m", "controlplane", "serve"]
         child = self.children.start("serve", serve, env)
         self.stop.sleep(0.3)
@@ -1203,11 +1208,13 @@ class Demo:
             and not leader.alive
             and leader.popen.returncode == FAULT_EXIT_STATUS
         ):
-            self.control_exited = {"point": point, "generation": 2, "seen_after_step": self.step}
+            self.control_exited = {
+                "point": point, "generation": CONTROL_EXIT_GENERATION, "seen_after_step": self.step
+            }  # fmt: skip
             done = "recording" if point == "record" else "publishing"
             self._phase(
-                f"the control plane exited after {done} the decision of generation 2 (step"
-                f" {self.step}): the standby takes over"
+                f"the control plane exited after {done} the decision of generation"
+                f" {CONTROL_EXIT_GENERATION} (step {self.step}): the standby takes over"
             )
         for child in serves:
             if not child.alive and not (child is leader and self.control_exited is not None):

@@ -155,9 +155,13 @@ class RendezvousStore(dist.Store):  # type: ignore[name-defined,misc]  # torch h
             (self.endpoint.host, self.endpoint.port),
             timeout=max(0.1, min(10.0, deadline - time.monotonic())),
         )
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if self._ssl is not None:
-            sock = self._ssl.wrap_socket(sock, server_hostname=self.endpoint.host)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._ssl is not None:
+                return self._ssl.wrap_socket(sock, server_hostname=self.endpoint.host)
+        except BaseException:
+            sock.close()  # tried again: no socket left behind per try
+            raise
         return sock
 
     def _read_frame(self, sock: socket.socket, limit: int = MAX_FRAME_BYTES) -> bytes:
