@@ -3,6 +3,7 @@ compute time it measures apart from the wait for slower peers."""
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -84,11 +85,15 @@ def _timed_rank(rank: int, store: str, out: Any) -> None:
             ended = time.perf_counter()
         assert parts.grads_ready is not None
         out.put((rank, parts.grads_ready - started, ended - started))
-        # Both ranks done with the group before either tears its pairs down: a rank that
-        # destroys it while the other's gloo threads still use it can abort the process.
+        # Both ranks done with the group before either leaves.
         dist.barrier()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    # The group goes with the process (as in test_group.py): tearing gloo's pairs down while
+    # the other rank's threads still use them can abort it ("terminate called without an
+    # active exception"), even after the barrier. The SimpleQueue's put is written already.
+    os._exit(0)
 
 
 def test_a_rank_s_compute_time_leaves_out_its_wait_for_a_slower_peer(tmp_path) -> None:
