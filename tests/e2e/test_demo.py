@@ -67,7 +67,8 @@ class Family:
                 for child in self.root.children(recursive=True):
                     self.seen.setdefault(child.pid, child)
                     with suppress(psutil.Error):  # again each time: a fork execs later
-                        self.cmdlines[child.pid] = " ".join(child.cmdline())
+                        if cmdline := child.cmdline():  # a zombie's reads empty: keep the last
+                            self.cmdlines[child.pid] = " ".join(cmdline)
             except psutil.Error:
                 return
             self._done.wait(0.2)
