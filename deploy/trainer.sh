@@ -1,11 +1,13 @@
 #!/bin/sh
-# Entry point of the compose `trainer` service: `elasticctl ARGS...`, where `run` also gets a
-# `--fault SPEC` for each entry of $FAULTS (comma- or space-separated; empty: none), e.g.
+# Entry point of the trainer containers (compose's `trainer`, the Kubernetes trainer pods):
+# `run ARGS...` starts the launcher, `elastic-run ARGS...` (= `elasticctl run`), with a
+# `--fault SPEC` for each entry of $FAULTS (comma- or space-separated; empty or unset: none), e.g.
 #
 #   FAULTS="crash@50:rank=1,hang@120:rank=2" deploy/trainer.sh run --nproc 4 examples/train.py
 #
 # Specs: crash@STEP:rank=R, hang@STEP:rank=R, slow@STEP:rank=R:SECONDS, random:every=S[:seed=N]
-# (see `elasticctl run --help`); the launcher checks them and refuses a malformed one.
+# (see `elastic-run --help`); the launcher checks them and refuses a malformed one. Anything
+# but `run` goes to elasticctl (an image with the control plane installed).
 set -eu
 set -f  # no globbing of the specs
 if [ "${1:-}" != "run" ]; then
@@ -24,4 +26,4 @@ for spec in $(printf '%s' "${FAULTS:-}" | tr ',' ' '); do
 done
 # $faults is unquoted on purpose: one word per flag and spec, all checked above.
 # shellcheck disable=SC2086
-exec elasticctl run $faults "$@"
+exec elastic-run $faults "$@"

@@ -345,6 +345,9 @@ class Elastic:
         self._device: Any = None
         #: A shrink dropped this member's replica: it waits as a spare (``_demote``).
         self.demoted = False
+        #: The job's generation names an earlier process of this member's name (this one was
+        #: started again, with its pod say): it waits as a spare until a generation names it.
+        self.successor = False
         #: The connections the current generation's groups opened (ended when it is left);
         #: the session adds those of the sub-groups its ``build`` creates.
         self.group_sockets = GroupSockets({})
@@ -440,8 +443,29 @@ class Elastic:
         spare just keeps waiting."""
         if command.generation <= current:
             return None
-        if self.identity.member in command.world:
-            return command
+        member = self.identity.member
+        if member in command.world:
+            incarnations = command.incarnations
+            named = (
+                incarnations[command.world.index(member)]
+                if len(incarnations) == len(command.world)
+                else None  # a control plane that did not say: the name is enough
+            )
+            mine = self.client.incarnation
+            if named is None or named == mine:
+                return command
+            # The generation is another process's of this name: not this one's to act on.
+            if self.world is not None:
+                raise JobStoppedError(
+                    f"generation {command.generation} is for another process of {member}"
+                    f" (incarnation {named}, not {mine})"
+                )
+            if not self.successor:
+                log.warning("generation %d names an earlier process of %s: waiting until one"
+                            " names this one", command.generation, member)  # fmt: skip
+                self.successor = True
+                self.client.phase = Phase.WAITING
+            return None
         if isinstance(command, Reallocate) and self.identity.member in command.demoted:
             self._demote(command)  # its replica was dropped: a warm spare from now on
             return None
@@ -452,7 +476,9 @@ class Elastic:
         return None
 
     def _waits_as_spare(self) -> bool:
-        return self.world is None and (self.demoted or self.identity.role is Role.SPARE)
+        return self.world is None and (
+            self.demoted or self.successor or self.identity.role is Role.SPARE
+        )
 
     def _demote(self, command: Reallocate) -> None:
         """Leave the world for ``command``, which dropped this member's replica: wait as a

@@ -84,6 +84,16 @@ def run(
     rack: Annotated[
         str | None, typer.Option(help="With --node: the rack that node is in (default rack0).")
     ] = None,
+    rack_label: Annotated[
+        str | None,
+        typer.Option(
+            help="With --node, in a Kubernetes pod: the rack is this label of the node the pod"
+            " runs on (e.g. topology.kubernetes.io/zone), read from the API server with the"
+            " pod's service account (`get` on nodes); the node's name from"
+            " ELASTIC_K8S_NODE_NAME (downward API: spec.nodeName). Characters a rack name"
+            " cannot hold become '-'.",
+        ),
+    ] = None,
     fence: Annotated[
         bool,
         typer.Option(
@@ -113,6 +123,16 @@ def run(
     logjson.configure(logging.INFO, logjson.env_format(), text_format="%(message)s")
     if nproc + spares == 0:
         raise _fail(ctx, "nothing to launch: --nproc and --spares are both 0")
+    if rack_label is not None:
+        if rack is not None or node is None:
+            raise _fail(ctx, "--rack-label goes with --node, instead of --rack")
+        from rank_runtime import k8s
+
+        try:
+            rack = k8s.rack_name(k8s.node_label(rack_label))
+        except k8s.NodeLabelError as exc:
+            raise _fail(ctx, str(exc)) from exc
+        typer.echo(f"node {node}: rack {rack} (label {rack_label})", err=True)
     try:
         launcher.script_path(script)
         job_policy = launch_policy(policy, nproc)

@@ -49,6 +49,11 @@ class WorldCommand(CommandBase):
     placement: Placement = Field(default_factory=list)
     rendezvous: ShortText
     endpoints: Endpoints = Field(default_factory=dict)
+    #: ``incarnations[r]``: the process of ``world[r]`` the generation is for (its
+    #: ``member.joined``'s incarnation). Another process of that name (a launcher restarted
+    #: with its pod) is not named by it: it waits until a generation names it. Empty from a
+    #: control plane that did not say.
+    incarnations: Members = Field(default_factory=list)
     #: The generation's mesh (``JobPolicy.mesh`` at this generation's size: its replica
     #: dimension shrunk or grown by whole replicas); None for a flat world.
     mesh: MeshDegrees | None = None

@@ -94,6 +94,7 @@ def _reallocate(view: JobView, incident_id: str, decision: Decision) -> Realloca
         placement=placement,
         rendezvous=decision.rendezvous,
         endpoints=_endpoints(view, decision.world),
+        incarnations=_incarnations(view, decision.world),
         mesh=_mesh(view, len(decision.world)),
         demoted=list(decision.demoted),
         skip=list(decision.skip),
@@ -110,6 +111,13 @@ def _endpoints(view: JobView, world: tuple[str, ...]) -> dict[str, str]:
     members = view.members
     known = list(filter(members.__contains__, world))
     return dict(zip(known, map(_ENDPOINT, map(members.__getitem__, known)), strict=True))
+
+
+def _incarnations(view: JobView, world: tuple[str, ...]) -> list[str]:
+    """The process each rank of ``world`` is (empty when one of them is not known)."""
+    members = view.members
+    found = [members[m].incarnation for m in world if m in members]
+    return found if len(found) == len(world) else []
 
 
 def _start(view: JobView) -> list[Owed]:
@@ -136,6 +144,7 @@ def _start(view: JobView) -> list[Owed]:
                 placement=list(map(list, view.placement)),
                 rendezvous=view.rendezvous,
                 endpoints=_endpoints(view, view.world),
+                incarnations=_incarnations(view, view.world),
                 mesh=_mesh(view, len(view.world)),
             ),
         )

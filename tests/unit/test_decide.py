@@ -1172,6 +1172,9 @@ def test_a_reallocation_is_owed_until_every_member_of_its_world_acked():
     assert command.plan == realloc.plan
     assert command.placement == only(decided, "generation.started").placement
     assert command.rendezvous == realloc.rendezvous
+    # Each rank's process: the incarnation of the member's join the view holds.
+    assert command.incarnations == [s.v.members[m].incarnation for m in command.world]
+    assert len(command.incarnations) == len(command.world) == 4
     assert COMMAND_ADAPTER.validate_json(command.model_dump_json()).model_dump() == (
         command.model_dump()
     )

@@ -2,7 +2,7 @@
 
 - ``docker-compose.yml`` against the Compose Specification's JSON Schema (vendored in
   ``tests/data``), and through ``docker compose config`` where a Compose binary is installed;
-- every service and Kubernetes container that runs the image runs a real ``elasticctl``
+- every compose service that runs the image runs a real ``elasticctl``
   command whose options exist (parsed by the CLI's own click command), a training script that
   exists with options it has, a policy the launcher accepts and fault specs that parse;
 - every ``ELASTIC_*`` variable set is a setting (``controlplane.settings.Settings``) or one the
@@ -12,6 +12,8 @@
   ``nats-server`` started with it lets the control plane, a member and its launcher do what the
   code does, and refuses what they must not (marked ``services``);
 - the Dockerfile copies what the services run, and the health check finds the ingest lock.
+
+The Kubernetes manifests are ``tests/unit/test_kubernetes.py``'s.
 """
 
 from __future__ import annotations
@@ -56,8 +58,6 @@ COMPOSE = ROOT / "docker-compose.yml"
 NATS_CONF = ROOT / "deploy" / "nats" / "nats.conf"
 NATS_CLUSTER_CONF = ROOT / "deploy" / "nats" / "nats-cluster.conf"
 CLUSTER_COMPOSE = ROOT / "docker-compose.nats-cluster.yml"
-K8S = ROOT / "deploy" / "k8s"
-IMAGE = "elastic-controlplane"
 TRAINER_SH = "/app/deploy/trainer.sh"
 #: The compose services that run the project's image, and what each must run.
 EXPECTED = {
@@ -77,27 +77,6 @@ def compose() -> dict[str, Any]:
     data = yaml.safe_load(COMPOSE.read_text())
     assert isinstance(data, dict)
     return data
-
-
-def k8s_documents() -> list[dict[str, Any]]:
-    docs = []
-    for path in sorted(K8S.glob("*.yaml")):
-        docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
-    return docs
-
-
-def containers(doc: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every container of a Kubernetes object (pod templates, a CronJob's job template,
-    PyTorchJob replicas)."""
-    spec = doc.get("spec", {})
-    templates = []
-    if "template" in spec:
-        templates.append(spec["template"])
-    if "jobTemplate" in spec:
-        templates.append(spec["jobTemplate"]["spec"]["template"])
-    for replica in spec.get("pytorchReplicaSpecs", {}).values():
-        templates.append(replica["template"])
-    return [c for t in templates for c in t["spec"]["containers"]]
 
 
 def interpolate(value: str, env: dict[str, str] | None = None) -> str:
@@ -124,12 +103,14 @@ def service_env(service: dict[str, Any]) -> dict[str, str | None]:
 
 
 def trainer_argv(args: list[str], fault_env: str, tmp_path: Path) -> list[str]:
-    """What ``deploy/trainer.sh ARGS`` hands ``elasticctl`` (run with a stub ``elasticctl``)."""
+    """The ``elasticctl`` command line ``deploy/trainer.sh ARGS`` amounts to (run with stubs of
+    ``elasticctl`` and of ``elastic-run``, which is ``elasticctl run``)."""
     stub_dir = tmp_path / f"stub-{uuid.uuid4().hex[:6]}"
     stub_dir.mkdir()
-    stub = stub_dir / "elasticctl"
-    stub.write_text('#!/bin/sh\nfor a in "$@"; do printf "%s\\n" "$a"; done\n')
-    stub.chmod(0o755)
+    for name, first in (("elasticctl", ""), ("elastic-run", 'printf "run\\n"\n')):
+        stub = stub_dir / name
+        stub.write_text(f'#!/bin/sh\n{first}for a in "$@"; do printf "%s\\n" "$a"; done\n')
+        stub.chmod(0o755)
     env = {**os.environ, "PATH": f"{stub_dir}{os.pathsep}{os.environ['PATH']}"}
     env["FAULTS"] = fault_env
     done = subprocess.run(
@@ -196,7 +177,6 @@ def check_run(ctx: Any) -> None:
     launch_policy(params["policy"], params["nproc"])
     for spec in params["fault"] or []:
         faults.parse(spec)
-    assert params["spares"] >= 1, "the example deployment keeps a warm spare"
 
 
 def known_env() -> set[str]:
@@ -358,7 +338,9 @@ def test_every_service_runs_a_real_elasticctl_command(tmp_path: Path) -> None:
     services = compose()["services"]
     for name, expected in EXPECTED.items():
         service = services[name]
-        assert service["image"].startswith(IMAGE) and service.get("build") == "."
+        target = "trainer" if expected == "run" else "controlplane"
+        assert service["image"].startswith(f"elastic-{target}:")
+        assert service.get("build") == {"context": ".", "target": target}, name
         command = [interpolate(str(c)) for c in service["command"]]
         entrypoint = service.get("entrypoint")
         if entrypoint:
@@ -368,6 +350,8 @@ def test_every_service_runs_a_real_elasticctl_command(tmp_path: Path) -> None:
             command = trainer_argv(command, fault_env, tmp_path)
             assert command.count("--fault") == len(fault_env.split(","))
         ctx = check_cli(command, expected)
+        if expected == "run":
+            assert ctx.params["spares"] >= 1, "the example deployment keeps a warm spare"
         if expected == "api":
             assert ctx.params["host"] == "0.0.0.0" and ctx.params["port"] == 8080
             assert any(p.startswith("8080:") for p in service["ports"])
@@ -399,15 +383,6 @@ def test_environment_names_are_settings_or_runtime_variables() -> None:
                 assert var in known, f"compose service {name}: {var} is read by nothing"
             else:
                 assert var == "FAULTS", f"compose service {name}: unexpected variable {var}"
-    for doc in k8s_documents():
-        for container in containers(doc):
-            args = " ".join(container.get("args", []))
-            for entry in container.get("env", []):
-                var = entry["name"]
-                if var.startswith(ENV_PREFIX):
-                    assert var in known, f"{doc['kind']} {container['name']}: {var} unknown"
-                else:
-                    assert var == "FAULTS" or f"$({var})" in args, f"{var} is used by nothing"
 
 
 def test_secrets_have_local_defaults_only_in_compose() -> None:
@@ -419,106 +394,85 @@ def test_secrets_have_local_defaults_only_in_compose() -> None:
     assert service_env(compose()["services"]["api"])["ELASTIC_API_TOKENS"] is None
 
 
-# --------------------------------------------------------------------------- Kubernetes
-
-
-def test_kubernetes_manifests_parse_and_run_real_commands(tmp_path: Path) -> None:
-    docs = k8s_documents()
-    kinds = {(d["apiVersion"], d["kind"]) for d in docs}
-    assert ("kubeflow.org/v1", "PyTorchJob") in kinds
-    ran = set()
-    for doc in docs:
-        for container in containers(doc):
-            if not container.get("image", "").startswith(IMAGE):
-                continue
-            args = [str(a) for a in container.get("args", [])]
-            if container.get("command") == [TRAINER_SH]:
-                fault_env = next(
-                    (e.get("value", "") for e in container["env"] if e["name"] == "FAULTS"), ""
-                )
-                args = trainer_argv(args, fault_env, tmp_path)
-            else:
-                assert "command" not in container, "the image's entry point is elasticctl"
-            check_cli(args, args[0])
-            ran.add(args[0])
-    assert ran == {"migrate", "serve", "api", "run", "retention"}
-    job = next(d for d in docs if d["kind"] == "PyTorchJob")
-    master = job["spec"]["pytorchReplicaSpecs"]["Master"]
-    assert master["restartPolicy"] == "Never"  # recovery is the control plane's
-    (container,) = master["template"]["spec"]["containers"]
-    assert container["name"] == "pytorch"
-    env = {e["name"]: e for e in container["env"]}
-    assert env["ELASTIC_NATS_URL"]["value"].startswith("nats://")
-    # Each pod mounts its own node's credentials only (elasticctl creds' layout), never a
-    # password nor the installation secret.
-    job_id = job["metadata"]["name"]
-    for role, replica in job["spec"]["pytorchReplicaSpecs"].items():
-        spec = replica["template"]["spec"]
-        (container,) = spec["containers"]
-        env = {e["name"]: e for e in container["env"]}
-        assert not {"ELASTIC_NATS_USER", "ELASTIC_NATS_PASSWORD", "ELASTIC_SECRET"} & set(env)
-        mount = env["ELASTIC_NATS_CREDS_DIR"]["value"]
-        (volume,) = [v for v in spec["volumes"] if v["name"] == "creds"]
-        assert {"name": "creds", "mountPath": mount, "readOnly": True} in container["volumeMounts"]
-        pod = f"{job_id}-{role.lower()}-0"  # the training operator's pod name: --node
-        paths = {i["path"] for i in volume["secret"]["items"]}
-        assert paths == {
-            f"{job_id}/{pod}/launcher.nk",
-            f"{job_id}/{pod}/member.nk",
-            f"{job_id}/job-secret",
-            f"{job_id}/command-key",
-        }
-    controlplane = next(d for d in docs if d["metadata"]["name"] == "elastic-controlplane")
-    (cp,) = containers(controlplane)
-    cp_env = {e["name"]: e for e in cp["env"]}
-    assert cp_env["ELASTIC_NATS_CREDS"]["value"] == "/creds/controlplane.nk"
-    assert "secretKeyRef" in cp_env["ELASTIC_SECRET"]["valueFrom"]
-    assert cp_env["ELASTIC_RENDEZVOUS_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == (
-        "status.podIP"
-    )
-    assert controlplane["spec"]["replicas"] == 2
-
-
 # --------------------------------------------------------------------------- the image
 
 
-def test_dockerfile_builds_what_the_services_run() -> None:
-    text = (ROOT / "Dockerfile").read_text()
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
-    assert lines[0] == "FROM python:3.11-slim"
-    assert re.search(r"pip install \"?torch==\$\{TORCH_VERSION\}\"? --index-url \S+/whl/cpu", text)
-    assert re.search(r"^ARG TORCH_VERSION=2\.13\.0$", text, re.M)
-    assert "RUN pip install '.[server]'" in text
-    user = [ln for ln in lines if ln.startswith("USER ")]
-    assert user and user[-1] not in ("USER root", "USER 0")
-    assert 'ENTRYPOINT ["elasticctl"]' in lines
+def dockerfile_stages() -> dict[str, list[str]]:
+    """The Dockerfile's instructions by stage (``FROM ... AS name``), comments dropped."""
+    stages: dict[str, list[str]] = {}
+    current: list[str] = []
+    text = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
+    for line in (ln.strip() for ln in text.splitlines()):
+        if not line or line.startswith("#"):
+            continue
+        if m := re.fullmatch(r"FROM (\S+) AS (\S+)", line):
+            current = stages[m.group(2)] = [line]
+        else:
+            current.append(line)
+    return stages
+
+
+def test_dockerfile_builds_an_image_per_role() -> None:
+    """The control plane's image has no torch, the trainer's none of the server packages;
+    each copies what its roles run, runs as a user, and has its command as entry point."""
+    stages = dockerfile_stages()
+    assert set(stages) == {"base", "controlplane", "trainer"}
+    assert stages["base"][0] == "FROM python:3.11-slim AS base"
+    for name in ("controlplane", "trainer"):
+        assert stages[name][0] == f"FROM base AS {name}"
+    base = " ".join(stages["base"])
+    assert "useradd" in base and "--uid 10001" in base
+    control, trainer = (" ".join(stages[n]) for n in ("controlplane", "trainer"))
+    assert "torch" not in control
+    assert "RUN pip install '.[server]'" in control
+    assert re.search(r"RUN pip install \. ", trainer) and "[server]" not in trainer
+    assert re.search(r"^ARG TORCH_VERSION=2\.13\.0$", "\n".join(stages["trainer"]), re.M)
+    assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in stages["trainer"]
+    assert re.search(r'pip install "torch==\$\{TORCH_VERSION\}" --index-url "\$\{TORCH_INDEX_URL\}"',
+                     trainer)  # fmt: skip
+    # torch installs before the project's files are copied: a code change keeps its layer.
+    first_copy = next(i for i, ln in enumerate(stages["trainer"]) if ln.startswith("COPY "))
+    torch_at = next(i for i, ln in enumerate(stages["trainer"]) if "torch==" in ln)
+    assert torch_at < first_copy
+    assert stages["controlplane"][-1] == 'CMD ["--help"]'
+    assert 'ENTRYPOINT ["elasticctl"]' in stages["controlplane"]
+    assert 'ENTRYPOINT ["elastic-run"]' in stages["trainer"]
+    for name in ("controlplane", "trainer"):
+        user = [ln for ln in stages[name] if ln.startswith("USER ")]
+        assert user and user[-1] not in ("USER root", "USER 0")
     ignored = [
         ln.strip()
         for ln in (ROOT / ".dockerignore").read_text().splitlines()
         if ln.strip() and not ln.startswith("#")
     ]
-    copied: list[str] = []
-    for line in lines:
-        if line.startswith("COPY "):
-            *sources, _ = line.split()[1:]
-            for source in sources:
-                assert (ROOT / source).exists(), f"COPY {source}: no such path"
-                top = source.rstrip("/")
-                assert not any(top == p or top.startswith(p + "/") for p in ignored), (
-                    f"COPY {source} is excluded by .dockerignore"
-                )
-                copied.append(top)
-    # The files the services name inside the image are copied to /app.
-    in_image = {"/app/" + c for c in copied}
-    needed = {TRAINER_SH, "/app/deploy/healthcheck.py"}
+    copied: dict[str, set[str]] = {}
+    for name in ("controlplane", "trainer"):
+        for line in stages[name]:
+            if line.startswith("COPY "):
+                *sources, _ = line.split()[1:]
+                for source in sources:
+                    assert (ROOT / source).exists(), f"COPY {source}: no such path"
+                    top = source.rstrip("/")
+                    assert not any(top == p or top.startswith(p + "/") for p in ignored), (
+                        f"COPY {source} is excluded by .dockerignore"
+                    )
+                    copied.setdefault(name, set()).add("/app/" + top)
+    # The files each role names inside its image are copied to /app.
+    needed = {"controlplane": {"/app/deploy/healthcheck.py"}, "trainer": {TRAINER_SH}}
     for service in compose()["services"].values():
+        target = (service.get("build") or {}).get("target")
         for word in service.get("healthcheck", {}).get("test", []):
-            if str(word).startswith("/app/"):
-                needed.add(str(word))
-    for path in needed:
-        assert path in in_image or any(path.startswith(c + "/") for c in in_image), path
-    script = next(c for c in copied if c.startswith("examples"))
-    assert (ROOT / script / "train.py").is_file()
+            if target and str(word).startswith("/app/"):
+                needed[target].add(str(word))
+        if target and service.get("entrypoint"):
+            needed[target].update(str(w) for w in service["entrypoint"])
+    for name, paths in needed.items():
+        for path in paths:
+            assert path in copied[name] or any(path.startswith(c + "/") for c in copied[name]), (
+                name,
+                path,
+            )
+    assert "/app/examples" in copied["trainer"] and (ROOT / "examples" / "train.py").is_file()
 
 
 def _healthcheck() -> ModuleType:

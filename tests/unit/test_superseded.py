@@ -250,3 +250,42 @@ def test_a_rollback_tells_the_member_which_steps_to_skip():
     elastic._rejoin(command)
     assert elastic.resume_step == 20
     assert [s for s in range(20, 35) if elastic.skips(s)] == [24, 30, 31, 32]
+
+
+# --------------------------------------------------------------------------- another process
+
+
+def fresh(name: str = "w1", role: Role = Role.WORKER) -> Elastic:
+    """A process of ``name`` that has just started (no rank yet), with its own incarnation."""
+    elastic = Elastic(
+        Identity("job1", "n0", "r0", name, role, "nats://127.0.0.1:1", incarnation="b" * 16),
+        policy=JobPolicy(),
+    )
+    return elastic
+
+
+def naming(generation: int, world: list[str], incarnations: list[str]) -> Reallocate:
+    return reallocate(generation, world).model_copy(update={"incarnations": incarnations})
+
+
+def test_a_generation_of_an_earlier_process_of_the_name_is_not_this_ones():
+    """A launcher restarted with its pod starts a process under the old name; the command in
+    force names its dead predecessor (incarnation a...): the new process waits as a spare,
+    and takes the generation that names its own incarnation."""
+    elastic = fresh()
+    earlier = naming(2, ["w0", "w1", "w2"], ["x" * 16, "a" * 16, "y" * 16])
+    own = naming(3, ["w0", "w1", "w2"], ["x" * 16, "b" * 16, "y" * 16])
+    assert elastic._judge(earlier, 0) is None
+    assert elastic.successor and elastic._waits_as_spare()  # it waits as long as the job runs
+    assert elastic._judge(own, 0) is own
+    # An older control plane that names no incarnations: the name is enough, as before.
+    assert fresh()._judge(reallocate(2, ["w0", "w1", "w2"]), 0) is not None
+
+
+def test_a_member_with_a_rank_named_by_another_process_stops():
+    """The job went on with another process of this name: this one is fenced."""
+    elastic = member()
+    elastic.client.incarnation = "b" * 16
+    elastic.client._commands.put(naming(2, ["w0", "w1", "w2"], ["x" * 16, "c" * 16, "y" * 16]))
+    with pytest.raises(JobStoppedError, match="for another process of w1"):
+        elastic._superseded(1)
