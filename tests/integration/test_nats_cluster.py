@@ -58,7 +58,13 @@ async def _stream_leader(settings: Settings, cluster: NatsCluster) -> NatsServer
     try:
         async with asyncio.timeout(30):
             while True:  # (the control plane creates the stream as it starts)
-                with contextlib.suppress(nats.js.errors.NotFoundError):
+                # Not there yet, or the cluster's JetStream API not answering yet (its meta
+                # leader being elected, on a loaded machine): ask again.
+                with contextlib.suppress(
+                    nats.js.errors.NotFoundError,
+                    nats.js.errors.ServiceUnavailableError,
+                    nats.errors.TimeoutError,
+                ):
                     info = await nc.jetstream().stream_info(settings.stream)
                     if info.cluster is not None and info.cluster.leader is not None:
                         break
