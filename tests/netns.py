@@ -1,0 +1,126 @@
+"""Hosts on one machine, for partitions that are real (``ip netns`` and veth pairs).
+
+A namespace ``control`` holds the control plane's side (NATS, ``elasticctl serve``) with a
+service address, ``SERVICE`` (10.199.0.1, on its loopback); each host namespace reaches it
+through a link of its own (``ctl``: 10.200.<i>.2 to 10.200.<i>.1) and the other hosts through
+a bridge in a ``switch`` namespace (``peer``: 10.201.0.<i+2>/24). So a host can be cut from
+the control plane and not from its peers (its ``ctl`` link down), or from its peers and not
+from the control plane (its port on the bridge down), each undone as it was done. PostgreSQL
+stays where it is: its Unix socket is a file, which every namespace sees.
+
+Made by root with iproute2 (``ip``), removed on ``close``; ``available()`` says why not.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import IO, Any
+
+SERVICE = "10.199.0.1"
+
+
+def available() -> str | None:
+    """None when namespaces can be made here, else why not."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    if shutil.which("ip") is None:
+        return "no `ip` (iproute2)"
+    probe = f"elprobe{uuid.uuid4().hex[:6]}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"`ip netns add` failed: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+def _ip(*args: str) -> None:
+    done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+    if done.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip()}")
+
+
+class Hosts:
+    """``count`` hosts, a control namespace and a switch (see the module's docstring)."""
+
+    def __init__(self, count: int) -> None:
+        tag = uuid.uuid4().hex[:5]
+        self.control = f"el{tag}c"
+        self.switch = f"el{tag}s"
+        self.hosts = [f"el{tag}h{i}" for i in range(count)]
+        self._tag = tag
+        self._made: list[str] = []
+        try:
+            self._make()
+        except BaseException:
+            self.close()
+            raise
+
+    def _make(self) -> None:
+        for ns in (self.control, self.switch, *self.hosts):
+            _ip("netns", "add", ns)
+            self._made.append(ns)
+            _ip("-n", ns, "link", "set", "lo", "up")
+        _ip("-n", self.control, "addr", "add", f"{SERVICE}/32", "dev", "lo")
+        _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+        _ip("-n", self.switch, "link", "set", "br0", "up")
+        for i, host in enumerate(self.hosts):
+            # Its link to the control plane: "ctl" in the host, "c<i>" in the control ns.
+            a, b = f"el{self._tag}a{i}", f"el{self._tag}b{i}"
+            _ip("link", "add", a, "type", "veth", "peer", "name", b)
+            _ip("link", "set", a, "netns", host)
+            _ip("link", "set", b, "netns", self.control)
+            _ip("-n", host, "link", "set", a, "name", "ctl")
+            _ip("-n", self.control, "link", "set", b, "name", f"c{i}")
+            _ip("-n", host, "addr", "add", f"10.200.{i}.2/30", "dev", "ctl")
+            _ip("-n", self.control, "addr", "add", f"10.200.{i}.1/30", "dev", f"c{i}")
+            _ip("-n", host, "link", "set", "ctl", "up")
+            _ip("-n", self.control, "link", "set", f"c{i}", "up")
+            _ip("-n", host, "route", "add", f"{SERVICE}/32", "via", f"10.200.{i}.1")
+            # Its link to the others: "peer" in the host, "p<i>" on the switch's bridge.
+            a, b = f"el{self._tag}p{i}", f"el{self._tag}q{i}"
+            _ip("link", "add", a, "type", "veth", "peer", "name", b)
+            _ip("link", "set", a, "netns", host)
+            _ip("link", "set", b, "netns", self.switch)
+            _ip("-n", host, "link", "set", a, "name", "peer")
+            _ip("-n", self.switch, "link", "set", b, "name", f"p{i}")
+            _ip("-n", host, "addr", "add", f"{self.peer_address(i)}/24", "dev", "peer")
+            _ip("-n", host, "link", "set", "peer", "up")
+            _ip("-n", self.switch, "link", "set", f"p{i}", "master", "br0")
+            _ip("-n", self.switch, "link", "set", f"p{i}", "up")
+
+    @staticmethod
+    def peer_address(i: int) -> str:
+        return f"10.201.0.{i + 2}"
+
+    def popen(
+        self,
+        ns: str,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        out: IO[bytes] | int | None = None,
+        **kwargs: Any,
+    ) -> subprocess.Popen[bytes]:
+        """``argv`` run in namespace ``ns`` (its own process group)."""
+        return subprocess.Popen(
+            ["ip", "netns", "exec", ns, *argv], env=dict(env), stdout=out,
+            stderr=subprocess.STDOUT if out is not None else None, start_new_session=True,
+            **kwargs,
+        )  # fmt: skip
+
+    def cut_from_control(self, i: int, cut: bool = True) -> None:
+        """Host ``i`` cut from the control plane (NATS, the rendezvous), or joined again."""
+        _ip("-n", self.control, "link", "set", f"c{i}", "down" if cut else "up")
+
+    def cut_from_peers(self, i: int, cut: bool = True) -> None:
+        """Host ``i`` cut from the other hosts, or joined again."""
+        _ip("-n", self.switch, "link", "set", f"p{i}", "down" if cut else "up")
+
+    def close(self) -> None:
+        """Remove every namespace (their links go with them)."""
+        for ns in reversed(self._made):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+        self._made.clear()
