@@ -15,7 +15,13 @@ README = (ROOT / "README.md").read_text(encoding="utf-8")
 BENCHMARKS = (ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8")
 #: The pages whose links are checked (docs/benchmarks.md and docs/security.md have their own
 #: owners; their links into these pages are checked through the anchors below all the same).
-LINKED = ("README.md", "docs/design.md", "docs/operations.md", "docs/settings.md")
+LINKED = (
+    "README.md",
+    "docs/design.md",
+    "docs/operations.md",
+    "docs/settings.md",
+    "docs/deploy/kubernetes.md",
+)
 #: A number as the pages write them (4,096; 0.087), not part of a word (p50, dp=64 are not).
 NUMBER = re.compile(r"(?<![\w.=])\d[\d,]*(?:\.\d+)?(?![\w])")
 
