@@ -69,28 +69,29 @@ class Hosts:
         _ip("-n", self.switch, "link", "set", "br0", "up")
         for i, host in enumerate(self.hosts):
             # Its link to the control plane: "ctl" in the host, "c<i>" in the control ns.
-            a, b = f"el{self._tag}a{i}", f"el{self._tag}b{i}"
-            _ip("link", "add", a, "type", "veth", "peer", "name", b)
-            _ip("link", "set", a, "netns", host)
-            _ip("link", "set", b, "netns", self.control)
-            _ip("-n", host, "link", "set", a, "name", "ctl")
-            _ip("-n", self.control, "link", "set", b, "name", f"c{i}")
+            self._veth(f"a{i}", host, "ctl", self.control, f"c{i}")
             _ip("-n", host, "addr", "add", f"10.200.{i}.2/30", "dev", "ctl")
             _ip("-n", self.control, "addr", "add", f"10.200.{i}.1/30", "dev", f"c{i}")
             _ip("-n", host, "link", "set", "ctl", "up")
             _ip("-n", self.control, "link", "set", f"c{i}", "up")
             _ip("-n", host, "route", "add", f"{SERVICE}/32", "via", f"10.200.{i}.1")
             # Its link to the others: "peer" in the host, "p<i>" on the switch's bridge.
-            a, b = f"el{self._tag}p{i}", f"el{self._tag}q{i}"
-            _ip("link", "add", a, "type", "veth", "peer", "name", b)
-            _ip("link", "set", a, "netns", host)
-            _ip("link", "set", b, "netns", self.switch)
-            _ip("-n", host, "link", "set", a, "name", "peer")
-            _ip("-n", self.switch, "link", "set", b, "name", f"p{i}")
+            self._veth(f"p{i}", host, "peer", self.switch, f"p{i}")
             _ip("-n", host, "addr", "add", f"{self.peer_address(i)}/24", "dev", "peer")
             _ip("-n", host, "link", "set", "peer", "up")
             _ip("-n", self.switch, "link", "set", f"p{i}", "master", "br0")
             _ip("-n", self.switch, "link", "set", f"p{i}", "up")
+
+    def _veth(self, link: str, ns: str, name: str, other_ns: str, other: str) -> None:
+        """A veth pair between ``ns`` (its end named ``name``) and ``other_ns`` (``other``),
+        made in the root namespace under names unique to these hosts (``link`` tells this
+        pair from their others), then moved and renamed."""
+        a, b = f"el{self._tag}{link}", f"el{self._tag}{link}x"
+        _ip("link", "add", a, "type", "veth", "peer", "name", b)
+        _ip("link", "set", a, "netns", ns)
+        _ip("link", "set", b, "netns", other_ns)
+        _ip("-n", ns, "link", "set", a, "name", name)
+        _ip("-n", other_ns, "link", "set", b, "name", other)
 
     @staticmethod
     def peer_address(i: int) -> str:
