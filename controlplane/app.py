@@ -34,10 +34,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: How long past a pull request's expiry the event stream may stay quiet before it counts as
-#: not answering (the decider then leaves silences for later: ``Decider.events_current``).
-STREAM_ANSWER_GRACE_S = 1.0
-
 
 def load_views(store: EventStore) -> dict[str, JobView]:
     """Every job's view: from the store's view snapshot and the log after it (``snapshots``)."""
@@ -195,9 +191,6 @@ class ControlPlane:
                 await session.refresh(job_id)
 
             consumer = bus.EventConsumer(nc, settings)
-            # A pull request is answered by its expiry (the fetch wait); a second past it, the
-            # stream is not answering.
-            answer_s = settings.ingest_fetch_timeout_s + STREAM_ANSWER_GRACE_S
             decider = self.decider = Decider(
                 views=lambda: folded.current,
                 apply=folded.apply,
@@ -208,7 +201,7 @@ class ControlPlane:
                 liveness=table,
                 hear=heartbeats.catch_up,
                 hold=heartbeats.held,
-                events_current=lambda: consumer.answering(answer_s),
+                events_current=consumer.answering,
                 fault=ControlFault(settings.control_fault) if settings.control_fault else None,
             )
             session = self.ingest = Session(

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import nats
 import nats.errors
@@ -34,7 +34,12 @@ from controlplane.decode import decode_heartbeats
 from controlplane.errors import BusUnavailable
 from controlplane.settings import Settings
 from schemas.nats import auth_options
-from schemas.subjects import COMMAND_PREFIX, EVENTS_WILDCARD, HEARTBEATS_WILDCARD
+from schemas.subjects import (
+    COMMAND_PREFIX,
+    EVENT_ACK_TIMEOUT_S,
+    EVENTS_WILDCARD,
+    HEARTBEATS_WILDCARD,
+)
 
 log = logging.getLogger(__name__)
 
@@ -280,6 +285,12 @@ def delivery(reply: str) -> tuple[int, int]:
 
 #: How long the ingest's consumer waits for JetStream's API (consumer info, add, delete).
 _JS_API_TIMEOUT_S = 2.0
+#: How long past a pull request's expiry the event stream may stay quiet before it counts as
+#: not answering (the decider then leaves silences for later: ``Decider.events_current``).
+STREAM_ANSWER_GRACE_S = 1.0
+#: How long after the stream answers again events members sent while it did not may still
+#: be on their way (each is sent again once its acknowledgement times out), with a margin.
+EVENTS_SETTLE_S = EVENT_ACK_TIMEOUT_S + 1.0
 #: A partly filled batch is handed over once this long passes without _WAKE_EVERY more.
 _LINGER_S = 0.005
 _WAKE_EVERY = 256
@@ -332,6 +343,10 @@ class EventConsumer:
         #: When the oldest request the server has not answered yet was sent (None: every
         #: one was answered, by messages or a status); see ``answering``.
         self._asked_at: float | None = None
+        #: How long a request may go unanswered past its expiry before the stream counts as
+        #: not answering, and when it last answered again after such a time (see ``answering``).
+        self._answer_s = settings.ingest_fetch_timeout_s + STREAM_ANSWER_GRACE_S
+        self._answered_again_at: float | None = None
         #: The ack floor a re-creation read before it deleted the consumer, while the
         #: consumer is not added again (the server did not answer): the next attempt starts
         #: after it, not at the stream's first message.
@@ -427,7 +442,8 @@ class EventConsumer:
             self._on_status(status, (msg.headers or {}).get("Description", ""))
 
     def _on_delivery(self, delivery: Delivery) -> None:
-        self._asked_at = None
+        if self._asked_at is not None:
+            self._answered()
         self._request_left -= 1
         buffer = self._buffer
         buffer.append(delivery)
@@ -438,7 +454,8 @@ class EventConsumer:
         self._arrived.set()
 
     def _on_status(self, status: str, description: str) -> None:
-        self._asked_at = None
+        if self._asked_at is not None:
+            self._answered()
         if status in ("404", "408", "409"):
             # The pull request ended (no messages, expired, or refused).
             self._request_until = 0.0
@@ -516,13 +533,26 @@ class EventConsumer:
             raise BusUnavailable(f"{type(exc).__name__}: {exc}") from exc
         return taken
 
-    def answering(self, within_s: float) -> bool:
-        """Whether the stream answers: no request of this consumer has gone unanswered for
-        more than ``within_s`` seconds (a healthy server answers every pull request by its
-        expiry, with messages or a status; one whose stream or consumer leader is failing
-        over, or that lost its JetStream quorum, does not)."""
-        asked = self._asked_at
-        return asked is None or time.monotonic() - asked <= within_s
+    def _answered(self) -> None:
+        """The server answered the oldest request outstanding (``_asked_at``)."""
+        now = time.monotonic()
+        if now - cast("float", self._asked_at) > self._answer_s:
+            self._answered_again_at = now
+        self._asked_at = None
+
+    def answering(self) -> bool:
+        """Whether the stream answers, and has for long enough that what members sent while
+        it did not is in it: no request of this consumer has gone unanswered for more than
+        ``answer_s`` (a healthy server answers every pull request by its expiry, with
+        messages or a status; one whose stream or consumer leader is failing over, or that
+        lost its JetStream quorum, does not), nor was, in the last ``EVENTS_SETTLE_S`` (a
+        member's publication sent while the stream did not answer is sent again only when
+        its acknowledgement times out: ``EVENT_ACK_TIMEOUT_S``)."""
+        now = time.monotonic()
+        asked, again = self._asked_at, self._answered_again_at
+        if asked is not None and now - asked > self._answer_s:
+            return False
+        return again is None or now - again >= EVENTS_SETTLE_S
 
     def _continuous(self, msgs: list[Delivery]) -> bool:
         """Check that no delivery went missing before or inside ``msgs`` (one inbox, in order)."""

@@ -240,8 +240,9 @@ class Decider:
         #: around a decision's append and command, once the summary is taken.
         self._hold = hold
         #: Whether the event stream answers the ingest (``EventConsumer.answering``): while it does
-        #: not (its leader failing over, JetStream without a quorum), a member's last events
-        #: (its exit, its completion) may be waiting there, and a silence is not judged.
+        #: not (its leader failing over, JetStream without a quorum), and for a few seconds after
+        #: (what members sent meanwhile is sent again), a member's last events (its exit, its
+        #: backup's reports) may be on their way, and a silence is not judged.
         self._events_current = events_current
         self._postponed_since: float | None = None
         #: An injected fault (``ELASTIC_CONTROL_FAULT``), None in service.
@@ -401,7 +402,7 @@ class Decider:
             self._postponed_since = time.monotonic()
             log.warning(
                 "a silence in %s waits: the event stream does not answer (a NATS node lost,"
-                " say), and the members' last events may be in it",
+                " say), or did not lately, and the members' last events may be on their way",
                 job_id,
             )
         return True

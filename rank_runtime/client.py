@@ -58,6 +58,7 @@ from schemas.ids import new_event_id
 from schemas.nats import auth_options
 from schemas.subjects import (
     BROADCAST,
+    EVENT_ACK_TIMEOUT_S,
     MSG_ID_HEADER,
     command_subject,
     event_subject,
@@ -119,7 +120,7 @@ class EventClient:
         identity: Identity,
         *,
         buffer_limit: int = 100_000,
-        ack_timeout_s: float = 5.0,
+        ack_timeout_s: float = EVENT_ACK_TIMEOUT_S,
         commands: bool = True,
         command_key: CommandVerifier | str | None = FROM_ENV,
     ) -> None:

@@ -18,6 +18,11 @@ EVENTS_WILDCARD = f"{EVENT_PREFIX}.>"
 BROADCAST = "all"
 #: The header JetStream de-duplicates a publication by (the event's or command's id).
 MSG_ID_HEADER = "Nats-Msg-Id"
+#: How long a member's publication of an event waits for JetStream's acknowledgement before
+#: it is sent again (the same id: stored once). While a clustered stream elects a leader,
+#: nothing is acknowledged: the control plane counts on this to know when what members sent
+#: meanwhile has arrived (``controlplane.bus.EVENTS_SETTLE_S``).
+EVENT_ACK_TIMEOUT_S = 5.0
 
 
 class EventSubject(NamedTuple):

@@ -11,6 +11,8 @@ import json
 from dataclasses import replace
 from datetime import timedelta
 
+import pytest
+
 from controlplane.bus import HeartbeatListener
 from controlplane.core.fold import fold
 from controlplane.core.liveness import TABLE, Beats, LivenessTable, take_beats
@@ -603,6 +605,52 @@ async def test_a_silence_waits_while_the_event_stream_does_not_answer():
     assert await _turn(["w00", "w01", "w11"], hear=True, stream=[False]) == []
     assert await _turn(["w00", "w01", "w11"], hear=True, stream=[False, False, True]) == silent
     assert await _turn(["w00", "w01", "w11"], hear=True, stream=[True]) == silent
+
+
+class _Nats:
+    """What ``EventConsumer`` asks of a connection to send a pull request: nothing answers."""
+
+    def jetstream(self, **_: object) -> object:
+        return object()
+
+    async def publish(self, *_: object, **__: object) -> None:
+        return None
+
+
+async def test_the_event_stream_counts_as_answering_once_what_members_sent_meanwhile_came(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    """A pull request unanswered past its expiry and a grace: the stream does not answer. Once
+    it does again, what members published meanwhile is still on its way (each publication
+    is sent again when its acknowledgement times out): the silences wait ``EVENTS_SETTLE_S``
+    more. An answer in time (a request ending by its expiry) changes nothing."""
+    from controlplane import bus
+    from controlplane.settings import Settings
+    from schemas.subjects import EVENT_ACK_TIMEOUT_S
+
+    assert bus.EVENTS_SETTLE_S > EVENT_ACK_TIMEOUT_S
+    clock = [1000.0]
+    monkeypatch.setattr(bus.time, "monotonic", lambda: clock[0])
+    settings = Settings(ingest_fetch_timeout_s=0.5)
+    consumer = bus.EventConsumer(_Nats(), settings)  # type: ignore[arg-type]
+    answer_s = settings.ingest_fetch_timeout_s + bus.STREAM_ANSWER_GRACE_S
+
+    await consumer._request(10, 0.5)
+    clock[0] += answer_s - 0.01
+    assert consumer.answering()
+    consumer._on_raw(b"_INBOX.x", b"", b"", b"NATS/1.0 408 Request Timeout\r\n\r\n")
+    assert consumer.answering()  # answered in time: no outage
+
+    await consumer._request(10, 0.5)
+    clock[0] += answer_s + 0.01
+    assert not consumer.answering()  # unanswered: a leader being elected, say
+    clock[0] += 7.0
+    consumer._on_raw(b"_INBOX.x", b"", b"", b"NATS/1.0 404 No Messages\r\n\r\n")
+    assert not consumer.answering()  # answers again; members' retries still on their way
+    clock[0] += bus.EVENTS_SETTLE_S - 0.01
+    assert not consumer.answering()
+    clock[0] += 0.02
+    assert consumer.answering()
 
 
 def test_milliseconds_of_a_time_are_exact_and_round_down():
