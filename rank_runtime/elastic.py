@@ -49,6 +49,7 @@ from rank_runtime.replication import (
     Abandon,
     Abandoned,
     DigestMismatch,
+    NotHeld,
     PeerStore,
     ReplicationError,
     background_priority,
@@ -57,6 +58,7 @@ from rank_runtime.replication import (
     fetch_into,
     send,
     server_tls,
+    unreachable,
 )
 from rank_runtime.snapshot import (
     CorruptSnapshot,
@@ -260,7 +262,7 @@ class Elastic:
         identity: Identity | None = None,
         *,
         policy: JobPolicy | None = None,
-        collective_timeout_s: float = 60.0,
+        collective_timeout_s: float | None = None,
     ) -> None:
         self.identity = identity if identity is not None else Identity.from_env()
         if policy is None and self.identity.policy_json:
@@ -321,7 +323,10 @@ class Elastic:
         #: A restore ``_rejoin`` left on its way (``defer_restore``): the command, its fetch
         #: (None: read when completed) and the seconds the group took to form.
         self._restoring: tuple[Reallocate, _Fetch | None, float] | None = None
-        self._collective_timeout = timedelta(seconds=collective_timeout_s)
+        #: How long a collective waits for peers (default: the policy's).
+        self._collective_timeout = timedelta(
+            seconds=collective_timeout_s or self.policy.collective_timeout_s
+        )
         #: This rank's own copies of its unique state (what peers hold copies of): two
         #: preallocated slots, the newest complete one whole.
         self.hot = HotSnapshot()
@@ -547,7 +552,10 @@ class Elastic:
         anomaly = isinstance(error, LossAnomaly)
         if not isinstance(error, GenerationSuperseded | LossAnomaly):  # no fault: a decision
             self.report_fault(
-                FaultKind.COLLECTIVE_ERROR, f"{type(error).__name__}: {error}", step=step
+                FaultKind.COLLECTIVE_ERROR,
+                f"{type(error).__name__}: {error}",
+                step=step,
+                suspects=self._unreachable(),
             )
         self.client.phase = Phase.WAITING
         left = time.time(), time.perf_counter()
@@ -821,7 +829,7 @@ class Elastic:
             return fetch_into(command.endpoints.get(source, ""), lambda _: decoder, owner=None,
                               shard=shard, step=command.restore_step, expected=expected,
                               secret=self._secret)  # fmt: skip
-        except DigestMismatch as exc:
+        except (DigestMismatch, NotHeld) as exc:  # that copy is not to be had from there
             raise _RefusedCopy(shard, source, str(exc)) from exc
         except ReplicationError as exc:
             if isinstance(exc.__cause__, CorruptSnapshot):
@@ -1206,6 +1214,21 @@ class Elastic:
         except SnapshotNotFound:
             return state
         return {"unique": state, REPLICATED_KEY: replicated}
+
+    def _unreachable(self) -> list[str]:
+        """The members of this member's world on hosts that do not answer from here (a
+        partition between hosts: ``replication.unreachable``), named in a failed collective's
+        report."""
+        world = self.world
+        if world is None:
+            return []
+        endpoints = {m: world.endpoints.get(m, "") for m in world.members}
+        started = time.perf_counter()
+        gone = unreachable(endpoints, self.identity.member)
+        if gone:
+            log.warning("no answer from the hosts of %s (%.1f s)", ", ".join(gone[:8]),
+                        time.perf_counter() - started)  # fmt: skip
+        return gone
 
     def report_fault(
         self,

@@ -118,6 +118,11 @@ class DigestMismatch(ReplicationError):
     """A peer served bytes that do not hash to the digest they must have."""
 
 
+class NotHeld(ReplicationError):
+    """The peer answered, and holds no copy of what was asked (it never got it, or has
+    evicted it since)."""
+
+
 class Abandoned(ReplicationError):
     """The sender gave a transfer up midway (``Abandon.set``)."""
 
@@ -582,8 +587,14 @@ class PeerStore:
         client_nonce = b""
         try:
             hello = {"peer": _PROTOCOL, "nonce": server_nonce.hex(), "auth": self.authenticated}
-            wfile.write(json.dumps(hello).encode() + b"\n")
-            header = json.loads(rfile.readline(_MAX_HEADER))
+            try:
+                wfile.write(json.dumps(hello).encode() + b"\n")
+                first = rfile.readline(_MAX_HEADER)
+            except (ssl.SSLEOFError, ConnectionResetError, BrokenPipeError):
+                first = b""  # (a TLS store: gone during the handshake)
+            if not first:
+                return  # closed before asking anything: a reachability probe (``unreachable``)
+            header = json.loads(first)
             if not isinstance(header, dict):
                 raise ValueError("the request is not a JSON object")
             client_nonce = _nonce(header)
@@ -683,6 +694,73 @@ class PeerStore:
 
 
 # ---------------------------------------------------------------------- clients
+
+#: Hosts a member probes after a failed collective (``unreachable``), and how long it waits
+#: for each to answer.
+PROBE_HOSTS = 8
+PROBE_TIMEOUT_S = 1.0
+#: Suspects a fault report names at most (``MemberFault.suspects``).
+_MAX_SUSPECTS = 64
+
+
+def _host(endpoint: str) -> str:
+    return endpoint.removeprefix(_TLS_SCHEME).rpartition(":")[0].strip("[]")
+
+
+def _answers(endpoint: str, timeout_s: float) -> bool:
+    """Whether ``endpoint``'s host answers a TCP connection at all: accepted, or refused
+    (its kernel answered: the host is reachable, whatever became of that process); not a
+    timeout or an unreachable network."""
+    host, _, port = endpoint.removeprefix(_TLS_SCHEME).rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except ConnectionRefusedError:
+        return True
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def unreachable(
+    endpoints: dict[str, str],
+    own: str,
+    *,
+    hosts: int = PROBE_HOSTS,
+    timeout_s: float = PROBE_TIMEOUT_S,
+) -> list[str]:
+    """The members (of ``endpoints``: member -> its peer store) on hosts that do not answer
+    a connection from here, for a failed collective's report. A partition between hosts shows
+    in no heartbeat and fails every side's collectives alike, naming nobody; a host's peers
+    that cannot reach it name it, and the control plane finds it once members on two nodes
+    agree (``controlplane.core.detect``), while what the cut-off host says of the others is
+    corroborated by no one.
+
+    One store a host is probed (a host answers for every member on it), at most ``hosts``
+    hosts, in parallel: the ones after this member's own in sorted order, wrapping around,
+    so that every host is probed by that many others however large the world. Members on
+    this member's own host are never named."""
+    by_host: dict[str, list[str]] = {}
+    for member, endpoint in endpoints.items():
+        if endpoint:
+            by_host.setdefault(_host(endpoint), []).append(member)
+    mine = _host(endpoints.get(own, ""))
+    others = sorted(h for h in by_host if h != mine)
+    later = [h for h in others if h > mine]
+    chosen = (later + others[: len(others) - len(later)])[:hosts]
+    if not chosen:
+        return []
+    answered: dict[str, bool] = {}
+
+    def probe(host: str) -> None:
+        answered[host] = _answers(endpoints[min(by_host[host])], timeout_s)
+
+    threads = [threading.Thread(target=probe, args=(h,), daemon=True) for h in chosen]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout_s + 1.0)
+    gone = sorted(m for h in chosen if not answered.get(h, False) for m in by_host[h])
+    return gone[:_MAX_SUSPECTS]
 
 
 def _connect(endpoint: str, timeout: float, tls: ssl.SSLContext | None = None) -> socket.socket:
@@ -852,8 +930,9 @@ def fetch_into(
                 session.request(header)
                 answer = session.answer()
                 if not answer.get("ok"):
-                    raise ReplicationError(
-                        f"{endpoint} has no shard {shard}: {answer.get('error')}"
+                    error = answer.get("error")
+                    raise (NotHeld if error == "not held" else ReplicationError)(
+                        f"{endpoint} has no shard {shard} of step {step}: {error}"
                     )
                 claimed = answer["digest"]
                 algorithm = _algorithm(expected if expected is not None else claimed)

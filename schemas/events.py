@@ -255,8 +255,8 @@ class JobPolicy(Strict):
     #: step_timeout_ceiling_s]``; with fewer than ``step_timeout_min_steps`` of them the fixed
     #: one holds.
     step_timeout_mode: Literal["fixed", "auto"] = "fixed"
-    #: (The default is half the runtime's default collective timeout, 60 s: a wait that long
-    #: fails the collectives anyway, naming nobody.)
+    #: (The default is half the default ``collective_timeout_s``: a wait that long fails the
+    #: collectives anyway.)
     step_timeout_s: Annotated[float, Field(ge=0, le=3600, allow_inf_nan=False)] = 30.0
     step_timeout_k: Annotated[float, Field(gt=0, le=1000, allow_inf_nan=False)] = 5.0
     step_timeout_quantile: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] = 0.99
@@ -265,6 +265,11 @@ class JobPolicy(Strict):
     #: (A heartbeat carries a wait of at most an hour: no step timeout is longer.)
     step_timeout_ceiling_s: Annotated[float, Field(gt=0, le=3600, allow_inf_nan=False)] = 1800.0
     step_timeout_window_s: PositiveSeconds = 600.0
+    #: How long a member's collective (and the forming of a generation's group) waits for its
+    #: peers before it fails: the process group's timeout. A failed collective is reported
+    #: with the members on hosts this member cannot reach at all (a partition between hosts,
+    #: which no heartbeat shows: ``rank_runtime.replication.unreachable``).
+    collective_timeout_s: Annotated[float, Field(ge=1, le=86_400, allow_inf_nan=False)] = 60.0
 
     def heartbeat_floor(self, phase: Phase) -> float:
         """The floor of ``phase``'s derived heartbeat timeout (``auto``)."""

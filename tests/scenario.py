@@ -199,12 +199,17 @@ class Scenario:
         self.step(23)
         return self
 
-    def backup(self, step: int, *, replicate: bool = True, named: bool = False) -> None:
+    def backup(
+        self, step: int, *, replicate: bool = True, named: bool = False, unheard: Any = ()
+    ) -> None:
         """Every rank snapshots its shard at ``step``; holders named by the current
         placement replicate it (when ``replicate``), each reporting its copy, or the owner
-        names them in its report (when ``named``, as the runtime does now)."""
+        names them in its report (when ``named``, as the runtime does now). Nothing is heard
+        of the shards of the owners in ``unheard``."""
         events = []
         for shard, owner in enumerate(self.v.world):
+            if owner in unheard:
+                continue
             checksum = f"crc32:{step:04x}{shard:04x}"
             payload: dict[str, Any] = {
                 "step": step, "shard": shard, "nbytes": 100, "checksum": checksum,

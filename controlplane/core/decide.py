@@ -1172,11 +1172,12 @@ class _Round:
             self._anomaly(incident.incident_id, reopen, opens=False)
             return
         refused = refused_sources(view, decision)
-        if refused:  # a copy of the plan is not what its owner reported: plan without it
+        if refused:  # a copy of the plan is not there, or not what its owner reported
             what = ", ".join(f"shard {s} from {m}" for s, m in refused[:8])
             self._state(
                 reopen,
-                f"while recovering: the restore refused {what} (not the recorded digest)",
+                f"while recovering: the restore refused {what} (not held there, or not the"
+                f" recorded digest): plan without it",
             )
             return
         late = (self.now - decision.at).total_seconds()

@@ -996,10 +996,16 @@ class _Fold:
 
     def _refute(self, step: int | None, shard_no: int, source: str) -> None:
         """A restore refused ``source``'s copy of the shard (it does not hash to the digest its
-        owner reported): that copy is never planned from again."""
+        owner reported, or ``source`` does not hold it): that copy is never planned from
+        again. A shard whose owner's report never came (planned from where the placement sent
+        it: ``restore._unreported``) gets a record of its own for it."""
         backup = self._backup(step) if step is not None else None
-        shard = backup.shards.get(shard_no) if backup is not None else None
-        if shard is not None and source not in shard.refuted:
+        if backup is None or not 0 <= shard_no < backup.num_shards:
+            return
+        shard = backup.shards.get(shard_no)
+        if shard is None:
+            backup.shards[shard_no] = ShardBackup(shard_no, refuted=(source,))
+        elif source not in shard.refuted:
             owned = self._owned_shard(step, backup, shard_no)  # type: ignore[arg-type]
             assert owned is not None
             owned.refuted = (*shard.refuted, source)

@@ -98,20 +98,66 @@ def plan_restore(
     for step in sorted(view.backups, reverse=True):
         if before is not None and step >= before:
             continue
-        if not of_current_timeline(view, view.backups[step]):
+        backup = view.backups[step]
+        if not of_current_timeline(view, backup):
             continue
         sources = _sources(
-            view.backups[step],
+            backup,
             survivors=survivors,
             since=since,
             staying=staying,
             receivers=receivers,
             slots=slots,
             avoid=avoid,
+            unreported=_unreported(view, backup, survivors, since),
         )
         if sources is not None:
-            return RestorePlan(step, view.backups[step].generation, sources)
+            return RestorePlan(step, backup.generation, sources)
     return None
+
+
+def _unreported(
+    view: JobView, backup: StepBackup, survivors: Set[str], since: Mapping[str, int]
+) -> dict[int, list[str]]:
+    """Shard -> the surviving members the current placement gave copies of it to, for the
+    shards of ``backup`` whose owner's report never came because the owner is gone: a member
+    cut off from the control plane (its reports unheard while it trained on with its peers),
+    or one that died before its report left. Only for a backup of the current generation that
+    the job went past (a later step was reported: every rank, the silent owner too, took the
+    step's collectives after it), whose every other shard its owner reported; a holder's
+    process must have joined before the step's first report. Empty when none applies.
+
+    Such a copy's digest is only the one its holder keeps (its owner's claim, under the job's
+    secret): a plan with one restores without the owners' digests (``restore_digests``).
+    One a restore found missing is refuted and never planned from again."""
+    world = view.world
+    if backup.generation != view.generation or backup.step >= view.last_step:
+        return {}
+    placement = view.placement
+    shards = backup.shards
+    missing = [
+        n for n in range(backup.num_shards) if (s := shards.get(n)) is None or s.checksum is None
+    ]
+    if not missing or len(missing) == backup.num_shards or len(placement) != len(world):
+        return {}
+    reported = [s.snapshot_position for s in shards.values() if s.snapshot_position is not None]
+    first = min(reported, default=None)
+    if first is None:
+        return {}
+    out: dict[int, list[str]] = {}
+    for n in missing:
+        if n >= len(world) or world[n] in survivors:
+            return {}  # its owner lives (and may report yet)
+        refuted = shards[n].refuted if n in shards else ()
+        holders = [
+            h
+            for h in placement[n]
+            if h in survivors and h not in refuted and since.get(h, 0) < first
+        ]
+        if not holders:
+            return {}
+        out[n] = holders
+    return out
 
 
 def of_current_timeline(view: JobView, backup: StepBackup) -> bool:
@@ -136,8 +182,14 @@ def _sources(
     receivers: Mapping[int, str],
     slots: Mapping[str, Located],
     avoid: Set[str] = frozenset(),
+    unreported: Mapping[int, list[str]] | None = None,
 ) -> tuple[str, ...] | None:
-    """A source per shard of ``backup``, or None when some shard has no surviving copy."""
+    """A source per shard of ``backup``, or None when some shard has no surviving copy.
+    ``unreported``: shards whose owner's report never came, and where copies were sent
+    (``_unreported``)."""
+    if unreported:
+        return _sources_unreported(backup, unreported, survivors=survivors, since=since,
+                                   receivers=receivers, slots=slots, avoid=avoid)  # fmt: skip
     numbers = range(backup.num_shards)
     if not all(map(backup.shards.__contains__, numbers)):
         return None
@@ -179,6 +231,39 @@ def _sources(
         counted = shard_no
         sources[shard_no] = _closest(copies, receiver, slots, served, owner, avoid=avoid)
     return tuple(sources)
+
+
+def _sources_unreported(
+    backup: StepBackup,
+    unreported: Mapping[int, list[str]],
+    *,
+    survivors: Set[str],
+    since: Mapping[str, int],
+    receivers: Mapping[int, str],
+    slots: Mapping[str, Located],
+    avoid: Set[str],
+) -> tuple[str, ...] | None:
+    """``_sources`` for a backup with shards whose owner's report never came (rare: no fast
+    path); their owners are gone, so every shard comes from a copy somewhere."""
+    served: Counter[str] = Counter()
+    out: list[str] = []
+    for n in range(backup.num_shards):
+        shard = backup.shards.get(n)
+        guessed = unreported.get(n)
+        if guessed is not None:
+            copies = guessed
+            owner = None
+        elif shard is None:
+            return None
+        else:
+            copies = surviving_copies(shard, survivors, since)
+            owner = shard.owner
+        if not copies:
+            return None
+        source = _closest(copies, receivers.get(n), slots, served, owner, avoid=avoid)
+        served[source] += 1
+        out.append(source)
+    return tuple(out)
 
 
 def restore_digests(view: JobView, step: int, sources: Sequence[str]) -> tuple[str, ...]:

@@ -9,6 +9,7 @@ import json
 import os
 import socket
 import sys
+import time
 
 import pytest
 
@@ -612,3 +613,69 @@ def test_an_abandoned_send_ends_midway_even_when_the_holder_stops_reading():
         send("127.0.0.1:1", owner="m1", shard=0, step=10, generation=1, data=b"x",
              digest="sha256:" + "0" * 64, abandon=abandon)  # fmt: skip
     assert not isinstance(refused.value, Abandoned)
+
+
+def test_members_on_hosts_that_do_not_answer_are_named_and_those_that_refuse_are_not(caplog):
+    """After a failed collective a member probes its peers' hosts: one that accepts the
+    connection, and one that refuses it (its kernel answered; its process may be gone), are
+    reachable; one that does not answer at all (a partition drops what is sent to it) is named,
+    with every member on it. This member's own host is never probed. A probe is no request: the
+    store it reaches logs nothing."""
+    from rank_runtime.replication import unreachable
+
+    listening = socket.create_server(("127.0.0.2", 0))
+    closed = socket.create_server(("127.0.0.3", 0))
+    refusing = closed.getsockname()[1]
+    closed.close()
+    # A host that drops what it is sent: a listener whose queue of connections is full
+    # (Linux then drops a new connection's SYN, as a partition does, and the connect times
+    # out).
+    silent = socket.socket()
+    silent.bind(("127.0.0.5", 0))
+    silent.listen(0)
+    cut = silent.getsockname()[1]
+    filling = socket.create_connection(("127.0.0.5", cut), timeout=2)
+    peer = PeerStore(advertise="127.0.0.4")
+    try:
+        endpoints = {
+            "me": "127.0.0.1:1",
+            "beside-me": "127.0.0.1:2",  # (nothing there: never probed)
+            "up": f"127.0.0.2:{listening.getsockname()[1]}",
+            "refusing": f"127.0.0.3:{refusing}",
+            "store": peer.start(),
+            "cut-a": f"127.0.0.5:{cut}",
+            "cut-b": "127.0.0.5:1",
+        }
+        with caplog.at_level("WARNING", logger="rank_runtime.replication"):
+            assert unreachable(endpoints, "me", timeout_s=0.5) == ["cut-a", "cut-b"]
+            time.sleep(0.3)  # (the store's handler of the probe runs on a thread of its own)
+        assert not caplog.records, caplog.records
+    finally:
+        for sock in (listening, filling, silent):
+            sock.close()
+        peer.close()
+
+
+def test_each_host_is_probed_by_as_many_others_however_large_the_world(monkeypatch):
+    """Every member probes at most ``hosts`` hosts: those after its own in sorted order,
+    wrapping around; so each host is probed by that many others, and a world of thousands
+    of hosts costs each member a few connections."""
+    from rank_runtime import replication
+
+    probed: dict[str, list[str]] = {}
+    me = [""]
+
+    def answers(endpoint: str, timeout_s: float) -> bool:
+        probed.setdefault(endpoint.rpartition(":")[0], []).append(me[0])
+        return True
+
+    monkeypatch.setattr(replication, "_answers", answers)
+    hosts = [f"10.0.{i // 250}.{i % 250}" for i in range(40)]
+    endpoints = {f"m{i}-{j}": f"{h}:{29500 + j}" for i, h in enumerate(hosts) for j in range(2)}
+    for member in endpoints:
+        me[0] = member
+        assert replication.unreachable(endpoints, member, hosts=3) == []
+    assert sorted(probed) == sorted(hosts)
+    # Each host: by both members of each of the 3 hosts before it (one probe a host each).
+    assert all(len(by) == 6 for by in probed.values()), probed
+    assert all(not by.startswith(f"m{i}-") for i, h in enumerate(hosts) for by in probed[h])

@@ -281,3 +281,65 @@ def test_when_every_copy_of_the_step_is_refused_an_older_one_is_restored():
         [realloc] = [d.payload for d in decided if d.type == "reallocation.issued"]
         refused.append(realloc.plan[1])
     assert realloc.restore_step == 10 and "incident.resolved" not in [d.type for d in decided]
+
+
+# --------------------------------------------------------------------------- unheard owners
+
+
+def _trained(*, past: bool, unheard: int, dies: int) -> tuple[Scenario, object]:
+    """4 workers and a spare, complete backups at step 10; at step 15 nothing heard of rank
+    ``unheard``'s shard, then (when ``past``) step 17; then rank ``dies`` exits. The decision."""
+    s = Scenario("job1", world_size=4, min_world=2, redundancy=1)
+    s.cluster(2, 2, spares=1)
+    s.decide()
+    s.at(1)
+    s.heartbeat_all()
+    s.step(10)
+    s.backup(10, named=True)
+    s.step(15)
+    s.backup(15, named=True, unheard={s.v.world[unheard]})
+    if past:
+        s.step(17)
+    s.at(2)
+    s.exited(s.v.world[dies])
+    [decision] = [d.payload for d in s.decide() if d.type == "reallocation.issued"]
+    return s, decision
+
+
+def test_a_backup_whose_lost_owner_never_reported_is_restored_from_where_its_copies_went():
+    """A member whose reports were never heard (cut off from the control plane while it
+    trained on with its peers, or killed before its report left) took the backups its peers
+    reported: the job went past them, so every rank took their steps. Its shard comes from
+    the holders the placement sent it to, without the owners' digests (none was recorded for
+    it); a copy a holder turns out not to have is refuted, and the plan falls back to the
+    newest step whose every shard was reported."""
+    s, decision = _trained(past=True, unheard=1, dies=1)
+    placed = _placement_before(s)
+    assert decision.restore_step == 15
+    assert decision.plan[1] in placed[1], (decision.plan, placed)
+    recorded_decision = s.v.incidents[str(decision.incident_id)].decisions[-1]
+    assert recorded_decision.digests == ()  # shard 1's was never recorded: none is checked
+    # Its holder does not have it (the owner died before it sent it): refuted, re-planned.
+    s.add(_not_held(s, decision.world[1], 15, 1, decision.plan[1]))
+    [again] = [d.payload for d in s.decide() if d.type == "reallocation.issued"]
+    assert again.restore_step == 10 and again.incident_id == decision.incident_id
+
+
+def test_no_unreported_shard_is_guessed_while_its_owner_lives_or_before_the_job_went_past():
+    # Rank 1's report of step 15 is only late (it lives); rank 2 dies.
+    assert _trained(past=True, unheard=1, dies=2)[1].restore_step == 10
+    # The job never went past step 15: its lost owner may have died taking it.
+    assert _trained(past=False, unheard=1, dies=1)[1].restore_step == 10
+
+
+def _placement_before(s: Scenario) -> list[list[str]]:
+    """The placement of the generation before the latest decision's."""
+    started = [e for e in s.log if e.event.type == "generation.started"]
+    return started[-2].event.payload.placement
+
+
+def _not_held(s: Scenario, reporter: str, step: int, shard: int, source: str):
+    """``reporter``'s restore (in the current generation) found no copy at ``source``."""
+    payload = {"kind": "restore_failed", "detail": "not held", "step": step, "shard": shard,
+               "source": source}  # fmt: skip
+    return s.ev.make("member.fault", payload, source=s._src(reporter), generation=s.v.generation)

@@ -133,3 +133,20 @@ def test_a_copy_corrupted_on_its_way_to_a_holder_is_refused_and_another_copy_res
         assert torch.equal(shards[1]["w"], torch.ones(8)) and sources == {"1": "g"}
     finally:
         other.close()
+
+
+def test_a_holder_without_the_copy_is_refused_by_name_and_without_digests_its_own_is_restored(
+    monkeypatch, holder
+):
+    """A plan's holder that answers it holds no such copy (it never got it, or evicted it)
+    is named, with the shard, as a refused copy is: the control plane plans around it. A
+    plan whose digests were never all recorded (a lost owner's unreported shard) comes with
+    none: each copy is checked against the digest its holder keeps it under."""
+    spare = member(monkeypatch, "s0", 1, own=None)
+    with pytest.raises(elastic_module._RefusedCopy, match="not held") as info:
+        spare._restore(command(["w0", "h"], [], {"h": holder.endpoint}))
+    assert (info.value.shard, info.value.source) == (1, "h")
+    genuine = shard_bytes(1.0)
+    put(holder, genuine)
+    shards, _, sources = spare._restore(command(["w0", "h"], [], {"h": holder.endpoint}))
+    assert torch.equal(shards[1]["w"], torch.ones(8)) and sources == {"1": "h"}
