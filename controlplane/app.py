@@ -9,7 +9,6 @@ from collections.abc import Callable, Iterable
 from datetime import datetime
 from typing import TYPE_CHECKING
 
-from nats.aio.client import Client
 from nats.js import JetStreamContext
 
 from controlplane import bus, gctune, snapshots
@@ -191,6 +190,11 @@ class ControlPlane:
                 await session.refresh(job_id)
 
             consumer = bus.EventConsumer(nc, settings)
+            # Heartbeats sent while the connection was away were not heard: no silence of
+            # that time is judged (the table counts every member heard at the reconnection).
+            nc.on_reconnect = lambda: table.resume(utcnow())
+            beacon = bus.Beacon(nc, consumer)
+            beaconing = asyncio.create_task(beacon.run(stop))
             decider = self.decider = Decider(
                 views=lambda: folded.current,
                 apply=folded.apply,
@@ -225,7 +229,10 @@ class ControlPlane:
                 lock_retry_s=settings.lock_retry_s,
             )
             log.info("ingesting from %s into PostgreSQL; deciding", settings.nats_url)
-            await session.run(stop)
+            try:
+                await session.run(stop)
+            finally:
+                beaconing.cancel()
         finally:
             if self.heartbeats is not None:
                 await self.heartbeats.stop()
@@ -247,7 +254,7 @@ async def _ensure_commands(js: JetStreamContext, settings: Settings, stop: async
             await backoff.sleep(stop)
 
 
-async def _connect(settings: Settings, stop: asyncio.Event) -> Client | None:
+async def _connect(settings: Settings, stop: asyncio.Event) -> bus.FastClient | None:
     backoff = Backoff(max_s=settings.retry_max_s)
     while not stop.is_set():
         try:

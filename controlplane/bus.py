@@ -33,8 +33,10 @@ from controlplane.core.liveness import Beats, on_the_ms
 from controlplane.decode import decode_heartbeats
 from controlplane.errors import BusUnavailable
 from controlplane.settings import Settings
-from schemas.nats import auth_options
+from schemas.nats import Failover, auth_options
 from schemas.subjects import (
+    BEACON_INTERVAL_S,
+    BEACON_SUBJECT,
     COMMAND_PREFIX,
     EVENT_ACK_TIMEOUT_S,
     EVENTS_WILDCARD,
@@ -149,6 +151,11 @@ class FastClient(Client):
         super().__init__()
         self._raw_handlers: dict[int, RawHandler] = {}
         self._ps = _RawParser(self)
+        #: Where a reconnection goes (``connect`` hands it to nats-py; ``Beacon`` leaves a
+        #: server cut off from the rest of the cluster through it).
+        self.failover = Failover()
+        #: Called on each reconnection (the heartbeats sent meanwhile were not heard).
+        self.on_reconnect: Callable[[], None] | None = None
 
     def deliver_raw(self, sub: Subscription, handler: RawHandler | None) -> None:
         """Route ``sub``'s messages to ``handler`` (None: back to nats-py's path)."""
@@ -171,7 +178,7 @@ class FastClient(Client):
 
 
 #: Warnings logged once per process (a connection without credentials).
-_warned = {"unauthenticated": False}
+_warned = {"unauthenticated": False, "beacon": False}
 
 
 async def connect(
@@ -193,8 +200,19 @@ async def connect(
 
     async def _reconnected() -> None:
         log.info("NATS reconnected")
+        nc.failover.connected()
+        if nc.on_reconnect is not None:
+            nc.on_reconnect()
 
     async def _error(exc: Exception) -> None:
+        if BEACON_SUBJECT in str(exc) and not _warned["beacon"]:
+            _warned["beacon"] = True
+            log.warning(
+                "NATS refuses the beacon (%s): this credential predates it; issue the"
+                " credentials again (elasticctl creds) so that members leave a NATS server cut"
+                " off from the control plane (docs/operations.md)",
+                exc,
+            )
         log.debug("NATS: %s", exc)
 
     nc = FastClient()
@@ -208,6 +226,7 @@ async def connect(
             disconnected_cb=_disconnected,
             reconnected_cb=_reconnected,
             error_cb=_error,
+            reconnect_to_server_handler=nc.failover,
             **auth,
             **options,
         )
@@ -285,6 +304,8 @@ def delivery(reply: str) -> tuple[int, int]:
 
 #: How long the ingest's consumer waits for JetStream's API (consumer info, add, delete).
 _JS_API_TIMEOUT_S = 2.0
+#: How soon a pull request that found no responders is asked again.
+_NO_RESPONDERS_RETRY_S = 0.25
 #: How long past a pull request's expiry the event stream may stay quiet before it counts as
 #: not answering (the decider then leaves silences for later: ``Decider.events_current``).
 STREAM_ANSWER_GRACE_S = 1.0
@@ -454,6 +475,13 @@ class EventConsumer:
         self._arrived.set()
 
     def _on_status(self, status: str, description: str) -> None:
+        if status == "503":
+            # No responders: nothing serves the stream through this server (it lost its
+            # cluster's quorum, say). Not an answer: the request is asked again, shortly.
+            self._request_until = time.monotonic() + _NO_RESPONDERS_RETRY_S
+            if self._asked_at is None:
+                self._asked_at = time.monotonic()
+            return
         if self._asked_at is not None:
             self._answered()
         if status in ("404", "408", "409"):
@@ -540,6 +568,16 @@ class EventConsumer:
             self._answered_again_at = now
         self._asked_at = None
 
+    def unanswered_s(self) -> float:
+        """How long the oldest request of this consumer has gone unanswered (0: none)."""
+        asked = self._asked_at
+        return 0.0 if asked is None else time.monotonic() - asked
+
+    def stream_answers(self) -> bool:
+        """Whether no request has gone unanswered past its expiry and a grace (``answering``
+        without the settling after an outage)."""
+        return self.unanswered_s() <= self._answer_s
+
     def answering(self) -> bool:
         """Whether the stream answers, and has for long enough that what members sent while
         it did not is in it: no request of this consumer has gone unanswered for more than
@@ -594,6 +632,64 @@ class HeartbeatStats:
 
 #: A refused heartbeat is logged at most this often (the rest are counted).
 _REFUSAL_LOG_S = 10.0
+
+
+class Beacon:
+    """The control plane's beacon, and its connection's way off a server cut off from the
+    cluster.
+
+    Every ``BEACON_INTERVAL_S``, while the event stream answers its consumer, it publishes
+    ``elastic.beacon`` (NATS core): a member's or a launcher's connection that stops hearing it
+    is on a server cut off from this one's side of the cluster, and moves
+    (``rank_runtime.client``). This connection moves when the event
+    stream has not answered its consumer for ``LEAVE_AFTER_S`` (a server without JetStream's
+    quorum answers no pull request), then at doubling intervals while it still does not."""
+
+    LEAVE_AFTER_S = 5.0
+
+    def __init__(self, nc: FastClient, consumer: EventConsumer) -> None:
+        self._nc = nc
+        self._consumer = consumer
+        self._leave_after = self.LEAVE_AFTER_S
+        self._left_at = 0.0
+        #: Times this connection left its server.
+        self.failovers = 0
+
+    async def run(self, stop: asyncio.Event) -> None:
+        nc = self._nc
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), BEACON_INTERVAL_S)
+            if stop.is_set() or not nc.is_connected:
+                continue
+            try:
+                # Only from a server whose stream answers: members that hear it stay where
+                # they are, so a server cut off from the cluster must not send it.
+                if self._consumer.stream_answers():
+                    await nc.publish(BEACON_SUBJECT, b"")
+                await self._maybe_leave()
+            except Exception as exc:  # a reconnection under way, say: on the next round
+                log.debug("beacon: %s", exc)
+
+    async def _maybe_leave(self) -> None:
+        nc = self._nc
+        silent = self._consumer.unanswered_s()
+        now = time.monotonic()
+        if silent < self.LEAVE_AFTER_S:
+            self._leave_after = self.LEAVE_AFTER_S
+            return
+        if silent < self._leave_after or now - self._left_at < self._leave_after:
+            return
+        where = nc.connected_url.netloc if nc.connected_url else "?"
+        log.warning(
+            "the event stream has not answered for %.1f s on %s: moving to another server",
+            silent, where,
+        )  # fmt: skip
+        self._left_at = now
+        self._leave_after = min(self._leave_after * 2, 60.0)
+        self.failovers += 1
+        nc.failover.leave(nc.connected_url)
+        await nc.force_reconnect()
 
 
 class HeartbeatListener:

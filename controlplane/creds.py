@@ -12,7 +12,9 @@ deterministically, an Ed25519 NKey seed for
   ``elastic.evt.<job>.<node>.launcher.>``, and their heartbeats on the NATS core subjects
   ``elastic.hb.<job>.<node>.*`` except ``elastic.hb.<job>.<node>.launcher``.
 
-Both node identities read only their own job's commands: they subscribe to
+The control plane also publishes its beacon (``elastic.beacon``, NATS core), which both node
+identities may subscribe to. Both node identities read only their own job's commands: they
+subscribe to
 ``elastic.cmd.<job>.>`` (NATS core: commands as they are published) and read the command in
 force from the commands stream by its subject (``$JS.API.DIRECT.GET.<stream>.elastic.cmd.
 <job>.<target>``: the subject read is in the request's own), and receive replies only on an
@@ -58,7 +60,7 @@ from schemas.creds import (
     node_dir,
     public_key,
 )
-from schemas.subjects import COMMAND_PREFIX, EVENT_PREFIX, HEARTBEAT_PREFIX
+from schemas.subjects import BEACON_SUBJECT, COMMAND_PREFIX, EVENT_PREFIX, HEARTBEAT_PREFIX
 
 CONTROLPLANE = "controlplane"
 #: The member name a launcher publishes under (``<node>/launcher``): no member may use it.
@@ -95,7 +97,12 @@ def controlplane_permissions(public: str, *, events_stream: str) -> dict[str, An
     """What ``elasticctl serve`` (and the demo, the API's tools) may do on NATS."""
     return {
         "publish": {
-            "allow": [f"{COMMAND_PREFIX}.>", "$JS.API.>", f"$JS.ACK.{events_stream}.>"],
+            "allow": [
+                f"{COMMAND_PREFIX}.>",
+                "$JS.API.>",
+                f"$JS.ACK.{events_stream}.>",
+                BEACON_SUBJECT,
+            ],
         },
         # Heartbeats: NATS core subjects, soft state (core/liveness.py).
         "subscribe": {"allow": [f"{inbox_prefix(public)}.>", f"{HEARTBEAT_PREFIX}.>"]},
@@ -125,8 +132,9 @@ def node_permissions(
         # Its members' heartbeats (NATS core, not stored), as its members only.
         publish["allow"].append(f"{beats}.*")
         publish["deny"] = [f"{events}.{LAUNCHER_MEMBER}.>", f"{beats}.{LAUNCHER_MEMBER}"]
-    # Commands as they are published (NATS core), this job's only; replies on its own inbox.
-    subscribe = [f"{inbox_prefix(public)}.>", f"{COMMAND_PREFIX}.{job_id}.>"]
+    # Commands as they are published (NATS core), this job's only; replies on its own inbox;
+    # the control plane's beacon (a server it stops on is cut off from the control plane).
+    subscribe = [f"{inbox_prefix(public)}.>", f"{COMMAND_PREFIX}.{job_id}.>", BEACON_SUBJECT]
     return {"publish": publish, "subscribe": {"allow": subscribe}}
 
 

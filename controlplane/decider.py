@@ -318,8 +318,12 @@ class Decider:
                         # heartbeat): judge those on an exact one.
                         probe = liveness.probe(view, exact=True)
                         decided = decide(probe, now, self.context, rounds=1)
-                    if _silences(decided) and self._stream_silent(job_id, now):
-                        continue
+                if decided and _detects(decided) and self._stream_silent(job_id, now):
+                    # While the stream does not answer, or answered again only lately, what
+                    # members sent meanwhile may be on its way: their exits and completions,
+                    # which tell a silence apart, and their last backups' reports, which the
+                    # restore step is chosen on. A fault is judged once it is here.
+                    continue
                 checked = time.perf_counter()
                 if not decided:
                     self._deadlines[job_id] = next_deadline(probe)
@@ -385,8 +389,8 @@ class Decider:
         self._reschedule()
 
     def _stream_silent(self, job_id: str, now: datetime) -> bool:
-        """True (and the job probed again shortly) when the event stream does not answer:
-        the silence is judged once what members sent before it reached the log."""
+        """True (and the job probed again shortly) when the event stream does not answer, or
+        did not lately: the fault is judged once what members sent before it reached the log."""
         current = self._events_current
         if current is None or current():
             if self._postponed_since is not None:
@@ -401,7 +405,7 @@ class Decider:
         if self._postponed_since is None:
             self._postponed_since = time.monotonic()
             log.warning(
-                "a silence in %s waits: the event stream does not answer (a NATS node lost,"
+                "a fault in %s waits: the event stream does not answer (a NATS node lost,"
                 " say), or did not lately, and the members' last events may be on their way",
                 job_id,
             )
@@ -631,6 +635,11 @@ def _silences(decided: Sequence[Decided]) -> bool:
     """Whether ``decided`` finds a member failed by its silence (a heartbeat timeout, or a
     peer's report that silence corroborates), not by an exit or its own report alone."""
     return bool(_silent(decided))
+
+
+def _detects(decided: Sequence[Decided]) -> bool:
+    """Whether ``decided`` finds a fault (whatever the evidence)."""
+    return any(d.type == "fault.detected" for d in decided)
 
 
 def _silent(decided: Sequence[Decided]) -> list[str]:

@@ -55,8 +55,11 @@ from schemas.commands import COMMAND_ADAPTER, Reallocate, Start, Stop
 from schemas.common import Phase
 from schemas.events import EVENT_ADAPTER
 from schemas.ids import new_event_id
-from schemas.nats import auth_options
+from schemas.nats import Failover, auth_options
 from schemas.subjects import (
+    BEACON_INTERVAL_S,
+    BEACON_SUBJECT,
+    BEACON_TIMEOUT_S,
     BROADCAST,
     EVENT_ACK_TIMEOUT_S,
     MSG_ID_HEADER,
@@ -110,6 +113,8 @@ class ClientStats:
     #: Heartbeats sent (NATS core), and those dropped (no connection).
     heartbeats: int = 0
     heartbeats_dropped: int = 0
+    #: Times the connection left a server the control plane's beacon stopped on.
+    failovers: int = 0
 
 
 class EventClient:
@@ -188,6 +193,17 @@ class EventClient:
         self._stepped_at = time.monotonic()
         self._ready_at: float | None = None
         self._beat_phase: Phase | None = None
+        #: Where the connection goes when it leaves a server (``_check_beacon``).
+        self._failover = Failover()
+        #: When the control plane's beacon was last heard (``time.monotonic``; None: never
+        #: yet on this connection), and when this connection may next leave its server for
+        #: want of it (the wait doubling each time, while none comes anywhere).
+        self._beacon_at: float | None = None
+        self._beacon_heard = False
+        #: Reconnections so far (a send stops waiting for acknowledgements when it changes).
+        self._moves = 0
+        self._leave_after = BEACON_TIMEOUT_S
+        self._left_at = 0.0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -524,6 +540,9 @@ class EventClient:
         try:
             if self._follow_commands:
                 await self._subscribe(nc)
+            await self._follow_beacon(nc)
+            # Its own task: a send waits seconds for acknowledgements on a cut-off server.
+            watching = asyncio.ensure_future(self._watch_beacon(nc))
             while not self._closing.is_set():
                 if self._follow_commands and not self._commands_current:
                     self._commands_current = await self._read_commands(nc)
@@ -534,6 +553,7 @@ class EventClient:
                     await asyncio.wait_for(self._wake.wait(), 0.5)
                 self._wake.clear()
             await self._send(nc)  # a last flush
+            watching.cancel()
         finally:
             self._connected.clear()
             self._nc = None
@@ -556,6 +576,9 @@ class EventClient:
         async def reconnected() -> None:
             self._connected.set()
             self.stats.connects += 1
+            self._moves += 1  # what waits for acknowledgements on the old server gives up
+            self._failover.connected()
+            self._beacon_at = time.monotonic()  # (judged afresh on this server)
             # What was published while away: read the command in force again.
             self._commands_current = False
             self._poke()
@@ -572,11 +595,56 @@ class EventClient:
             disconnected_cb=disconnected,
             reconnected_cb=reconnected,
             error_cb=error,
+            reconnect_to_server_handler=self._failover,
             **auth,
         )
         self._connected.set()
         self.stats.connects += 1
         return nc
+
+    async def _follow_beacon(self, nc: Client) -> None:
+        """Hear the control plane's beacon (NATS core; credentials issued before it existed
+        may not allow it: then it is never heard, and nothing follows from its absence)."""
+
+        async def heard(_msg: Any) -> None:
+            self._beacon_at = time.monotonic()
+            self._beacon_heard = True
+            self._leave_after = BEACON_TIMEOUT_S
+
+        await nc.subscribe(BEACON_SUBJECT, cb=heard)
+        self._beacon_at = time.monotonic()
+
+    async def _watch_beacon(self, nc: Client) -> None:
+        while not self._closing.is_set():
+            await asyncio.sleep(BEACON_INTERVAL_S / 2)
+            try:
+                await self._check_beacon(nc)
+            except Exception as exc:  # a reconnection under way, say: look again later
+                log.debug("checking the beacon: %s", exc)
+
+    async def _check_beacon(self, nc: Client) -> None:
+        """Leave a server on which the control plane's beacon stopped: it is cut off from the
+        control plane's side of the cluster (what this process publishes there reaches no
+        one, and its events are never acknowledged). Only after a beacon was heard (the
+        control plane is up), then at growing intervals while none comes anywhere (the
+        control plane itself is away)."""
+        at = self._beacon_at
+        now = time.monotonic()
+        if not self._beacon_heard or at is None or not nc.is_connected:
+            return
+        if now - at < self._leave_after or now - self._left_at < self._leave_after:
+            return
+        log.warning(
+            "no beacon from the control plane for %.1f s on %s: moving to another server",
+            now - at, nc.connected_url.netloc if nc.connected_url else "?",
+        )  # fmt: skip
+        self._left_at = now
+        # (Not long: the control plane beacons only from a server whose stream answers, and
+        # moves off one that does not within seconds; it must hear this process by then.)
+        self._leave_after = min(self._leave_after * 2, 2 * BEACON_TIMEOUT_S)
+        self.stats.failovers += 1
+        self._failover.leave(nc.connected_url)
+        await nc.force_reconnect()
 
     async def _subscribe(self, nc: Client) -> None:
         """Follow this job's commands from now on (NATS core; nats-py subscribes again after
@@ -648,7 +716,12 @@ class EventClient:
                 log.debug("publish failed: %s", exc)
                 failed.append(item)
         if futures:
-            await asyncio.wait([f for _, f in futures], timeout=self._ack_timeout_s)
+            # Up to the ack timeout, but no longer than the connection stays where it sent
+            # them: acknowledgements do not follow it to another server (sent again at once).
+            moves, deadline = self._moves, time.monotonic() + self._ack_timeout_s
+            waiting = {f for _, f in futures}
+            while waiting and self._moves == moves and (left := deadline - time.monotonic()) > 0:
+                _, waiting = await asyncio.wait(waiting, timeout=min(left, 0.25))
         for item, future in futures:
             if future.done() and not future.cancelled() and future.exception() is None:
                 self.stats.acked += 1

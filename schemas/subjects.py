@@ -13,6 +13,13 @@ COMMAND_PREFIX = "elastic.cmd"
 #: stream (soft state: the control plane keeps them in memory, docs/design.md "Liveness").
 HEARTBEAT_PREFIX = "elastic.hb"
 HEARTBEATS_WILDCARD = f"{HEARTBEAT_PREFIX}.>"
+#: The control plane's beacon (NATS core, every ``BEACON_INTERVAL_S``; no stream keeps it):
+#: a member's or launcher's connection that hears none for ``BEACON_TIMEOUT_S`` after it
+#: heard one is on a server cut off from the control plane's side of the cluster, and moves
+#: to another server (``rank_runtime.client``).
+BEACON_SUBJECT = "elastic.beacon"
+BEACON_INTERVAL_S = 0.5
+BEACON_TIMEOUT_S = 2.0
 #: What the events stream captures.
 EVENTS_WILDCARD = f"{EVENT_PREFIX}.>"
 BROADCAST = "all"

@@ -20,7 +20,6 @@ They need root and ``ip netns`` (skipped otherwise).
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -33,11 +32,12 @@ import psutil
 import pytest
 
 from controlplane.core.fold import fold
-from controlplane.core.view import DiscountReason, JobView, MemberStatus
+from controlplane.core.view import DiscountReason, MemberStatus
 from controlplane.devstack import nats_server_binary
 from controlplane.store.postgres import PostgresEventStore
 from schemas.common import JobState
 from tests import netns
+from tests.e2e.hosts import job_view, last_step, made, stop, wait
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -61,31 +61,7 @@ ISOLATED = f"h{CUT}-w0"
 
 @pytest.fixture
 def hosts() -> Iterator[netns.Hosts]:
-    why = netns.available()
-    if why is not None:
-        pytest.skip(why)
-    made = netns.Hosts(4)
-    try:
-        yield made
-    finally:
-        made.close()
-
-
-def _wait(predicate, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
-        time.sleep(0.2)
-
-
-def _view(store: PostgresEventStore) -> JobView | None:
-    events = store.read(job_id=JOB)
-    return fold(None, events) if events else None
-
-
-def _last_step(store: PostgresEventStore) -> int:
-    steps = store.read(job_id=JOB, types=["train.step"])
-    return max((e.event.payload.step for e in steps), default=0)  # type: ignore[attr-defined]
+    yield from made(4)
 
 
 def _heard(store: PostgresEventStore, member: str) -> bool:
@@ -131,7 +107,7 @@ def running_job(tmp_path: Path, hosts: netns.Hosts, database_url: str) -> Iterat
                 nats_server_binary(), "-js", "-sd", str(tmp_path / "js"), "-a", "0.0.0.0",
                 "-p", "4222",
             ], base, out))  # fmt: skip
-        _wait(lambda: "Server is ready" in (logs / "nats.log").read_text(), 30, "NATS")
+        wait(lambda: "Server is ready" in (logs / "nats.log").read_text(), 30, "NATS")
         control_env = {
             **base, "ELASTIC_NATS_URL": NATS_URL, "ELASTIC_DATABASE_URL": database_url,
             "ELASTIC_RENDEZVOUS_HOST": netns.SERVICE, "ELASTIC_RENDEZVOUS_PORT": "29400",
@@ -141,7 +117,7 @@ def running_job(tmp_path: Path, hosts: netns.Hosts, database_url: str) -> Iterat
         with (logs / "serve.log").open("wb") as out:
             job.procs.append(hosts.popen(hosts.control, [sys.executable, "-m", "controlplane",
                                          "serve"], control_env, out, cwd=ROOT))  # fmt: skip
-        _wait(lambda: "ingesting from" in (logs / "serve.log").read_text(), 60, "serve")
+        wait(lambda: "ingesting from" in (logs / "serve.log").read_text(), 60, "serve")
         for i, host in enumerate(hosts.hosts):
             env = {
                 **base, "ELASTIC_NATS_URL": NATS_URL, "ELASTIC_LOG_LEVEL": "INFO",
@@ -162,14 +138,7 @@ def running_job(tmp_path: Path, hosts: netns.Hosts, database_url: str) -> Iterat
         job.procs += job.launchers
         yield job
     finally:
-        for proc in reversed(job.procs):
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(20)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait(10)
+        stop(job.procs)
 
 
 def test_a_host_cut_from_the_control_plane_is_fenced_and_the_job_goes_on(
@@ -177,9 +146,9 @@ def test_a_host_cut_from_the_control_plane_is_fenced_and_the_job_goes_on(
 ) -> None:
     with running_job(tmp_path, hosts, settings.database_url) as job:
         launchers = job.launchers
-        _wait(lambda: _last_step(pg_store) >= 30, 120, "the job to train")
+        wait(lambda: last_step(pg_store, JOB) >= 30, 120, "the job to train")
         # Heard by the control plane before the cut (an interval summary names it).
-        _wait(lambda: _heard(pg_store, ISOLATED), 30, f"{ISOLATED} heard")
+        wait(lambda: _heard(pg_store, ISOLATED), 30, f"{ISOLATED} heard")
         isolated = psutil.Process(launchers[CUT].pid)
         (member,) = isolated.children()
 
@@ -188,11 +157,11 @@ def test_a_host_cut_from_the_control_plane_is_fenced_and_the_job_goes_on(
         cut_at = pg_store.last_position()
 
         def decided() -> bool:
-            view = _view(pg_store)
+            view = job_view(pg_store, JOB)
             return view is not None and ISOLATED not in view.world and view.generation > 1
 
-        _wait(decided, 60, f"a generation without {ISOLATED}")
-        view = _view(pg_store)
+        wait(decided, 60, f"a generation without {ISOLATED}")
+        view = job_view(pg_store, JOB)
         assert view is not None
         (incident,) = view.incidents.values()
         decision = incident.decisions[-1]
@@ -202,20 +171,20 @@ def test_a_host_cut_from_the_control_plane_is_fenced_and_the_job_goes_on(
               f" {decision.restore_step} (the log's newest complete backup then:"
               f" {_complete_before(pg_store, decision.position)})")  # fmt: skip
         # The new world trains on; the isolated member still runs, unheard and stuck.
-        _wait(lambda: _last_step(pg_store) > decision.restore_step + 10, 60, "training on")
+        wait(lambda: last_step(pg_store, JOB) > decision.restore_step + 10, 60, "training on")
         assert member.is_running() and member.status() != psutil.STATUS_ZOMBIE
         assert launchers[CUT].poll() is None
 
         # The link comes back: what the isolated host sent arrives late; its launcher hears
         # of the newer generation and fences its member.
         hosts.cut_from_control(CUT, cut=False)
-        _wait(lambda: not member.is_running() or member.status() == psutil.STATUS_ZOMBIE,
+        wait(lambda: not member.is_running() or member.status() == psutil.STATUS_ZOMBIE,
               60, "the isolated member fenced")  # fmt: skip
         for proc in launchers:
             proc.wait(180)
         assert [p.returncode for p in launchers] == [0, 0, 0, 0], job.tails()
 
-    view = _view(pg_store)
+    view = job_view(pg_store, JOB)
     assert view is not None and view.state is JobState.COMPLETED, view and view.state
     assert view.members[ISOLATED].status is not MemberStatus.ACTIVE
     # Its exit, reported by its launcher after the decision: fenced by the generation that
@@ -246,16 +215,16 @@ def test_a_host_cut_from_its_peers_is_left_out_and_the_job_goes_on(
     told the job goes on without it, leaves; what it reported of the broken world is recorded
     and not believed, and no step of it counts after the decision."""
     with running_job(tmp_path, hosts, settings.database_url) as job:
-        _wait(lambda: _last_step(pg_store) >= 30, 120, "the job to train")
+        wait(lambda: last_step(pg_store, JOB) >= 30, 120, "the job to train")
         hosts.cut_from_peers(CUT)
         cut = time.monotonic()
 
         def decided() -> bool:
-            view = _view(pg_store)
+            view = job_view(pg_store, JOB)
             return view is not None and view.generation > 1
 
-        _wait(decided, 120, "a decision")
-        view = _view(pg_store)
+        wait(decided, 120, "a decision")
+        view = job_view(pg_store, JOB)
         assert view is not None
         (incident,) = view.incidents.values()
         decision = incident.decisions[-1]
@@ -264,7 +233,7 @@ def test_a_host_cut_from_its_peers_is_left_out_and_the_job_goes_on(
         for proc in job.launchers:
             proc.wait(180)
         assert [p.returncode for p in job.launchers] == [0, 0, 0, 0], job.tails()
-    view = _view(pg_store)
+    view = job_view(pg_store, JOB)
     assert view is not None and view.state is JobState.COMPLETED, view and view.state
     assert view.members[ISOLATED].status is not MemberStatus.ACTIVE
     source = f"h{CUT}/{ISOLATED}"

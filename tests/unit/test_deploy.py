@@ -622,11 +622,14 @@ def test_nats_identities_cover_the_subjects(tmp_path: Path) -> None:
         sub = entry["permissions"]["subscribe"]
         pattern, *others = sub["allow"]
         # ... and only the control plane hears heartbeats (NATS core, never stored); a node
-        # hears its own job's commands.
+        # hears its own job's commands, and the control plane's beacon (which only the
+        # control plane may send).
         if entry["permissions"] is cp:
             assert others == ["elastic.hb.>"], others
+            assert allowed(entry["permissions"]["publish"], "elastic.beacon")
         else:
-            assert others == [f"elastic.cmd.{JOB}.>"], others
+            assert others == [f"elastic.cmd.{JOB}.>", "elastic.beacon"], others
+            assert not allowed(entry["permissions"]["publish"], "elastic.beacon")
         assert pattern.startswith("_INBOX_") and pattern.endswith(".>")
         inboxes.add(pattern)
         for subject in (

@@ -541,13 +541,13 @@ class _Store:
 
 
 async def _turn(
-    queued: list[str], *, hear: bool, stream: list[bool] | None = None
+    queued: list[str], *, hear: bool, stream: list[bool] | None = None, exited: str = ""
 ) -> list[tuple[str, list[str]]]:
     """A running job of four, all heard at t=1; the decider's turn at t=3 (timeout 1 s)
     while the heartbeats of ``queued``, sent meanwhile, still wait unread in NATS (the
     control plane's loop was busy). With ``stream``, whether the event stream answers, turn
-    after turn (a turn each). What it recorded: (fault reason, members) of each
-    ``fault.detected``."""
+    after turn (a turn each); with ``exited``, that member's exit reported before. What it
+    recorded: (fault reason, members) of each ``fault.detected``."""
     from controlplane.core.fold import fold_jobs
     from controlplane.decider import Decider
 
@@ -557,6 +557,8 @@ async def _turn(
     s.cluster(2, 2)
     s.start_and_train()
     s.at(3)
+    if exited:
+        s.exited(exited)
     views = {s.job_id: s.v}
     store = _Store(s.log)
 
@@ -651,6 +653,17 @@ async def test_the_event_stream_counts_as_answering_once_what_members_sent_meanw
     assert not consumer.answering()
     clock[0] += 0.02
     assert consumer.answering()
+
+
+async def test_an_exit_waits_too_while_the_event_stream_does_not_answer():
+    """An exit is decided on at once, but not while the stream does not answer, or answered
+    again only lately: the restore step is chosen on the backups' reports, and the members'
+    last ones may still be on their way."""
+    everyone = ["w00", "w01", "w10", "w11"]
+    exited = [("exited", ["w10"])]
+    assert await _turn(everyone, hear=True, exited="w10") == exited
+    assert await _turn(everyone, hear=True, exited="w10", stream=[False]) == []
+    assert await _turn(everyone, hear=True, exited="w10", stream=[False, True]) == exited
 
 
 def test_milliseconds_of_a_time_are_exact_and_round_down():
