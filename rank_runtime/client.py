@@ -200,6 +200,8 @@ class EventClient:
         #: want of it (the wait doubling each time, while none comes anywhere).
         self._beacon_at: float | None = None
         self._beacon_heard = False
+        #: Servers left since a beacon was last heard.
+        self._unheard_moves = 0
         #: Reconnections so far (a send stops waiting for acknowledgements when it changes).
         self._moves = 0
         self._leave_after = BEACON_TIMEOUT_S
@@ -610,6 +612,7 @@ class EventClient:
             self._beacon_at = time.monotonic()
             self._beacon_heard = True
             self._leave_after = BEACON_TIMEOUT_S
+            self._unheard_moves = 0
 
         await nc.subscribe(BEACON_SUBJECT, cb=heard)
         self._beacon_at = time.monotonic()
@@ -639,9 +642,14 @@ class EventClient:
             now - at, nc.connected_url.netloc if nc.connected_url else "?",
         )  # fmt: skip
         self._left_at = now
-        # (Not long: the control plane beacons only from a server whose stream answers, and
-        # moves off one that does not within seconds; it must hear this process by then.)
-        self._leave_after = min(self._leave_after * 2, 2 * BEACON_TIMEOUT_S)
+        # Not long while servers are left to try: the control plane beacons only from a
+        # server whose stream answers, and moves off one that does not within seconds; it
+        # must hear this process by then. Once every server was tried without a beacon, the
+        # control plane itself is away (a restart, a takeover): a minute, not a stampede of
+        # every member of the job reconnecting every few seconds.
+        self._unheard_moves += 1
+        tried_all = self._unheard_moves >= len(nc.servers)
+        self._leave_after = 60.0 if tried_all else min(self._leave_after * 2, 2 * BEACON_TIMEOUT_S)
         self.stats.failovers += 1
         self._failover.leave(nc.connected_url)
         await nc.force_reconnect()

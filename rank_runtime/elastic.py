@@ -80,6 +80,8 @@ _REPLICATION_QUEUE = 4
 REPLICATED_KEY = "__replicated__"
 #: How often a member waiting at a rendezvous looks for a newer command.
 _ARRIVAL_POLL_S = 0.05
+#: The least time forming a generation's group waits for its ranks (``Elastic._form_timeout``).
+FORM_TIMEOUT_S = 60.0
 #: Modes whose world keeps the restore step's layout: a rank needs only its own shard.
 _SAME_LAYOUT = frozenset({ReallocationMode.REPLACE, ReallocationMode.ROLLBACK})
 
@@ -324,9 +326,13 @@ class Elastic:
         #: (None: read when completed) and the seconds the group took to form.
         self._restoring: tuple[Reallocate, _Fetch | None, float] | None = None
         #: How long a collective waits for peers (default: the policy's).
-        self._collective_timeout = timedelta(
-            seconds=collective_timeout_s or self.policy.collective_timeout_s
-        )
+        collective = collective_timeout_s or self.policy.collective_timeout_s
+        self._collective_timeout = timedelta(seconds=collective)
+        #: How long forming a generation's group waits for its ranks (the rendezvous store,
+        #: their arrival): never less than ``FORM_TIMEOUT_S``, however short the collective
+        #: timeout, since survivors first leave the broken group, which takes longer when a
+        #: peer's host does not answer.
+        self._form_timeout = timedelta(seconds=max(collective, FORM_TIMEOUT_S))
         #: This rank's own copies of its unique state (what peers hold copies of): two
         #: preallocated slots, the newest complete one whole.
         self.hot = HotSnapshot()
@@ -930,7 +936,7 @@ class Elastic:
             previous.close()
         with trace.span("form.connect", generation=command.generation):
             store = self._rendezvous_store = RendezvousStore.connect(
-                command.rendezvous, self._secret, timeout=self._collective_timeout
+                command.rendezvous, self._secret, timeout=self._form_timeout
             )
         with trace.span("form.arrive", generation=command.generation):
             self._arrive(store, rank, command)
@@ -991,7 +997,7 @@ class Elastic:
         except TimeoutError:
             raise JobStoppedError(
                 f"generation {command.generation}: not every rank arrived within"
-                f" {self._collective_timeout.total_seconds():g}s and no newer decision came"
+                f" {self._form_timeout.total_seconds():g}s and no newer decision came"
             ) from None
         if newer is not None:
             raise _Superseded(newer)
@@ -1014,12 +1020,12 @@ class Elastic:
     ) -> Start | Reallocate | None:
         """Set ``name/<rank>`` and wait until every rank of ``command``'s world set its own;
         a newer command for this member, if one comes first (None: all are there).
-        ``TimeoutError`` after the collective timeout."""
+        ``TimeoutError`` after the forming timeout (``FORM_TIMEOUT_S`` at least)."""
         import torch.distributed as dist
 
         store.set(f"{name}/{rank}", self.identity.member)
         keys = [f"{name}/{r}" for r in range(len(command.world))]
-        deadline = time.monotonic() + self._collective_timeout.total_seconds()
+        deadline = time.monotonic() + self._form_timeout.total_seconds()
         poll = timedelta(seconds=_ARRIVAL_POLL_S)
         while True:
             # The store answers as soon as the last rank arrives (polling with check() and
@@ -1033,7 +1039,7 @@ class Elastic:
             if newer is not None:
                 return newer
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{name}: not every rank within the collective timeout")
+                raise TimeoutError(f"{name}: not every rank within the forming timeout")
 
     def _await_newer(self, generation: int, timeout_s: float = 300.0) -> Start | Reallocate:
         """Wait for the decision that replaces ``generation``."""

@@ -170,7 +170,7 @@ def test_a_rank_that_must_leave_a_generation_it_formed_waits_until_every_rank_fo
     import torch.distributed as dist
 
     elastic = member()
-    elastic._collective_timeout = timedelta(seconds=0.3)
+    elastic._form_timeout = timedelta(seconds=0.3)
     store = elastic._rendezvous_store = dist.HashStore()  # type: ignore[attr-defined]
     current = reallocate(1, ["w0", "w1", "w2"])
     store.set("formed/0", "w0")
