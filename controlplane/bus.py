@@ -586,11 +586,10 @@ class EventConsumer:
         lost its JetStream quorum, does not), nor was, in the last ``EVENTS_SETTLE_S`` (a
         member's publication sent while the stream did not answer is sent again only when
         its acknowledgement times out: ``EVENT_ACK_TIMEOUT_S``)."""
-        now = time.monotonic()
-        asked, again = self._asked_at, self._answered_again_at
-        if asked is not None and now - asked > self._answer_s:
+        again = self._answered_again_at
+        if not self.stream_answers():
             return False
-        return again is None or now - again >= EVENTS_SETTLE_S
+        return again is None or time.monotonic() - again >= EVENTS_SETTLE_S
 
     def _continuous(self, msgs: list[Delivery]) -> bool:
         """Check that no delivery went missing before or inside ``msgs`` (one inbox, in order)."""
@@ -680,16 +679,10 @@ class Beacon:
             return
         if silent < self._leave_after or now - self._left_at < self._leave_after:
             return
-        where = nc.connected_url.netloc if nc.connected_url else "?"
-        log.warning(
-            "the event stream has not answered for %.1f s on %s: moving to another server",
-            silent, where,
-        )  # fmt: skip
         self._left_at = now
         self._leave_after = min(self._leave_after * 2, 60.0)
         self.failovers += 1
-        nc.failover.leave(nc.connected_url)
-        await nc.force_reconnect()
+        await nc.failover.move(nc, f"the event stream has not answered for {silent:.1f} s")
 
 
 class HeartbeatListener:

@@ -202,8 +202,6 @@ class EventClient:
         self._beacon_heard = False
         #: Servers left since a beacon was last heard.
         self._unheard_moves = 0
-        #: Reconnections so far (a send stops waiting for acknowledgements when it changes).
-        self._moves = 0
         self._leave_after = BEACON_TIMEOUT_S
         self._left_at = 0.0
 
@@ -578,7 +576,6 @@ class EventClient:
         async def reconnected() -> None:
             self._connected.set()
             self.stats.connects += 1
-            self._moves += 1  # what waits for acknowledgements on the old server gives up
             self._failover.connected()
             self._beacon_at = time.monotonic()  # (judged afresh on this server)
             # What was published while away: read the command in force again.
@@ -637,10 +634,6 @@ class EventClient:
             return
         if now - at < self._leave_after or now - self._left_at < self._leave_after:
             return
-        log.warning(
-            "no beacon from the control plane for %.1f s on %s: moving to another server",
-            now - at, nc.connected_url.netloc if nc.connected_url else "?",
-        )  # fmt: skip
         self._left_at = now
         # Not long while servers are left to try: the control plane beacons only from a
         # server whose stream answers, and moves off one that does not within seconds; it
@@ -651,8 +644,7 @@ class EventClient:
         tried_all = self._unheard_moves >= len(nc.servers)
         self._leave_after = 60.0 if tried_all else min(self._leave_after * 2, 2 * BEACON_TIMEOUT_S)
         self.stats.failovers += 1
-        self._failover.leave(nc.connected_url)
-        await nc.force_reconnect()
+        await self._failover.move(nc, f"no beacon from the control plane for {now - at:.1f} s")
 
     async def _subscribe(self, nc: Client) -> None:
         """Follow this job's commands from now on (NATS core; nats-py subscribes again after
@@ -726,9 +718,14 @@ class EventClient:
         if futures:
             # Up to the ack timeout, but no longer than the connection stays where it sent
             # them: acknowledgements do not follow it to another server (sent again at once).
-            moves, deadline = self._moves, time.monotonic() + self._ack_timeout_s
+            # (``stats.connects`` counts the connections made: a reconnection changes it.)
+            connects, deadline = self.stats.connects, time.monotonic() + self._ack_timeout_s
             waiting = {f for _, f in futures}
-            while waiting and self._moves == moves and (left := deadline - time.monotonic()) > 0:
+            while (
+                waiting
+                and self.stats.connects == connects
+                and (left := deadline - time.monotonic()) > 0
+            ):
                 _, waiting = await asyncio.wait(waiting, timeout=min(left, 0.25))
         for item, future in futures:
             if future.done() and not future.cancelled() and future.exception() is None:

@@ -699,21 +699,21 @@ class PeerStore:
 #: for each to answer.
 PROBE_HOSTS = 8
 PROBE_TIMEOUT_S = 1.0
-#: Suspects a fault report names at most (``MemberFault.suspects``).
-_MAX_SUSPECTS = 64
 
 
-def _host(endpoint: str) -> str:
-    return endpoint.removeprefix(_TLS_SCHEME).rpartition(":")[0].strip("[]")
+def _address(endpoint: str) -> tuple[str, str]:
+    """(host, port) of ``endpoint`` (``host:port``, ``[v6]:port``, or ``tls://`` either)."""
+    host, _, port = endpoint.removeprefix(_TLS_SCHEME).rpartition(":")
+    return host.strip("[]"), port
 
 
 def _answers(endpoint: str, timeout_s: float) -> bool:
     """Whether ``endpoint``'s host answers a TCP connection at all: accepted, or refused
     (its kernel answered: the host is reachable, whatever became of that process); not a
     timeout or an unreachable network."""
-    host, _, port = endpoint.removeprefix(_TLS_SCHEME).rpartition(":")
+    host, port = _address(endpoint)
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
     except ConnectionRefusedError:
         return True
     except (OSError, ValueError):
@@ -742,8 +742,8 @@ def unreachable(
     by_host: dict[str, list[str]] = {}
     for member, endpoint in endpoints.items():
         if endpoint:
-            by_host.setdefault(_host(endpoint), []).append(member)
-    mine = _host(endpoints.get(own, ""))
+            by_host.setdefault(_address(endpoint)[0], []).append(member)
+    mine = _address(endpoints.get(own, ""))[0]
     others = sorted(h for h in by_host if h != mine)
     later = [h for h in others if h > mine]
     chosen = (later + others[: len(others) - len(later)])[:hosts]
@@ -759,16 +759,14 @@ def unreachable(
         thread.start()
     for thread in threads:
         thread.join(timeout_s + 1.0)
-    gone = sorted(m for h in chosen if not answered.get(h, False) for m in by_host[h])
-    return gone[:_MAX_SUSPECTS]
+    return sorted(m for h in chosen if not answered.get(h, False) for m in by_host[h])
 
 
 def _connect(endpoint: str, timeout: float, tls: ssl.SSLContext | None = None) -> socket.socket:
     """A connection to ``endpoint`` (``host:port``, or ``tls://host:port``: TLS, verified with
     ``tls`` or else ``client_tls(ELASTIC_TLS_CA)``)."""
     secure = endpoint.startswith(_TLS_SCHEME)
-    host, _, port = endpoint.removeprefix(_TLS_SCHEME).rpartition(":")
-    host = host.strip("[]")
+    host, port = _address(endpoint)
     sock = socket.create_connection((host, int(port)), timeout=timeout)
     if not secure:
         return sock

@@ -8,11 +8,14 @@ options. The control plane's own adapter (its stream, the ingest's consumer) is
 
 from __future__ import annotations
 
+import logging
 import random
 from typing import Any
 from urllib.parse import ParseResult
 
 from schemas.creds import nkey_connect_options
+
+log = logging.getLogger(__name__)
 
 
 def auth_options(creds: str | None, user: str | None, password: str | None) -> dict[str, Any]:
@@ -52,6 +55,14 @@ class Failover:
         if self._attempts > len(others):  # each tried once: any server again
             self._leaving = None
         return random.choice(others), delay
+
+    async def move(self, nc: Any, why: str) -> None:
+        """Leave ``nc``'s server (a nats-py client connected with this chooser) for another
+        one, logging ``why``."""
+        where = nc.connected_url
+        log.warning("%s on %s: moving to another server", why, where.netloc if where else "?")
+        self.leave(where)
+        await nc.force_reconnect()
 
     def connected(self) -> None:
         """A connection was made: the next reconnection starts afresh."""
