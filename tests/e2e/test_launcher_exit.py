@@ -95,12 +95,21 @@ async def test_a_launcher_of_spares_only_gives_the_spare_that_replaces_a_crashed
     policy = "world_size=2,redundancy=1"
     common = ["--job-id", job, "--policy", policy]
     async with running_controlplane(settings) as cp:
+        # The spare pod first, joined before the workers start: the crash must find it (on a
+        # slow machine the workers reached step 12 before the spare had joined).
+        spare = asyncio.ensure_future(
+            run(settings, ["run", "--nproc", "0", "--spares", "1", "--node", "pod-b", "--rack",
+                           "rack1", *common, EXAMPLE, "--steps", "30"], tmp_path / "b")
+        )  # fmt: skip
+        await wait_until(
+            lambda: (job in cp.views and "pod-b-s0" in cp.views[job].members) or spare.done(),
+            120, "the spare pod's member to join",
+        )  # fmt: skip
         results = await asyncio.gather(
             run(settings, ["run", "--nproc", "2", "--node", "pod-a", "--rack", "rack0", *common,
                            "--fault", "crash@12:rank=1", EXAMPLE, "--steps", "30"],
                 tmp_path / "a"),
-            run(settings, ["run", "--nproc", "0", "--spares", "1", "--node", "pod-b", "--rack",
-                           "rack1", *common, EXAMPLE, "--steps", "30"], tmp_path / "b"),
+            spare,
         )  # fmt: skip
         await wait_until(lambda: job in cp.views, 10, "the job's view")
         view = cp.views[job]
