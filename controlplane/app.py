@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import logging
 import signal
+import time
 from collections.abc import Callable, Iterable
 from datetime import datetime
 from typing import TYPE_CHECKING
@@ -32,6 +35,10 @@ if TYPE_CHECKING:
     from controlplane.api.metrics import LogMetrics, MetricsExporter
 
 log = logging.getLogger(__name__)
+
+#: How long a new leader tries to bind the rendezvous port while the control plane that led
+#: before still holds it (it lets go once it finds the lock taken: ``lock_retry_s`` or so).
+RENDEZVOUS_BIND_WAIT_S = 30.0
 
 
 def load_views(store: EventStore) -> dict[str, JobView]:
@@ -118,7 +125,9 @@ class ControlPlane:
         lock = AdvisoryLock(settings.database_url)
         try:
             while not stop.is_set():
-                if not await lock.acquire(stop, retry_s=settings.lock_retry_s):
+                if not await lock.acquire(
+                    stop, retry_s=settings.lock_retry_s, on_standby=self._stand_by
+                ):
                     break
                 self.leading = True
                 try:
@@ -157,6 +166,36 @@ class ControlPlane:
             if self._store is None:
                 store.close()
 
+    async def _stand_by(self) -> None:
+        """Another control plane leads: stop serving the rendezvous (its port is the
+        leader's; it binds it once its session starts)."""
+        if self.rendezvous is not None:
+            await asyncio.to_thread(self.rendezvous.close)
+
+    async def _serve_rendezvous(self, stop: asyncio.Event) -> str | None:
+        """Start the rendezvous store; its address ("" with none). A control plane that led
+        before may hold the port a moment longer (it lets go once it sees the lock taken,
+        ``_stand_by``): the bind is tried again for ``RENDEZVOUS_BIND_WAIT_S``; None when
+        the port stayed taken (or ``stop``)."""
+        if self.rendezvous is None:
+            return ""
+        deadline = time.monotonic() + RENDEZVOUS_BIND_WAIT_S
+        warned = False
+        while True:
+            try:
+                return await asyncio.to_thread(self.rendezvous.start)
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE:
+                    raise
+                if time.monotonic() > deadline or stop.is_set():
+                    log.error("the rendezvous port stayed in use (%s): not leading for now", exc)
+                    return None
+                if not warned:
+                    log.warning("the rendezvous port is in use (%s): trying again", exc)
+                    warned = True
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.2)
+
     async def _ingest_while_held(
         self, store: PostgresEventStore, lock: AdvisoryLock, stop: asyncio.Event
     ) -> None:
@@ -175,7 +214,9 @@ class ControlPlane:
                 settings.command_retry_s,
                 signer=CommandSigner(self.master) if self.master is not None else None,
             )
-            base = await asyncio.to_thread(self.rendezvous.start) if self.rendezvous else ""
+            base = await self._serve_rendezvous(stop)
+            if base is None:
+                return  # its port stayed taken: the lock goes back, and is tried again
             # Liveness is soft state: a new session (a restart, a takeover) starts a table of
             # its own, whole within one timeout (core/liveness.py).
             table = self.liveness = LivenessTable(started_at=utcnow())

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import psycopg
@@ -42,13 +43,21 @@ class AdvisoryLock:
             await self.release()
             return False
 
-    async def acquire(self, stop: asyncio.Event, retry_s: float = 1.0) -> bool:
+    async def acquire(
+        self,
+        stop: asyncio.Event,
+        retry_s: float = 1.0,
+        on_standby: Callable[[], Awaitable[None]] | None = None,
+    ) -> bool:
         """Wait until the lock is ours (True) or ``stop`` is set (False).
 
         A standby waits inside PostgreSQL (``pg_advisory_lock`` under a ``lock_timeout`` of
         ``retry_s``), so it takes the lock the moment the holder's connection ends, not at
-        its next try; ``stop`` is looked at between waits."""
+        its next try; ``stop`` is looked at between waits. ``on_standby`` is awaited once,
+        when another control plane is found holding the lock (not while the server is
+        down): what only the leader may keep (a listening port) is let go then."""
         waiting = False
+        others = False
         while not stop.is_set():
             if await self._wait(retry_s):
                 if waiting:
@@ -57,6 +66,9 @@ class AdvisoryLock:
             if not waiting:
                 log.info("another control plane holds the ingest lock; standing by")
                 waiting = True
+            if not others and self._conn is not None and on_standby is not None:
+                others = True  # the server answered: the lock is someone else's
+                await on_standby()
             if self._conn is None:  # the server is down: no wait happened inside it
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), retry_s)

@@ -116,3 +116,49 @@ async def test_a_waiting_standby_stops_when_told(empty_database_url):
     finally:
         await holder.release()
         await standby.release()
+
+
+@pytest.mark.usefixtures("clean_stream")
+async def test_a_leader_that_lost_its_lock_lets_its_successor_have_the_rendezvous_port(settings):
+    """PostgreSQL ending the leader's lock connection (a restart does) hands the lock to the
+    standby while the old leader still serves the rendezvous on the one port both use: the old
+    leader lets the port go once it finds the lock taken, and the new one binds it (it does not
+    exit on the port being in use)."""
+    import psycopg
+
+    from controlplane.devstack import free_port
+    from controlplane.settings import libpq_url
+
+    port = free_port()
+    shared = settings.model_copy(update={"rendezvous_port": port, "lock_retry_s": 0.3})
+    planes = [ControlPlane(shared), ControlPlane(shared)]
+    stop = asyncio.Event()
+    tasks = [asyncio.create_task(planes[0].run(stop))]
+    try:
+        await wait_until(lambda: planes[0].sessions == 1, 30, "the first to lead")
+        await wait_until(
+            lambda: planes[0].rendezvous is not None and planes[0].rendezvous.base is not None,
+            10,
+            "the leader's rendezvous",
+        )
+        tasks.append(asyncio.create_task(planes[1].run(stop)))
+        await asyncio.sleep(1.0)
+        assert planes[1].sessions == 0
+        async with await psycopg.AsyncConnection.connect(
+            libpq_url(settings.database_url), autocommit=True
+        ) as conn:
+            await conn.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory'"
+                " AND granted AND database = (SELECT oid FROM pg_database"
+                " WHERE datname = current_database())"
+            )
+        await wait_until(lambda: planes[1].ingest is not None, 30, "the standby to take over")
+        successor = planes[1].rendezvous
+        assert successor is not None and successor.base == f"tcp://127.0.0.1:{port}"
+        assert planes[0].rendezvous is not None and planes[0].rendezvous.base is None
+        await asyncio.sleep(1.0)
+        assert not any(task.done() for task in tasks), [t.exception() for t in tasks if t.done()]
+        assert planes[0].sessions == 1 and not planes[0].leading
+    finally:
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 30)
