@@ -904,6 +904,110 @@ def demo(
     raise typer.Exit(code)
 
 
+@app.command()
+def chaos(
+    *,
+    minutes: Annotated[
+        float, typer.Option(min=0.1, help="Minutes over which faults are injected.")
+    ] = 5.0,
+    every: Annotated[
+        float,
+        typer.Option(min=5, help="Mean seconds between two faults (each jittered by a quarter)."),
+    ] = 25.0,
+    seed: Annotated[int, typer.Option(help="Seed of the plan, the targets and the job.")] = 0,
+    kinds: Annotated[
+        str,
+        typer.Option(
+            help="Comma-separated fault kinds to mix: crash, hang, node, slow (of ranks), nats,"
+            " postgres, control (of the infrastructure)."
+        ),
+    ] = "crash,hang,node,slow,nats,postgres,control",
+    nproc: Annotated[int, typer.Option(min=2, help="Worker pods (the world size).")] = 4,
+    spares: Annotated[int, typer.Option(min=0, help="Spare pods at the start.")] = 2,
+    step_time: Annotated[
+        float,
+        typer.Option(
+            min=0, help="Seconds each step's forward pass lasts at least (examples/train.py)."
+        ),
+    ] = 0.1,
+    backup_interval: Annotated[
+        int, typer.Option(min=1, help="Steps between two hot backups.")
+    ] = 10,
+    heartbeat_timeout: Annotated[
+        float, typer.Option(min=0.5, help="Seconds of heartbeat silence that make a hang.")
+    ] = 3.0,
+    slow_for: Annotated[float, typer.Option(min=1, help="Seconds a `slow` fault lasts.")] = 20.0,
+    settle_timeout: Annotated[
+        float,
+        typer.Option(min=10, help="Longest wait (s) for a fault to settle before it failed."),
+    ] = 90.0,
+    loss_tolerance: Annotated[
+        float, typer.Option(min=0, help="Accepted relative difference of the final losses.")
+    ] = 0.01,
+    start_timeout: Annotated[
+        float, typer.Option(min=1, help="Longest wait (s) for services to come up.")
+    ] = 60.0,
+    state_dir: Annotated[
+        Path | None,
+        typer.Option(help="Where the servers keep their data and the logs (default: a temp dir)."),
+    ] = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the report as one JSON object on stdout.")
+    ] = False,
+) -> None:
+    """Inject a seeded mix of rank and infrastructure faults into a training job, and report
+    what became of each.
+
+    Starts the stack of `elasticctl demo` (NATS as a three-node JetStream cluster, PostgreSQL,
+    the control plane and a standby; external servers are not used), then trains
+    examples/train.py as one launcher per pretend node: --nproc worker pods and --spares pods
+    of a warm spare, each step at least --step-time long. From --seed it plans a fault every
+    --every seconds (jittered) for --minutes, the kinds in shuffled rounds, and injects them
+    one at a time, each once the one before settled and a spare is ready: crash (SIGKILL of a
+    worker), hang (SIGSTOP), node (a worker's pod killed, launcher and member: nothing
+    reports an exit), slow (a worker stopped 30% of every half second for --slow-for
+    seconds), nats (the node leading the events stream killed, started again 10 s later),
+    postgres (stopped, started again 5 s later), control (the leading control plane killed:
+    the standby takes over, a new standby starts). Each lost worker's node is replaced by a
+    new pod with a warm spare.
+
+    The report gives per fault its kind, target, step, outcome (recovered: the incidents it
+    caused recovered; tolerated: the job went on stepping with no incident; failed;
+    undetected), how it was detected, the downtime and the steps lost; then the totals, the
+    log's audit (events lost, stored twice), the final loss against a fault-free reference
+    (the same steps on one rank) and the job's goodput (`elasticctl goodput`). The job runs
+    about --minutes plus a fifth (steps take longer than --step-time); progress goes to
+    stderr. Exit status 0 when every injected fault was handled, the job completed, the log is
+    whole and the loss matches; 1 when not; 130/143 when interrupted.
+    """
+    from controlplane.chaos import ChaosConfig, run_chaos
+    from controlplane.demo import DemoError
+
+    config = ChaosConfig(
+        minutes=minutes,
+        every_s=every,
+        seed=seed,
+        kinds=tuple(k.strip() for k in kinds.split(",") if k.strip()),
+        nproc=nproc,
+        spares=spares,
+        step_time_s=step_time,
+        backup_interval=backup_interval,
+        heartbeat_timeout_s=heartbeat_timeout,
+        slow_for_s=slow_for,
+        settle_timeout_s=settle_timeout,
+        loss_tolerance=loss_tolerance,
+        start_timeout_s=start_timeout,
+        state_dir=state_dir,
+        as_json=as_json,
+    )
+    _log_warnings()
+    try:
+        code = run_chaos(config)
+    except (ValueError, DemoError) as exc:
+        raise _fail(str(exc)) from exc
+    raise typer.Exit(code)
+
+
 # --------------------------------------------------------------------------- post-mortems
 # export / import / replay / timeline: the bodies are in controlplane/postmortem/commands.py.
 

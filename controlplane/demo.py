@@ -706,14 +706,14 @@ def _secret() -> bytes:
     return parse_secret(text) if text else os.urandom(32)
 
 
-def _secure_nats(state: Path, secret: bytes, jobs: dict[str, int]) -> tuple[Path, Path]:
-    """Issue per-node NATS credentials for ``jobs`` (job id -> pretend nodes) and write the
+def _secure_nats(state: Path, secret: bytes, jobs: dict[str, list[str]]) -> tuple[Path, Path]:
+    """Issue per-node NATS credentials for ``jobs`` (job id -> its nodes' names) and write the
     server's configuration that loads them: (the credentials directory, the config file)."""
     from controlplane import creds
 
     directory = state / "creds"
     for job_id, nodes in jobs.items():
-        creds.issue(secret, directory, job_id, [f"node{j}" for j in range(nodes)])
+        creds.issue(secret, directory, job_id, nodes)
     config = state / "nats.conf"
     config.write_text(
         "# elasticctl demo: NKey users per node of each job (written by elasticctl creds)\n"
@@ -786,6 +786,9 @@ class Run:
 class Demo:
     """One run of the demo; ``run()`` returns the exit status."""
 
+    #: The command's name, in progress and error lines.
+    command = "elasticctl demo"
+
     def __init__(self, config: DemoConfig) -> None:
         self.config = config
         self.out = Console(soft_wrap=True)
@@ -793,7 +796,7 @@ class Demo:
         self.stop = StopFlag()
         self.started = time.monotonic()
         self.timings: dict[str, float] = {}
-        self.job_id = f"demo-{uuid.uuid4().hex[:6]}"
+        self.job_id = f"{self.command.split()[-1]}-{uuid.uuid4().hex[:6]}"
         self.state: Path = Path()
         self.created_state = False
         self.children: Children | None = None
@@ -807,6 +810,8 @@ class Demo:
         self.control_exited: dict[str, Any] | None = None
         #: The demo run's step as last polled.
         self.step = 0
+        #: How a standby control plane is started (``_serve``; None: none is).
+        self.standby_env: dict[str, str] | None = None
 
     # -------------------------------------------------------------- top level
 
@@ -821,7 +826,7 @@ class Demo:
             self.children = Children(self.state / "logs")
             live = config.live if config.live is not None else self.err.is_terminal
             self.progress = (
-                LiveProgress(self.err, self.started, config.steps, f"elasticctl demo {self.job_id}")
+                LiveProgress(self.err, self.started, config.steps, f"{self.command} {self.job_id}")
                 if live
                 else PlainProgress(self.err, self.started, config.steps)
             )
@@ -836,7 +841,7 @@ class Demo:
             code = self._interrupted(exc.signum, summary)
         except DemoError as exc:
             self._close_progress()
-            self.err.print(f"elasticctl demo: {exc}", markup=False, highlight=False)
+            self.err.print(f"{self.command}: {exc}", markup=False, highlight=False)
             self._show_logs()
             code = 1
         except Exception:
@@ -863,10 +868,10 @@ class Demo:
         self._close_progress()
         if summary is not None and self.config.keep:
             code = 0 if summary["recovered"] and summary["loss_ok"] is not False else 1
-            self.err.print("elasticctl demo: stopping the stack", highlight=False)
+            self.err.print(f"{self.command}: stopping the stack", highlight=False)
             return code
         name = signal.Signals(signum).name
-        self.err.print(f"elasticctl demo: {name} received; stopping everything", highlight=False)
+        self.err.print(f"{self.command}: {name} received; stopping everything", highlight=False)
         return 128 + signum
 
     def _run(self) -> dict[str, Any]:
@@ -967,12 +972,8 @@ class Demo:
         try:
             stack.secret = _secret()
             if not nats_url:
-                # Identity on the bus: every node of both runs gets its own credentials.
-                config = self.config
-                jobs = {self.job_id: demo_nodes(config.nproc, config.spares)}
-                if config.reference:
-                    jobs[f"{self.job_id}-ref"] = demo_nodes(config.reference_ranks, 0)
-                stack.creds_dir, nats_config = _secure_nats(self.state, stack.secret, jobs)
+                # Identity on the bus: every node of the runs gets its own credentials.
+                stack.creds_dir, nats_config = _secure_nats(self.state, stack.secret, self._nodes())
                 size = self.config.nats_cluster
                 nats: NatsServer | NatsCluster = (
                     NatsServer(self.state / "nats", host=self.config.host, config=nats_config)
@@ -1021,6 +1022,15 @@ class Demo:
             self._phase(f"NATS: one NKey credential per node and role, in {stack.creds_dir}")
         return stack
 
+    def _nodes(self) -> dict[str, list[str]]:
+        """The nodes of each job the demo launches (job id -> node names), each given its
+        NATS credentials."""
+        config = self.config
+        jobs = {self.job_id: demo_nodes(config.nproc, config.spares)}
+        if config.reference:
+            jobs[f"{self.job_id}-ref"] = demo_nodes(config.reference_ranks, 0)
+        return {job: [f"node{j}" for j in range(nodes)] for job, nodes in jobs.items()}
+
     def _env(self, stack: Stack, **extra: str) -> dict[str, str]:
         tmp = self.state / "tmp"
         tmp.mkdir(exist_ok=True)
@@ -1056,7 +1066,7 @@ class Demo:
                 env[key] = value
         if config.standby and env["ELASTIC_RENDEZVOUS_PORT"] == "0":
             env["ELASTIC_RENDEZVOUS_PORT"] = str(free_port(env["ELASTIC_RENDEZVOUS_HOST"]))
-        standby_env = {**env, "ELASTIC_METRICS_PORT": "0"}
+        standby_env = self.standby_env = {**env, "ELASTIC_METRICS_PORT": "0"}
         if config.metrics_out is not None:
             host = env.setdefault("ELASTIC_METRICS_HOST", config.host)
             port = env.get("ELASTIC_METRICS_PORT") or str(free_port(host))
@@ -1326,7 +1336,11 @@ class Demo:
             sys.stdout.write(json.dumps(summary) + "\n")
             sys.stdout.flush()
         else:
-            render_summary(summary, self.out)
+            self._render(summary, self.out)
+
+    def _render(self, summary: dict[str, Any], console: Console) -> None:
+        """The summary on a terminal."""
+        render_summary(summary, console)
 
     def _wait_while_kept(self) -> None:
         stack = self.stack
@@ -1373,7 +1387,7 @@ class Demo:
             return
         kept = Path(tempfile.mkdtemp(prefix="elastic-demo-logs-"))
         shutil.copytree(logs, kept, dirs_exist_ok=True)
-        self.err.print(f"elasticctl demo: the logs are kept in {kept}", highlight=False)
+        self.err.print(f"{self.command}: the logs are kept in {kept}", highlight=False)
 
     def _teardown(self) -> None:
         """Stop everything the demo started; remove the state directory unless kept."""

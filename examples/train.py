@@ -15,6 +15,7 @@ same on every rank, stays in its own memory, and a survivor hands it to a newcom
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 import torch.distributed as dist
@@ -55,6 +56,13 @@ def arguments(description: str | None) -> argparse.ArgumentParser:
         help="steps whose batches the run skips, e.g. 25,31-33 (a fault-free run that skips"
         " what a rollback skipped)",
     )
+    parser.add_argument(
+        "--step-time",
+        type=float,
+        default=0.0,
+        help="seconds each rank waits in every step's forward pass, a stand-in for a larger"
+        " model's compute (elasticctl chaos gives the tiny model steps of a realistic length)",
+    )
     return parser
 
 
@@ -89,6 +97,8 @@ def main() -> None:
         samples used. Its tensors die with its frame (a recovery must not keep the old group
         alive through them)."""
         world = session.world
+        if args.step_time:
+            time.sleep(args.step_time)
         index = torch.tensor(sampler.shard(step, world.rank, world.size), dtype=torch.long)
         per_sample = ((model(x[index]) - y[index]) ** 2).sum()
         # Sum over this rank's samples, scaled so DDP's average is the global batch's mean.

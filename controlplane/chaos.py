@@ -1,0 +1,760 @@
+"""``elasticctl chaos``: a seeded mix of rank and infrastructure faults against a training job.
+
+It starts what ``elasticctl demo`` starts (NATS as a three-node JetStream cluster, PostgreSQL, the
+control plane and a standby), then launches ``examples/train.py`` as one launcher per pretend
+node (a pod): ``--nproc`` worker pods and ``--spares`` pods of a warm spare, every step
+``--step-time`` long (a tiny model given steps of a realistic length). From a seed it plans a
+fault every ``--every`` seconds (with jitter) for ``--minutes``, cycling through the kinds in a
+shuffled order, and injects them one at a time while the job trains:
+
+* ``crash``: a worker is killed (SIGKILL); its launcher reports the exit.
+* ``hang``: a worker is stopped (SIGSTOP); only its silence tells.
+* ``node``: a worker's pod is killed, launcher and member at once; nothing reports an exit.
+* ``slow``: a worker is stopped for ``SLOW_DUTY`` of every half second for ``--slow-for``
+  seconds (a throttled node): the whole job slows while it lasts.
+* ``nats``: the NATS node leading the events stream is killed (SIGKILL) and started again
+  ``NATS_DOWN_S`` later.
+* ``postgres``: PostgreSQL is stopped (fast shutdown) and started again ``POSTGRES_DOWN_S``
+  later.
+* ``control``: the leading control plane is killed (SIGKILL); the standby takes over and a new
+  standby is started.
+
+Each rank fault is repaired as a cluster would: a new pod with a warm spare is started at once.
+A fault is injected only once the one before it settled (its incident closed, or the service
+back and the job stepping) with the world whole and a spare ready; the report says how long it
+waited. Each fault owns the incidents opened between its injection and its settling: a rank
+fault counts as recovered when the incident naming its member recovered (and any other it owns
+did), an infrastructure fault as tolerated when the job kept stepping with no incident, or
+recovered when the incidents it caused recovered. A fault-free reference (the same steps and
+seed on one rank) gives the loss the job must end at; the log is audited for lost and duplicated
+events; the goodput comes from the project's own accounting (``core/goodput.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from controlplane.api import render
+from controlplane.core.goodput import goodput
+from controlplane.core.view import Incident, JobView, MemberStatus
+from controlplane.demo import (
+    EXAMPLE,
+    TERMINAL,
+    Child,
+    Demo,
+    DemoConfig,
+    DemoError,
+    Run,
+    Stack,
+    Watch,
+    incident_summary,
+)
+from controlplane.postmortem.audit import audit
+
+#: Faults of a rank (a member, or its node).
+RANK_KINDS = ("crash", "hang", "node", "slow")
+#: Faults of the infrastructure the job stands on.
+INFRA_KINDS = ("nats", "postgres", "control")
+KINDS = RANK_KINDS + INFRA_KINDS
+#: Faults after which a member is gone and a spare takes its place.
+LOSING = ("crash", "hang", "node")
+#: How long a killed NATS node stays down, and PostgreSQL stopped.
+NATS_DOWN_S = 10.0
+POSTGRES_DOWN_S = 5.0
+#: A ``slow`` worker is stopped this fraction of every ``SLOW_PERIOD_S``.
+SLOW_DUTY = 0.3
+SLOW_PERIOD_S = 0.5
+#: After a service is back (or a slowdown over), how long the job must go on stepping before
+#: the fault counts as settled: what members sent meanwhile arrives (``EVENTS_SETTLE_S``) and
+#: a fault it caused would have been found (the heartbeat timeout).
+QUIET_S = 10.0
+#: The first fault comes this long after the job's first step, and none is injected in the
+#: last ``TAIL_S`` of the fault window.
+WARMUP_S = 20.0
+TAIL_S = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class Planned:
+    """A fault of the seeded plan: its kind and when it is due, in seconds after the job's
+    first step."""
+
+    index: int
+    kind: str
+    due_s: float
+
+
+def plan(minutes: float, every_s: float, kinds: tuple[str, ...], seed: int) -> list[Planned]:
+    """The faults of a run: one due every ``every_s`` seconds on average, jittered by up to a
+    quarter of it either way, from ``WARMUP_S`` to ``minutes`` later, the kinds taken in
+    rounds, each round a seeded shuffle of ``kinds`` (so every kind comes as often, in no fixed
+    order)."""
+    rng = random.Random(seed)
+    end = WARMUP_S + minutes * 60.0 - TAIL_S
+    out: list[Planned] = []
+    rounds: list[str] = []
+    due = WARMUP_S
+    while due <= end:
+        if not rounds:
+            rounds = list(kinds)
+            rng.shuffle(rounds)
+        out.append(Planned(len(out), rounds.pop(0), round(due, 3)))
+        due = WARMUP_S + len(out) * every_s + rng.uniform(-every_s / 4, every_s / 4)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class ChaosConfig:
+    """What ``elasticctl chaos`` runs."""
+
+    minutes: float = 5.0
+    every_s: float = 25.0
+    seed: int = 0
+    kinds: tuple[str, ...] = KINDS
+    nproc: int = 4
+    spares: int = 2
+    #: Each step's forward pass lasts this long at least (``examples/train.py --step-time``).
+    step_time_s: float = 0.1
+    backup_interval: int = 10
+    heartbeat_timeout_s: float = 3.0
+    slow_for_s: float = 20.0
+    #: A fault not settled this long after its injection failed.
+    settle_timeout_s: float = 90.0
+    loss_tolerance: float = 0.01
+    start_timeout_s: float = 60.0
+    state_dir: Path | None = None
+    as_json: bool = False
+    live: bool | None = False
+    script: Path = EXAMPLE
+
+    def steps(self) -> int:
+        """The job's steps: about as many as fill the fault window at the nominal step time
+        (each step takes longer than ``step_time_s``; the job then runs on past the last fault
+        to its end)."""
+        return max(2, round((WARMUP_S + self.minutes * 60.0) / self.step_time_s))
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` on settings that cannot make a run."""
+        unknown = sorted(set(self.kinds) - set(KINDS))
+        if unknown or not self.kinds:
+            raise ValueError(
+                f"--kinds takes a comma-separated choice of {', '.join(KINDS)}"
+                + (f" (not {', '.join(unknown)})" if unknown else "")
+            )
+        if self.minutes <= 0 or self.every_s < 5:
+            raise ValueError("--minutes must be > 0 and --every at least 5 seconds")
+        if self.nproc < 2:
+            raise ValueError("--nproc must be at least 2: a rank fault leaves a world to recover")
+        if self.spares < 1 and any(k in LOSING for k in self.kinds):
+            raise ValueError("--spares must be at least 1: each lost rank is taken by a spare")
+        if self.step_time_s < 0:
+            raise ValueError("--step-time must be >= 0")
+
+    def demo_config(self) -> DemoConfig:
+        """The stack and job settings ``elasticctl demo`` takes (no faults of its own)."""
+        return DemoConfig(
+            steps=self.steps(),
+            backup_interval=self.backup_interval,
+            nproc=self.nproc,
+            spares=self.spares,
+            crash_at=0,
+            hang_at=0,
+            seed=self.seed,
+            heartbeat_timeout_s=self.heartbeat_timeout_s,
+            start_timeout_s=self.start_timeout_s,
+            # The job's steps at twice the nominal step time, and every fault's longest wait.
+            train_timeout_s=2 * self.steps() * max(self.step_time_s, 0.02)
+            + self.settle_timeout_s * len(self.plan())
+            + 120.0,
+            reference=True,
+            loss_tolerance=self.loss_tolerance,
+            state_dir=self.state_dir,
+            as_json=self.as_json,
+            live=self.live,
+            script=self.script,
+            nats_cluster=3 if "nats" in self.kinds else 1,
+            standby="control" in self.kinds,
+        )
+
+    def plan(self) -> list[Planned]:
+        return plan(self.minutes, self.every_s, self.kinds, self.seed)
+
+
+@dataclass(slots=True)
+class Pod:
+    """A pretend node: one launcher (and its members)."""
+
+    name: str
+    rack: str
+    child: Child
+
+
+@dataclass(slots=True)
+class Fault:
+    """A fault being injected, and what became of it."""
+
+    planned: Planned
+    #: Seconds after the job's first step it was injected (None: not injected).
+    at_s: float | None = None
+    injected: float = 0.0
+    #: The log position the job's view had reached at the injection.
+    position: int = 0
+    step: int = 0
+    #: What was hit, in words, and the member a rank fault hit.
+    target: str = ""
+    member: str = ""
+    #: Set by the repair (a thread for services) once it is done; ``repair_error`` if failed.
+    repaired: threading.Event = field(default_factory=threading.Event)
+    repaired_at: float | None = None
+    repair_error: str | None = None
+    detail: dict[str, Any] = field(default_factory=dict)
+    settled_at: float | None = None
+    outcome: str | None = None
+    incidents: list[dict[str, Any]] = field(default_factory=list)
+
+    def report(self) -> dict[str, Any]:
+        p = self.planned
+        waited = None if self.at_s is None else round(max(0.0, self.at_s - p.due_s), 1)
+        down = [i["downtime_s"] for i in self.incidents if i.get("downtime_s") is not None]
+        return {
+            "index": p.index,
+            "kind": p.kind,
+            "due_s": p.due_s,
+            "at_s": None if self.at_s is None else round(self.at_s, 1),
+            "waited_s": waited,
+            "target": self.target or None,
+            "step": self.step if self.at_s is not None else None,
+            "outcome": self.outcome or "not injected",
+            "detected_by": sorted({d for i in self.incidents for d in i.get("detected_by", [])}),
+            "downtime_s": round(sum(down), 3) if down else None,
+            "steps_lost": sum(i.get("steps_lost") or 0 for i in self.incidents),
+            "settled_s": None
+            if self.settled_at is None
+            else round(self.settled_at - self.injected, 1),
+            "detail": self.detail,
+            "incidents": self.incidents,
+        }
+
+
+#: Outcomes that count as handled: the control plane recovered the job from the fault, or the
+#: job went on through it with nothing to recover.
+HANDLED = ("recovered", "tolerated")
+
+
+class Chaos(Demo):
+    """One chaos run; ``run()`` returns the exit status (0: every fault handled, the log whole,
+    the loss matched)."""
+
+    command = "elasticctl chaos"
+
+    def __init__(self, chaos: ChaosConfig) -> None:
+        chaos.validate()
+        super().__init__(chaos.demo_config())
+        self.chaos = chaos
+        self.rng = random.Random(chaos.seed + 1)
+        self.faults = [Fault(p) for p in chaos.plan()]
+        self.pods: dict[str, Pod] = {}
+        self.repairs = 0
+        self.serves: list[Child] = []
+        #: Index into ``serves`` of the leading control plane.
+        self.leader = 0
+        self.first_step: float | None = None
+        self.current: Fault | None = None
+        self.next = 0
+        #: Names of the children the run killed on purpose (a control plane).
+        self.killed: set[str] = set()
+        self.job_watch: Watch | None = None
+
+    # -------------------------------------------------------------- set-up
+
+    def _nodes(self) -> dict[str, list[str]]:
+        """Credentials for every pod the run may start: the workers', the spares', and one
+        spare pod per planned fault that loses a member (its repair)."""
+        c = self.chaos
+        losing = sum(1 for f in self.faults if f.planned.kind in LOSING)
+        pods = [f"p{i}" for i in range(c.nproc)] + [f"s{i}" for i in range(c.spares + losing)]
+        return {self.job_id: pods, f"{self.job_id}-ref": ["node0"]}
+
+    def _pod(self, name: str, *, workers: int, spares: int) -> Pod:
+        """Start a pod's launcher: ``workers`` ranks and ``spares`` spares of the job."""
+        assert self.children is not None and self.stack is not None
+        c, config = self.chaos, self.config
+        rack = f"rack{len(self.pods) % 2}"
+        policy = f"{config.policy(world=c.nproc)},world_size={c.nproc}"
+        argv = [
+            sys.executable, "-m", "controlplane", "run", "--nproc", str(workers),
+            "--spares", str(spares), "--node", name, "--rack", rack, "--job-id", self.job_id,
+            "--policy", policy, str(config.script), "--steps", str(config.steps),
+            "--seed", str(config.seed), "--step-time", str(c.step_time_s),
+        ]  # fmt: skip
+        env = self._env(self.stack, **self.stack.launcher_env(self.job_id))
+        pod = Pod(name, rack, self.children.start(f"pod-{name}", argv, env))
+        self.pods[name] = pod
+        return pod
+
+    def _repair_pod(self) -> str:
+        """A new node with a warm spare, for one lost: its name."""
+        name = f"s{self.chaos.spares + self.repairs}"
+        self.repairs += 1
+        self._pod(name, workers=0, spares=1)
+        return name
+
+    def _services(self) -> Stack:
+        """The demo's services, always its own (the run kills and restarts them): external
+        ones named by the environment are left alone."""
+        from controlplane.settings import DATABASE_URL_ENV, NATS_URL_ENV
+
+        saved = {k: os.environ.pop(k) for k in (NATS_URL_ENV, DATABASE_URL_ENV) if k in os.environ}
+        if saved:
+            self._phase(f"not using {', '.join(saved)}: the run starts servers of its own")
+        try:
+            return super()._services()
+        finally:
+            os.environ.update(saved)
+
+    # -------------------------------------------------------------- the run
+
+    def _run(self) -> dict[str, Any]:
+        config, c = self.config, self.chaos
+        self._phase("starting NATS (JetStream) and PostgreSQL")
+        t = time.monotonic()
+        stack = self.stack = self._services()
+        self.timings["services_s"] = time.monotonic() - t
+        self._phase("starting the control plane" + (" and a standby" if config.standby else ""))
+        self.serves = self._serve(stack)
+        from controlplane.store.postgres import PostgresEventStore
+
+        store = PostgresEventStore.from_url(stack.database_url)
+        try:
+            self._phase(
+                f"plan: {len(self.faults)} faults over {c.minutes:g} min, one every "
+                f"~{c.every_s:g}s (seed {c.seed}): {', '.join(c.kinds)}"
+            )
+            reference = self._launch(store, f"{self.job_id}-ref", "reference",
+                                     nproc=1, spares=0, faults=[])  # fmt: skip
+            self._phase(
+                f"training: {c.nproc} worker pods + {c.spares} spare pod(s), {config.steps} "
+                f"steps of {self._script_name()} at >= {c.step_time_s:g}s each"
+            )
+            for i in range(c.nproc):
+                self._pod(f"p{i}", workers=1, spares=0)
+            for i in range(c.spares):
+                self._pod(f"s{i}", workers=0, spares=1)
+            self.repairs = 0
+            job = Run("chaos", self.pods["p0"].child, Watch(store, self.job_id), time.monotonic())
+            self.job_watch = job.watch
+            self._follow_chaos(job, reference)
+            audited = audit(store.read(job_id=self.job_id))
+        finally:
+            store.close()
+            self._stop_slowing()
+        self._phase("done")
+        return self._chaos_summary(job.watch, reference.watch, audited)
+
+    def _follow_chaos(self, job: Run, reference: Run) -> None:
+        """Fold both logs, inject the plan's faults one at a time, until both jobs ended."""
+        assert self.progress is not None
+        while True:
+            self.stop.check()
+            now = time.monotonic()
+            for run in (job, reference):
+                if run.ended is not None:
+                    continue
+                view = run.watch.poll()
+                self.progress.update(run.watch, run.label)
+                if view is not None and view.state.value in TERMINAL and view.open_incident is None:
+                    run.ended = now
+                    self.timings[f"{run.label}_s"] = now - run.launched
+                elif now - run.launched > self.config.train_timeout_s:
+                    raise DemoError(f"the {run.label} run did not finish in "
+                                    f"{self.config.train_timeout_s:.0f}s")  # fmt: skip
+                elif run is reference and not run.launcher.alive:
+                    run.exited = run.exited if run.exited is not None else now
+                    if now - run.exited > 15.0:
+                        raise DemoError(f"the reference launcher exited (see {run.launcher.log})")
+            view = job.watch.view
+            if view is not None and view.history and self.first_step is None and view.last_step:
+                self.first_step = now
+            if job.ended is None and view is not None and self.first_step is not None:
+                self._chaos_turn(view, now)
+            self._check_serves()
+            if job.ended is not None and reference.ended is not None:
+                if self.current is not None:
+                    self._settle(self.current, view, now, ended=True)
+                return
+            self.stop.sleep(0.25)
+
+    def _check_serves(self) -> None:
+        """Raise ``DemoError`` when a control plane exited that the run did not kill."""
+        for child in self.serves:
+            if not child.alive and child.name not in self.killed:
+                raise DemoError(
+                    f"the control plane ({child.name}) exited (status {child.popen.returncode})"
+                )
+
+    # -------------------------------------------------------------- faults
+
+    def _chaos_turn(self, view: JobView, now: float) -> None:
+        assert self.first_step is not None
+        current = self.current
+        if current is not None:
+            self._settle(current, view, now)
+            return
+        if self.next >= len(self.faults):
+            return
+        fault = self.faults[self.next]
+        elapsed = now - self.first_step
+        if elapsed < fault.planned.due_s:
+            return
+        # Near the job's end a recovery would race its completion: what is left is not injected.
+        remaining = (self.config.steps - view.last_step) * self.chaos.step_time_s
+        if remaining < 2 * TAIL_S:
+            for left in self.faults[self.next :]:
+                left.detail["why"] = "the job was about to end"
+            self.next = len(self.faults)
+            return
+        if not self._ready(view, fault.planned.kind):
+            return
+        self.next += 1
+        self._inject(fault, view, now)
+
+    def _ready(self, view: JobView, kind: str) -> bool:
+        """The job runs with its whole world, no incident is open, and (for a rank fault) a
+        spare is ready to take the lost rank."""
+        if view.state.value != "RUNNING" or view.open_incident is not None:
+            return False
+        if len(view.world) != self.chaos.nproc:
+            return False
+        if kind in RANK_KINDS:
+            spares = [
+                m
+                for m in view.members.values()
+                if m.status is MemberStatus.ACTIVE
+                and m.rank is None
+                and m.member_id not in view.world
+            ]
+            if kind in LOSING and not spares:
+                return False
+        return True
+
+    def _inject(self, fault: Fault, view: JobView, now: float) -> None:
+        assert self.first_step is not None
+        kind = fault.planned.kind
+        fault.at_s = now - self.first_step
+        fault.injected = now
+        fault.position = view.last_position
+        fault.step = view.last_step
+        self.current = fault
+        if kind in RANK_KINDS:
+            member = self.rng.choice(sorted(view.world))
+            fault.target = fault.member = member
+            pid = view.members[member].pid
+            if kind == "crash":
+                self._signal(pid, signal.SIGKILL)
+            elif kind == "hang":
+                self._signal(pid, signal.SIGSTOP)
+            elif kind == "node":
+                pod = self.pods.get(view.members[member].node)
+                if pod is None:
+                    raise DemoError(f"no pod of {member} (node {view.members[member].node})")
+                fault.target = f"{member} (pod {pod.name})"
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pod.child.popen.pid, signal.SIGKILL)
+            else:
+                self._slow(fault, pid)
+            if kind in LOSING:
+                fault.detail["repair"] = f"pod {self._repair_pod()} with a spare"
+                self._repaired(fault)
+        else:
+            self._infra(fault)
+        self._phase(
+            f"fault {fault.planned.index + 1}/{len(self.faults)}: {kind}"
+            + (f" of {fault.target}" if fault.target else "")
+            + f" at step {fault.step}"
+        )
+
+    @staticmethod
+    def _signal(pid: int, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+
+    def _repaired(self, fault: Fault) -> None:
+        fault.repaired_at = time.monotonic()
+        fault.repaired.set()
+
+    def _in_background(self, fault: Fault, work: Callable[[], None]) -> None:
+        """Run a repair off the loop (the job's log keeps being followed meanwhile)."""
+
+        def run() -> None:
+            try:
+                work()
+            except Exception as exc:  # the report says what failed
+                fault.repair_error = f"{type(exc).__name__}: {exc}"
+            self._repaired(fault)
+
+        threading.Thread(target=run, name=f"chaos-{fault.planned.kind}", daemon=True).start()
+
+    def _slow(self, fault: Fault, pid: int) -> None:
+        """Stop ``pid`` for ``SLOW_DUTY`` of every ``SLOW_PERIOD_S`` for the set time."""
+        until = time.monotonic() + self.chaos.slow_for_s
+        fault.detail["slowed_s"] = self.chaos.slow_for_s
+        fault.detail["stopped_fraction"] = SLOW_DUTY
+
+        def work() -> None:
+            while time.monotonic() < until and not self.stop.event.is_set():
+                self._signal(pid, signal.SIGSTOP)
+                time.sleep(SLOW_DUTY * SLOW_PERIOD_S)
+                self._signal(pid, signal.SIGCONT)
+                time.sleep((1 - SLOW_DUTY) * SLOW_PERIOD_S)
+
+        self._in_background(fault, work)
+
+    def _stop_slowing(self) -> None:
+        """Let a slowed member go on (it may be stopped at this moment)."""
+        for fault in self.faults:
+            if fault.planned.kind == "slow" and fault.at_s is not None:
+                fault.repaired.wait(timeout=2 * SLOW_PERIOD_S)
+
+    def _infra(self, fault: Fault) -> None:
+        from controlplane.devstack import NatsCluster, PostgresServer
+        from controlplane.settings import Settings
+
+        assert self.stack is not None and self.children is not None
+        kind = fault.planned.kind
+        if kind == "nats":
+            [cluster] = [s for s in self.stack.servers if isinstance(s, NatsCluster)]
+            stream = Settings().stream
+            node = cluster.leader_of(stream) or self.rng.choice(cluster.nodes)
+            assert node.cluster is not None
+            fault.target = f"NATS node {node.cluster.name}"
+            node.kill()
+
+            def nats() -> None:
+                time.sleep(NATS_DOWN_S)
+                t = time.monotonic()
+                node.start()
+                cluster.wait_healthy(60.0, nodes=[node])
+                fault.detail["down_s"] = NATS_DOWN_S
+                fault.detail["healthy_after_s"] = round(time.monotonic() - t, 2)
+
+            self._in_background(fault, nats)
+        elif kind == "postgres":
+            servers = [s for s in self.stack.servers if isinstance(s, PostgresServer)]
+            if not servers:
+                raise DemoError("--kinds postgres needs the run's own PostgreSQL")
+            postgres = servers[0]
+            fault.target = "PostgreSQL"
+
+            def restart() -> None:
+                postgres.stop("fast")
+                time.sleep(POSTGRES_DOWN_S)
+                postgres.start()
+                fault.detail["down_s"] = POSTGRES_DOWN_S
+
+            self._in_background(fault, restart)
+        else:
+            leader = self.serves[self.leader]
+            standbys = [i for i, c in enumerate(self.serves) if c.alive and i != self.leader]
+            if not standbys:
+                raise DemoError("no standby control plane to take over")
+            fault.target = f"control plane {leader.name}"
+            self.killed.add(leader.name)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(leader.popen.pid, signal.SIGKILL)
+            taking = standbys[0]
+            self.leader = taking
+            successor = self.serves[taking]
+            before = successor.tail(10_000).count("ingesting from")
+            t = time.monotonic()
+
+            def takeover() -> None:
+                deadline = t + self.chaos.settle_timeout_s
+                while successor.tail(10_000).count("ingesting from") <= before:
+                    if time.monotonic() > deadline or not successor.alive:
+                        raise RuntimeError(f"{successor.name} did not take over")
+                    time.sleep(0.1)
+                fault.detail["takeover_s"] = round(time.monotonic() - t, 2)
+                fault.detail["leader"] = successor.name
+                name = f"serve-standby-{len(self.serves)}"
+                self.serves.append(self._standby(name))
+
+            self._in_background(fault, takeover)
+
+    def _standby(self, name: str) -> Child:
+        """A new standby control plane, set as the first standby was."""
+        assert self.children is not None and self.standby_env is not None
+        serve = [sys.executable, "-m", "controlplane", "serve"]
+        return self.children.start(name, serve, self.standby_env)
+
+    # -------------------------------------------------------------- outcomes
+
+    def _settle(self, fault: Fault, view: JobView | None, now: float, ended: bool = False) -> None:
+        """Decide whether ``fault`` settled, and how it ended."""
+        if view is None:
+            return
+        kind = fault.planned.kind
+        owned = [
+            i
+            for i in view.incidents.values()
+            if i.opened_position > fault.position and i.kind in ("fault", "anomaly")
+        ]
+        late = now - fault.injected > self.chaos.settle_timeout_s
+        if kind in LOSING:
+            named = [i for i in owned if fault.member in i.members]
+            done = bool(named) and all(not i.is_open for i in owned)
+            if not done and not late and not ended:
+                return
+            if not named:
+                fault.outcome = "undetected"
+        else:
+            back = fault.repaired.is_set() and fault.repaired_at is not None
+            quiet = back and now - (fault.repaired_at or now) >= QUIET_S
+            moving = view.last_step > fault.step
+            if not (quiet and moving and all(not i.is_open for i in owned)) and not (late or ended):
+                return
+            if fault.repair_error is not None:
+                fault.outcome = "failed"
+                fault.detail["repair_error"] = fault.repair_error
+            elif not owned and moving and back:
+                fault.outcome = "tolerated"
+            if kind == "slow":
+                flagged = view.slow.get(fault.target)
+                fault.detail["flagged_slow"] = flagged is not None
+        fault.settled_at = now
+        fault.incidents = [self._incident(view, i) for i in owned]
+        if fault.outcome is None:
+            fault.outcome = (
+                "recovered" if owned and all(i.outcome == "recovered" for i in owned) else "failed"
+            )
+        self.current = None
+        self._phase(self._words(fault))
+
+    def _incident(self, view: JobView, incident: Incident) -> dict[str, Any]:
+        assert self.job_watch is not None
+        return incident_summary(self.job_watch, incident, None)
+
+    def _words(self, fault: Fault) -> str:
+        r = fault.report()
+        down = "" if r["downtime_s"] is None else f", downtime {r['downtime_s']:.2f}s"
+        by = f" by {', '.join(r['detected_by'])}" if r["detected_by"] else ""
+        return (
+            f"fault {r['index'] + 1}: {r['kind']} of {r['target']}: {r['outcome']}{by}{down}"
+            f" (settled in {r['settled_s']}s)"
+        )
+
+    # -------------------------------------------------------------- summary
+
+    def _chaos_summary(self, watch: Watch, reference: Watch, audited: Any) -> dict[str, Any]:
+        c = self.chaos
+        view = watch.view
+        ref = reference.view
+        assert view is not None
+        steps = self.config.steps
+        completed = view.state.value == "COMPLETED" and view.completed_step == steps
+        final = view.last_loss if completed else None
+        ref_loss = (
+            ref.last_loss
+            if ref is not None and ref.state.value == "COMPLETED" and ref.completed_step == steps
+            else None
+        )
+        rel = None
+        if final is not None and ref_loss is not None:
+            rel = abs(final - ref_loss) / max(abs(ref_loss), 1e-12)
+        loss_ok = rel is not None and rel <= c.loss_tolerance
+        reports = [f.report() for f in self.faults]
+        injected = [r for r in reports if r["outcome"] != "not injected"]
+        handled = [r for r in injected if r["outcome"] in HANDLED]
+        by_kind: dict[str, dict[str, int]] = {}
+        for r in injected:
+            counts = by_kind.setdefault(r["kind"], {"injected": 0, "handled": 0})
+            counts["injected"] += 1
+            counts["handled"] += r["outcome"] in HANDLED
+        found = goodput(view, watch.counter, view.last_recorded_at or datetime.now(UTC))
+        breakdown = render.goodput(found).model_dump(mode="json") if found is not None else None
+        ettr = None if breakdown is None else breakdown["ettr"]
+        all_handled = bool(injected) and len(handled) == len(injected)
+        return {
+            "job_id": view.job_id,
+            "job_state": view.state.value,
+            "steps": steps,
+            "completed_step": view.completed_step,
+            "ranks": c.nproc,
+            "spares": c.spares,
+            "minutes": c.minutes,
+            "every_s": c.every_s,
+            "seed": c.seed,
+            "kinds": list(c.kinds),
+            "step_time_s": c.step_time_s,
+            "totals": {
+                "planned": len(reports),
+                "injected": len(injected),
+                "handled": len(handled),
+                "recovered": sum(r["outcome"] == "recovered" for r in injected),
+                "tolerated": sum(r["outcome"] == "tolerated" for r in injected),
+                "failed": len(injected) - len(handled),
+                "handled_rate": round(len(handled) / len(injected), 4) if injected else None,
+                "by_kind": by_kind,
+                "incidents": len([i for i in view.incidents.values() if i.kind == "fault"]),
+                "spare_pods_started": self.repairs,
+            },
+            "recovered": all_handled and completed and audited.whole,
+            "faults": reports,
+            "log": audited.summary(),
+            "final_loss": final,
+            "reference_loss": ref_loss,
+            "loss_rel_diff": None if rel is None else float(f"{rel:.3g}"),
+            "loss_tolerance": c.loss_tolerance,
+            "loss_ok": loss_ok,
+            "ettr": ettr,
+            "goodput": breakdown,
+        }
+
+    def _render(self, summary: dict[str, Any], console: Console) -> None:
+        render_chaos(summary, console)
+
+
+def render_chaos(summary: dict[str, Any], console: Console) -> None:
+    """The human summary: one row per fault, then the totals."""
+    table = Table(title=f"Faults of job {summary['job_id']}", title_justify="left")
+    for name in ("#", "kind", "at s", "target", "outcome", "detected by", "down s", "lost"):
+        table.add_column(name)
+    for r in summary["faults"]:
+        table.add_row(
+            str(r["index"] + 1), r["kind"], "-" if r["at_s"] is None else f"{r['at_s']:.0f}",
+            str(r["target"] or "-"), r["outcome"], ", ".join(r["detected_by"]) or "-",
+            "-" if r["downtime_s"] is None else f"{r['downtime_s']:.2f}", str(r["steps_lost"]),
+        )  # fmt: skip
+    console.print(table)
+    t = summary["totals"]
+    log = summary["log"]
+    console.print(
+        f"{t['handled']}/{t['injected']} faults handled ({t['recovered']} recovered, "
+        f"{t['tolerated']} tolerated, {t['failed']} failed); job {summary['job_state']} at step "
+        f"{summary['completed_step']}/{summary['steps']}; log: {log['missing']} lost, "
+        f"{log['duplicated']} duplicated of {log['events']}; final loss {summary['final_loss']} "
+        f"vs {summary['reference_loss']} (rel {summary['loss_rel_diff']}); ETTR {summary['ettr']}",
+        highlight=False,
+    )
+
+
+def run_chaos(config: ChaosConfig) -> int:
+    """Run the chaos; returns the exit status (0: every fault handled, log whole, loss matched;
+    1: not; 128+N: stopped by signal N)."""
+    return Chaos(config).run()
+
+
+__all__ = ["KINDS", "ChaosConfig", "Planned", "plan", "run_chaos"]

@@ -1,0 +1,79 @@
+"""``elasticctl chaos`` end to end: one round of every fault kind against a training job, on
+the run's own NATS cluster and PostgreSQL; every fault handled, the log whole, the loss the
+fault-free reference's, nothing left running."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+
+from controlplane.chaos import KINDS, LOSING, plan
+
+ROOT = Path(__file__).resolve().parents[2]
+_SCRIPT = Path(sys.executable).with_name("elasticctl")
+ELASTICCTL = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "controlplane"]
+#: One round of the seven kinds, about two and a half minutes in all.
+ARGS = ["--minutes", "1.5", "--every", "12", "--seed", "0"]
+
+
+def test_a_round_of_every_fault_kind_is_handled_and_the_job_ends_at_the_reference_loss(
+    tmp_path: Path,
+) -> None:
+    planned = plan(1.5, 12, KINDS, seed=0)
+    assert sorted(p.kind for p in planned) == sorted(KINDS)
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("ELASTIC_NATS_URL", "ELASTIC_DATABASE_URL")
+    }
+    err = tmp_path / "chaos.err"
+    with err.open("wb") as stderr:
+        done = subprocess.run(
+            [*ELASTICCTL, "chaos", *ARGS, "--json", "--state-dir", str(tmp_path / "state")],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            env=env,
+            cwd=ROOT,
+            timeout=600,
+            check=False,
+        )
+    progress = err.read_text()
+    assert done.returncode == 0, progress[-4000:]
+    summary = json.loads(done.stdout)
+    faults = summary["faults"]
+    assert [f["kind"] for f in faults] == [p.kind for p in planned]
+    for fault in faults:
+        assert fault["outcome"] in ("recovered", "tolerated"), fault
+        if fault["kind"] in LOSING:
+            # The lost member's own incident, found as its kind is found, and recovered.
+            assert fault["outcome"] == "recovered", fault
+            [incident] = fault["incidents"]
+            assert incident["members"] == [fault["target"].split()[0]]
+            expected = "exited" if fault["kind"] == "crash" else "heartbeat_timeout"
+            assert fault["detected_by"] == [expected], fault
+            assert incident["mode"] == "replace" and incident["downtime_s"] > 0
+    control = next(f for f in faults if f["kind"] == "control")
+    assert control["detail"]["takeover_s"] >= 0 and control["detail"]["leader"]
+    nats = next(f for f in faults if f["kind"] == "nats")
+    assert nats["target"].startswith("NATS node") and "healthy_after_s" in nats["detail"]
+    totals = summary["totals"]
+    assert totals["injected"] == totals["handled"] == len(planned)
+    assert totals["spare_pods_started"] == sum(1 for p in planned if p.kind in LOSING)
+    assert summary["job_state"] == "COMPLETED" and summary["completed_step"] == summary["steps"]
+    assert summary["log"]["whole"] and summary["log"]["missing"] == 0
+    assert summary["log"]["duplicated"] == 0
+    assert summary["loss_ok"] and summary["loss_rel_diff"] <= 0.01
+    assert 0 < summary["ettr"] <= 1
+    assert summary["recovered"] is True
+    # Nothing of the run is left: no launcher of its job, no server of its state directory.
+    job = summary["job_id"]
+    state = str(tmp_path / "state")
+    left = [
+        p.info["cmdline"]
+        for p in psutil.process_iter(["cmdline"])
+        if any(job in part or state in part for part in p.info["cmdline"] or ())
+    ]
+    assert not left

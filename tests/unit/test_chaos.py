@@ -1,0 +1,90 @@
+"""``elasticctl chaos``'s plan and settings (the run itself: tests/e2e/test_chaos.py)."""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+
+import pytest
+
+from controlplane.chaos import (
+    KINDS,
+    LOSING,
+    TAIL_S,
+    WARMUP_S,
+    Chaos,
+    ChaosConfig,
+    Fault,
+    plan,
+)
+
+
+def test_a_plan_is_the_seeds_and_takes_every_kind_as_often():
+    first = plan(30, 25, KINDS, seed=3)
+    assert first == plan(30, 25, KINDS, seed=3)
+    assert [p.kind for p in first] != [p.kind for p in plan(30, 25, KINDS, seed=4)]
+    # Rounds: each len(KINDS) faults hold every kind once.
+    for start in range(0, len(first) - len(KINDS) + 1, len(KINDS)):
+        assert sorted(p.kind for p in first[start : start + len(KINDS)]) == sorted(KINDS)
+    counts = Counter(p.kind for p in first)
+    assert max(counts.values()) - min(counts.values()) <= 1
+
+
+def test_a_plan_spaces_faults_at_the_rate_within_the_window():
+    faults = plan(30, 25, KINDS, seed=0)
+    assert len(faults) >= 60  # the 30-minute soak's floor
+    dues = [p.due_s for p in faults]
+    assert dues == sorted(dues)
+    assert dues[0] == WARMUP_S
+    assert dues[-1] <= WARMUP_S + 30 * 60 - TAIL_S
+    gaps = [b - a for a, b in itertools.pairwise(dues)]
+    assert min(gaps) >= 25 / 2 - 1e-9 and max(gaps) <= 25 * 1.5 + 1e-9
+    assert abs(sum(gaps) / len(gaps) - 25) < 2
+    assert [p.index for p in faults] == list(range(len(faults)))
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"kinds": ("crash", "flood")}, "not flood"),
+        ({"kinds": ()}, "--kinds"),
+        ({"nproc": 1}, "--nproc"),
+        ({"spares": 0}, "--spares"),
+        ({"every_s": 1.0}, "--every"),
+        ({"minutes": 0.0}, "--minutes"),
+    ],
+)
+def test_settings_that_cannot_make_a_run_are_refused(change, message):
+    with pytest.raises(ValueError, match=message):
+        ChaosConfig(**change).validate()
+
+
+def test_without_losing_kinds_no_spare_is_needed():
+    ChaosConfig(spares=0, kinds=("nats", "postgres", "slow")).validate()
+
+
+def test_the_stack_follows_the_kinds():
+    full = ChaosConfig(minutes=2).demo_config()
+    assert full.nats_cluster == 3 and full.standby
+    assert full.crash_at == full.hang_at == full.nan_at == 0
+    assert full.steps == ChaosConfig(minutes=2).steps() == round((WARMUP_S + 120) / 0.1)
+    light = ChaosConfig(minutes=2, kinds=("crash", "hang")).demo_config()
+    assert light.nats_cluster == 1 and not light.standby
+
+
+def test_credentials_cover_every_pod_the_run_may_start():
+    config = ChaosConfig(minutes=5, every_s=10, nproc=3, spares=2)
+    chaos = Chaos(config)
+    losing = sum(1 for p in config.plan() if p.kind in LOSING)
+    nodes = chaos._nodes()
+    pods = nodes[chaos.job_id]
+    assert pods[:3] == ["p0", "p1", "p2"]
+    assert pods[3:] == [f"s{i}" for i in range(2 + losing)]
+    assert nodes[f"{chaos.job_id}-ref"] == ["node0"]
+
+
+def test_a_fault_never_injected_says_so():
+    [first, *_] = plan(1, 10, KINDS, seed=0)
+    report = Fault(first).report()
+    assert report["outcome"] == "not injected"
+    assert report["at_s"] is None and report["waited_s"] is None and report["downtime_s"] is None
