@@ -270,13 +270,13 @@ class Chaos(Demo):
         self.pods: dict[str, Pod] = {}
         self.repairs = 0
         self.serves: list[Child] = []
-        #: Index into ``serves`` of the leading control plane.
-        self.leader = 0
         self.first_step: float | None = None
         self.current: Fault | None = None
         self.next = 0
         #: Names of the children the run killed on purpose (a control plane).
         self.killed: set[str] = set()
+        #: Why the run ended before the jobs did (None: it did not).
+        self.aborted: str | None = None
         self.job_watch: Watch | None = None
 
     # -------------------------------------------------------------- set-up
@@ -366,7 +366,18 @@ class Chaos(Demo):
         return self._chaos_summary(job.watch, reference.watch, audited)
 
     def _follow_chaos(self, job: Run, reference: Run) -> None:
-        """Fold both logs, inject the plan's faults one at a time, until both jobs ended."""
+        """Fold both logs, inject the plan's faults one at a time, until both jobs ended. What
+        ends the run early (a control plane that exited unbidden, a job past its time) is
+        the report's ``aborted``, with the fault in progress settled as it stands."""
+        try:
+            self._follow_runs(job, reference)
+        except DemoError as exc:
+            self.aborted = str(exc)
+            self._phase(f"aborted: {exc}")
+            if self.current is not None and job.watch.view is not None:
+                self._settle(self.current, job.watch.view, time.monotonic(), ended=True)
+
+    def _follow_runs(self, job: Run, reference: Run) -> None:
         assert self.progress is not None
         while True:
             self.stop.check()
@@ -428,6 +439,14 @@ class Chaos(Demo):
             self.next = len(self.faults)
             return
         if not self._ready(view, fault.planned.kind):
+            if elapsed - fault.planned.due_s > self.chaos.settle_timeout_s:
+                # Never ready (no standby left to take over, say): the plan goes on without it.
+                fault.detail["why"] = (
+                    f"not ready {self.chaos.settle_timeout_s:.0f} s after it was due: "
+                    + self._unready(view, fault.planned.kind)
+                )
+                self.next += 1
+                self._phase(f"fault {fault.planned.index + 1}: {fault.detail['why']}")
             return
         self.next += 1
         self._inject(fault, view, now)
@@ -439,6 +458,10 @@ class Chaos(Demo):
             return False
         if len(view.world) != self.chaos.nproc:
             return False
+        if kind == "control":
+            # One leads (a PostgreSQL restart may have moved the lead), one stands by.
+            alive = [c for c in self.serves if c.alive]
+            return len(alive) >= 2 and sum(map(_leads, alive)) == 1
         if kind in RANK_KINDS:
             spares = [
                 m
@@ -450,6 +473,16 @@ class Chaos(Demo):
             if kind in LOSING and not spares:
                 return False
         return True
+
+    def _unready(self, view: JobView, kind: str) -> str:
+        """Why ``_ready`` says no, in words."""
+        if view.state.value != "RUNNING" or view.open_incident is not None:
+            return f"the job is {view.state.value}"
+        if len(view.world) != self.chaos.nproc:
+            return f"the world has {len(view.world)} of {self.chaos.nproc} ranks"
+        if kind == "control":
+            return "no control plane leads with another standing by"
+        return "no spare is ready"
 
     def _inject(self, fault: Fault, view: JobView, now: float) -> None:
         assert self.first_step is not None
@@ -567,28 +600,24 @@ class Chaos(Demo):
 
             self._in_background(fault, restart)
         else:
-            leader = self.serves[self.leader]
-            standbys = [i for i, c in enumerate(self.serves) if c.alive and i != self.leader]
-            if not standbys:
-                raise DemoError("no standby control plane to take over")
+            [leader] = [c for c in self.serves if c.alive and _leads(c)]  # _ready saw one
             fault.target = f"control plane {leader.name}"
             self.killed.add(leader.name)
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(leader.popen.pid, signal.SIGKILL)
-            taking = standbys[0]
-            self.leader = taking
-            successor = self.serves[taking]
-            before = successor.tail(10_000).count("ingesting from")
             t = time.monotonic()
 
             def takeover() -> None:
                 deadline = t + self.chaos.settle_timeout_s
-                while successor.tail(10_000).count("ingesting from") <= before:
-                    if time.monotonic() > deadline or not successor.alive:
-                        raise RuntimeError(f"{successor.name} did not take over")
+                while True:
+                    successors = [c for c in self.serves if c.alive and _leads(c)]
+                    if successors:
+                        break
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("no standby took over")
                     time.sleep(0.1)
                 fault.detail["takeover_s"] = round(time.monotonic() - t, 2)
-                fault.detail["leader"] = successor.name
+                fault.detail["leader"] = successors[0].name
                 name = f"serve-standby-{len(self.serves)}"
                 self.serves.append(self._standby(name))
 
@@ -711,7 +740,8 @@ class Chaos(Demo):
                 "incidents": len([i for i in view.incidents.values() if i.kind == "fault"]),
                 "spare_pods_started": self.repairs,
             },
-            "recovered": all_handled and completed and audited.whole,
+            "recovered": all_handled and completed and audited.whole and self.aborted is None,
+            "aborted": self.aborted,
             "faults": reports,
             "log": audited.summary(),
             "final_loss": final,
@@ -727,6 +757,22 @@ class Chaos(Demo):
         render_chaos(summary, console)
 
 
+#: What a control plane logs as it starts leading (``app.py``), and as it stops or stands by
+#: (``service.py``, ``lock.py``).
+LEADING = "ingesting from"
+NOT_LEADING = ("lost the ingest lock", "standing by")
+
+
+def _leads(child: Child) -> bool:
+    """Whether the control plane ``child`` leads now, as its log's last word on it says."""
+    try:
+        text = child.log.read_text(errors="replace")
+    except OSError:
+        return False
+    lead = text.rfind(LEADING)
+    return lead >= 0 and all(text.rfind(word) < lead for word in NOT_LEADING)
+
+
 def render_chaos(summary: dict[str, Any], console: Console) -> None:
     """The human summary: one row per fault, then the totals."""
     table = Table(title=f"Faults of job {summary['job_id']}", title_justify="left")
@@ -739,6 +785,8 @@ def render_chaos(summary: dict[str, Any], console: Console) -> None:
             "-" if r["downtime_s"] is None else f"{r['downtime_s']:.2f}", str(r["steps_lost"]),
         )  # fmt: skip
     console.print(table)
+    if summary["aborted"]:
+        console.print(f"aborted: {summary['aborted']}", markup=False, highlight=False)
     t = summary["totals"]
     log = summary["log"]
     console.print(

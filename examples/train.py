@@ -60,8 +60,8 @@ def arguments(description: str | None) -> argparse.ArgumentParser:
         "--step-time",
         type=float,
         default=0.0,
-        help="seconds each rank waits in every step's forward pass, a stand-in for a larger"
-        " model's compute (elasticctl chaos gives the tiny model steps of a realistic length)",
+        help="seconds each forward pass waits, a stand-in for a larger model's compute"
+        " (elasticctl chaos gives the tiny model steps of a realistic length)",
     )
     return parser
 
@@ -72,6 +72,8 @@ def problem(
     """The model (seeded), the dataset and the step sampler of a run."""
     torch.manual_seed(args.seed)
     net = nn.Sequential(nn.Linear(args.features, args.hidden), nn.Tanh(), nn.Linear(args.hidden, 1))
+    if args.step_time:  # each forward pass lasts that much longer: a larger model's compute
+        net.register_forward_pre_hook(lambda *_: time.sleep(args.step_time))
     x, y = synthetic_regression(args.samples, args.features, seed=args.seed)
     return net, x, y, StepSampler(len(x), args.global_batch, seed=args.seed)
 
@@ -97,8 +99,6 @@ def main() -> None:
         samples used. Its tensors die with its frame (a recovery must not keep the old group
         alive through them)."""
         world = session.world
-        if args.step_time:
-            time.sleep(args.step_time)
         index = torch.tensor(sampler.shard(step, world.rank, world.size), dtype=torch.long)
         per_sample = ((model(x[index]) - y[index]) ** 2).sum()
         # Sum over this rank's samples, scaled so DDP's average is the global batch's mean.

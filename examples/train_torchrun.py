@@ -88,8 +88,6 @@ def main() -> None:
         step += 1
         if step in args.skip_steps:
             continue
-        if args.step_time:
-            time.sleep(args.step_time)
         index = torch.tensor(sampler.shard(step, rank, size), dtype=torch.long)
         per_sample = ((model(x[index]) - y[index]) ** 2).sum()
         loss = per_sample * (size / args.global_batch)

@@ -11,8 +11,11 @@ import sys
 from pathlib import Path
 
 import psutil
+import pytest
 
 from controlplane.chaos import KINDS, LOSING, plan
+
+pytestmark = pytest.mark.timeout(660)
 
 ROOT = Path(__file__).resolve().parents[2]
 _SCRIPT = Path(sys.executable).with_name("elasticctl")

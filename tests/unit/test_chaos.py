@@ -88,3 +88,65 @@ def test_a_fault_never_injected_says_so():
     report = Fault(first).report()
     assert report["outcome"] == "not injected"
     assert report["at_s"] is None and report["waited_s"] is None and report["downtime_s"] is None
+
+
+def test_the_human_report_names_every_fault_and_why_a_run_was_cut_short():
+    from rich.console import Console
+
+    from controlplane.chaos import render_chaos
+
+    [first, second, *_] = plan(1, 10, KINDS, seed=0)
+    done = Fault(second, at_s=31.0, target="p1-w0", outcome="recovered")
+    summary = {
+        "job_id": "chaos-x",
+        "faults": [Fault(first).report(), done.report()],
+        "aborted": "the control plane (serve) exited (status 1)",
+        "totals": {"handled": 1, "injected": 1, "recovered": 1, "tolerated": 0, "failed": 0},
+        "log": {"missing": 0, "duplicated": 0, "events": 10},
+        "job_state": "RUNNING",
+        "completed_step": None,
+        "steps": 800,
+        "final_loss": None,
+        "reference_loss": 0.01,
+        "loss_rel_diff": None,
+        "ettr": None,
+    }
+    console = Console(record=True, width=200)
+    render_chaos(summary, console)
+    text = console.export_text()
+    assert "not injected" in text and "p1-w0" in text and "recovered" in text
+    assert "aborted: the control plane (serve) exited" in text
+    assert "1/1 faults handled" in text
+
+
+def test_the_leading_control_plane_is_read_from_what_each_logged_last(tmp_path):
+    from typing import Any, cast
+
+    from controlplane.chaos import _leads
+    from controlplane.demo import Child
+
+    def child(*lines: str) -> Child:
+        log = tmp_path / f"serve{len(lines)}-{abs(hash(lines))}.log"
+        log.write_text("".join(f"2026-12-07 INFO {line}\n" for line in lines))
+        return Child("serve", cast(Any, None), log)
+
+    assert not _leads(child("another control plane holds the ingest lock; standing by"))
+    assert _leads(child("took over the ingest lock", "ingesting from nats://a into PostgreSQL"))
+    # A PostgreSQL restart ended its lock: it stands by, though it led before.
+    assert not _leads(
+        child(
+            "ingesting from nats://a into PostgreSQL; deciding",
+            "lost the ingest lock; stopping ingest until it is ours again",
+            "another control plane holds the ingest lock; standing by",
+        )
+    )
+    # ... and leads again once it took the lock back.
+    assert _leads(
+        child(
+            "ingesting from nats://a",
+            "lost the ingest lock; stopping ingest until it is ours again",
+            "took over the ingest lock",
+            "ingesting from nats://a",
+        )
+    )
+    assert not _leads(Child("gone", cast(Any, None), tmp_path / "missing.log"))
