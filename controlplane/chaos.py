@@ -608,9 +608,12 @@ class Chaos(Demo):
             t = time.monotonic()
 
             def takeover() -> None:
+                leader.popen.wait(10)  # reaped: its log's last word no longer counts
                 deadline = t + self.chaos.settle_timeout_s
                 while True:
-                    successors = [c for c in self.serves if c.alive and _leads(c)]
+                    successors = [
+                        c for c in self.serves if c is not leader and c.alive and _leads(c)
+                    ]
                     if successors:
                         break
                     if time.monotonic() > deadline:
