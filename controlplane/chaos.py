@@ -438,12 +438,12 @@ class Chaos(Demo):
                 left.detail["why"] = "the job was about to end"
             self.next = len(self.faults)
             return
-        if not self._ready(view, fault.planned.kind):
+        why = self._unready(view, fault.planned.kind)
+        if why is not None:
             if elapsed - fault.planned.due_s > self.chaos.settle_timeout_s:
                 # Never ready (no standby left to take over, say): the plan goes on without it.
                 fault.detail["why"] = (
-                    f"not ready {self.chaos.settle_timeout_s:.0f} s after it was due: "
-                    + self._unready(view, fault.planned.kind)
+                    f"not ready {self.chaos.settle_timeout_s:.0f} s after it was due: {why}"
                 )
                 self.next += 1
                 self._phase(f"fault {fault.planned.index + 1}: {fault.detail['why']}")
@@ -451,38 +451,25 @@ class Chaos(Demo):
         self.next += 1
         self._inject(fault, view, now)
 
-    def _ready(self, view: JobView, kind: str) -> bool:
-        """The job runs with its whole world, no incident is open, and (for a rank fault) a
-        spare is ready to take the lost rank."""
-        if view.state.value != "RUNNING" or view.open_incident is not None:
-            return False
-        if len(view.world) != self.chaos.nproc:
-            return False
-        if kind == "control":
-            # One leads (a PostgreSQL restart may have moved the lead), one stands by.
-            alive = [c for c in self.serves if c.alive]
-            return len(alive) >= 2 and sum(map(_leads, alive)) == 1
-        if kind in RANK_KINDS:
-            spares = [
-                m
-                for m in view.members.values()
-                if m.status is MemberStatus.ACTIVE
-                and m.rank is None
-                and m.member_id not in view.world
-            ]
-            if kind in LOSING and not spares:
-                return False
-        return True
-
-    def _unready(self, view: JobView, kind: str) -> str:
-        """Why ``_ready`` says no, in words."""
+    def _unready(self, view: JobView, kind: str) -> str | None:
+        """Why a fault of ``kind`` cannot come now (None: it can): the job must run with its
+        whole world and no open incident; a lost worker needs a spare ready to take its rank,
+        a killed control plane a standby (and one leader: a PostgreSQL restart may have moved
+        the lead)."""
         if view.state.value != "RUNNING" or view.open_incident is not None:
             return f"the job is {view.state.value}"
         if len(view.world) != self.chaos.nproc:
             return f"the world has {len(view.world)} of {self.chaos.nproc} ranks"
         if kind == "control":
-            return "no control plane leads with another standing by"
-        return "no spare is ready"
+            alive = [c for c in self.serves if c.alive]
+            if len(alive) < 2 or sum(map(_leads, alive)) != 1:
+                return "no control plane leads with another standing by"
+        if kind in LOSING and not any(
+            m.status is MemberStatus.ACTIVE and m.rank is None and m.member_id not in view.world
+            for m in view.members.values()
+        ):
+            return "no spare is ready"
+        return None
 
     def _inject(self, fault: Fault, view: JobView, now: float) -> None:
         assert self.first_step is not None
@@ -600,7 +587,7 @@ class Chaos(Demo):
 
             self._in_background(fault, restart)
         else:
-            [leader] = [c for c in self.serves if c.alive and _leads(c)]  # _ready saw one
+            [leader] = [c for c in self.serves if c.alive and _leads(c)]  # _unready saw one
             fault.target = f"control plane {leader.name}"
             self.killed.add(leader.name)
             with contextlib.suppress(ProcessLookupError, PermissionError):
