@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import logging
 import signal
@@ -180,6 +179,7 @@ class ControlPlane:
         if self.rendezvous is None:
             return ""
         deadline = time.monotonic() + RENDEZVOUS_BIND_WAIT_S
+        backoff = Backoff(max_s=1.0)
         warned = False
         while True:
             try:
@@ -193,8 +193,7 @@ class ControlPlane:
                 if not warned:
                     log.warning("the rendezvous port is in use (%s): trying again", exc)
                     warned = True
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), 0.2)
+            await backoff.sleep(stop)
 
     async def _ingest_while_held(
         self, store: PostgresEventStore, lock: AdvisoryLock, stop: asyncio.Event

@@ -41,16 +41,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-from controlplane.api import render
-from controlplane.core.goodput import goodput
-from controlplane.core.view import Incident, JobView, MemberStatus
+from controlplane.core.view import JobView, MemberStatus
 from controlplane.demo import (
     EXAMPLE,
     TERMINAL,
@@ -61,7 +58,11 @@ from controlplane.demo import (
     Run,
     Stack,
     Watch,
+    final_losses,
+    finished,
+    goodput_breakdown,
     incident_summary,
+    leads,
 )
 from controlplane.postmortem.audit import audit
 
@@ -195,15 +196,6 @@ class ChaosConfig:
 
 
 @dataclass(slots=True)
-class Pod:
-    """A pretend node: one launcher (and its members)."""
-
-    name: str
-    rack: str
-    child: Child
-
-
-@dataclass(slots=True)
 class Fault:
     """A fault being injected, and what became of it."""
 
@@ -267,7 +259,8 @@ class Chaos(Demo):
         self.chaos = chaos
         self.rng = random.Random(chaos.seed + 1)
         self.faults = [Fault(p) for p in chaos.plan()]
-        self.pods: dict[str, Pod] = {}
+        #: Each pretend node's launcher (its members are its children), by node name.
+        self.pods: dict[str, Child] = {}
         self.repairs = 0
         self.serves: list[Child] = []
         self.first_step: float | None = None
@@ -289,7 +282,7 @@ class Chaos(Demo):
         pods = [f"p{i}" for i in range(c.nproc)] + [f"s{i}" for i in range(c.spares + losing)]
         return {self.job_id: pods, f"{self.job_id}-ref": ["node0"]}
 
-    def _pod(self, name: str, *, workers: int, spares: int) -> Pod:
+    def _pod(self, name: str, *, workers: int, spares: int) -> None:
         """Start a pod's launcher: ``workers`` ranks and ``spares`` spares of the job."""
         assert self.children is not None and self.stack is not None
         c, config = self.chaos, self.config
@@ -302,9 +295,7 @@ class Chaos(Demo):
             "--seed", str(config.seed), "--step-time", str(c.step_time_s),
         ]  # fmt: skip
         env = self._env(self.stack, **self.stack.launcher_env(self.job_id))
-        pod = Pod(name, rack, self.children.start(f"pod-{name}", argv, env))
-        self.pods[name] = pod
-        return pod
+        self.pods[name] = self.children.start(f"pod-{name}", argv, env)
 
     def _repair_pod(self) -> str:
         """A new node with a warm spare, for one lost: its name."""
@@ -354,8 +345,7 @@ class Chaos(Demo):
                 self._pod(f"p{i}", workers=1, spares=0)
             for i in range(c.spares):
                 self._pod(f"s{i}", workers=0, spares=1)
-            self.repairs = 0
-            job = Run("chaos", self.pods["p0"].child, Watch(store, self.job_id), time.monotonic())
+            job = Run("chaos", self.pods["p0"], Watch(store, self.job_id), time.monotonic())
             self.job_watch = job.watch
             self._follow_chaos(job, reference)
             audited = audit(store.read(job_id=self.job_id))
@@ -462,7 +452,7 @@ class Chaos(Demo):
             return f"the world has {len(view.world)} of {self.chaos.nproc} ranks"
         if kind == "control":
             alive = [c for c in self.serves if c.alive]
-            if len(alive) < 2 or sum(map(_leads, alive)) != 1:
+            if len(alive) < 2 or sum(map(leads, alive)) != 1:
                 return "no control plane leads with another standing by"
         if kind in LOSING and not any(
             m.status is MemberStatus.ACTIVE and m.rank is None and m.member_id not in view.world
@@ -491,9 +481,9 @@ class Chaos(Demo):
                 pod = self.pods.get(view.members[member].node)
                 if pod is None:
                     raise DemoError(f"no pod of {member} (node {view.members[member].node})")
-                fault.target = f"{member} (pod {pod.name})"
+                fault.target = f"{member} (pod {view.members[member].node})"
                 with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(pod.child.popen.pid, signal.SIGKILL)
+                    os.killpg(pod.popen.pid, signal.SIGKILL)
             else:
                 self._slow(fault, pid)
             if kind in LOSING:
@@ -550,15 +540,12 @@ class Chaos(Demo):
                 fault.repaired.wait(timeout=2 * SLOW_PERIOD_S)
 
     def _infra(self, fault: Fault) -> None:
-        from controlplane.devstack import NatsCluster, PostgresServer
-        from controlplane.settings import Settings
+        from controlplane.devstack import PostgresServer
 
         assert self.stack is not None and self.children is not None
         kind = fault.planned.kind
         if kind == "nats":
-            [cluster] = [s for s in self.stack.servers if isinstance(s, NatsCluster)]
-            stream = Settings().stream
-            node = cluster.leader_of(stream) or self.rng.choice(cluster.nodes)
+            cluster, node, _ = self._events_leader()
             assert node.cluster is not None
             fault.target = f"NATS node {node.cluster.name}"
             node.kill()
@@ -587,7 +574,7 @@ class Chaos(Demo):
 
             self._in_background(fault, restart)
         else:
-            [leader] = [c for c in self.serves if c.alive and _leads(c)]  # _unready saw one
+            [leader] = [c for c in self.serves if c.alive and leads(c)]  # _unready saw one
             fault.target = f"control plane {leader.name}"
             self.killed.add(leader.name)
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -599,7 +586,7 @@ class Chaos(Demo):
                 deadline = t + self.chaos.settle_timeout_s
                 while True:
                     successors = [
-                        c for c in self.serves if c is not leader and c.alive and _leads(c)
+                        c for c in self.serves if c is not leader and c.alive and leads(c)
                     ]
                     if successors:
                         break
@@ -612,12 +599,6 @@ class Chaos(Demo):
                 self.serves.append(self._standby(name))
 
             self._in_background(fault, takeover)
-
-    def _standby(self, name: str) -> Child:
-        """A new standby control plane, set as the first standby was."""
-        assert self.children is not None and self.standby_env is not None
-        serve = [sys.executable, "-m", "controlplane", "serve"]
-        return self.children.start(name, serve, self.standby_env)
 
     # -------------------------------------------------------------- outcomes
 
@@ -640,8 +621,8 @@ class Chaos(Demo):
             if not named:
                 fault.outcome = "undetected"
         else:
-            back = fault.repaired.is_set() and fault.repaired_at is not None
-            quiet = back and now - (fault.repaired_at or now) >= QUIET_S
+            back = fault.repaired_at is not None
+            quiet = fault.repaired_at is not None and now - fault.repaired_at >= QUIET_S
             moving = view.last_step > fault.step
             if not (quiet and moving and all(not i.is_open for i in owned)) and not (late or ended):
                 return
@@ -654,17 +635,14 @@ class Chaos(Demo):
                 flagged = view.slow.get(fault.target)
                 fault.detail["flagged_slow"] = flagged is not None
         fault.settled_at = now
-        fault.incidents = [self._incident(view, i) for i in owned]
+        assert self.job_watch is not None
+        fault.incidents = [incident_summary(self.job_watch, i, None) for i in owned]
         if fault.outcome is None:
             fault.outcome = (
                 "recovered" if owned and all(i.outcome == "recovered" for i in owned) else "failed"
             )
         self.current = None
         self._phase(self._words(fault))
-
-    def _incident(self, view: JobView, incident: Incident) -> dict[str, Any]:
-        assert self.job_watch is not None
-        return incident_summary(self.job_watch, incident, None)
 
     def _words(self, fault: Fault) -> str:
         r = fault.report()
@@ -683,16 +661,8 @@ class Chaos(Demo):
         ref = reference.view
         assert view is not None
         steps = self.config.steps
-        completed = view.state.value == "COMPLETED" and view.completed_step == steps
-        final = view.last_loss if completed else None
-        ref_loss = (
-            ref.last_loss
-            if ref is not None and ref.state.value == "COMPLETED" and ref.completed_step == steps
-            else None
-        )
-        rel = None
-        if final is not None and ref_loss is not None:
-            rel = abs(final - ref_loss) / max(abs(ref_loss), 1e-12)
+        completed = finished(view, steps)
+        final, ref_loss, rel = final_losses(view, ref, steps)
         loss_ok = rel is not None and rel <= c.loss_tolerance
         reports = [f.report() for f in self.faults]
         injected = [r for r in reports if r["outcome"] != "not injected"]
@@ -702,8 +672,7 @@ class Chaos(Demo):
             counts = by_kind.setdefault(r["kind"], {"injected": 0, "handled": 0})
             counts["injected"] += 1
             counts["handled"] += r["outcome"] in HANDLED
-        found = goodput(view, watch.counter, view.last_recorded_at or datetime.now(UTC))
-        breakdown = render.goodput(found).model_dump(mode="json") if found is not None else None
+        breakdown = goodput_breakdown(watch)
         ettr = None if breakdown is None else breakdown["ettr"]
         all_handled = bool(injected) and len(handled) == len(injected)
         return {
@@ -745,22 +714,6 @@ class Chaos(Demo):
 
     def _render(self, summary: dict[str, Any], console: Console) -> None:
         render_chaos(summary, console)
-
-
-#: What a control plane logs as it starts leading (``app.py``), and as it stops or stands by
-#: (``service.py``, ``lock.py``).
-LEADING = "ingesting from"
-NOT_LEADING = ("lost the ingest lock", "standing by")
-
-
-def _leads(child: Child) -> bool:
-    """Whether the control plane ``child`` leads now, as its log's last word on it says."""
-    try:
-        text = child.log.read_text(errors="replace")
-    except OSError:
-        return False
-    lead = text.rfind(LEADING)
-    return lead >= 0 and all(text.rfind(word) < lead for word in NOT_LEADING)
 
 
 def render_chaos(summary: dict[str, Any], console: Console) -> None:

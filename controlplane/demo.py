@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from types import FrameType
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from rich import box
 from rich.console import Console, Group, RenderableType
@@ -57,6 +57,9 @@ from controlplane.core.timeline import timeline
 from controlplane.core.view import Incident, JobView
 from controlplane.postmortem.audit import LogAudit, audit
 from controlplane.settings import DATABASE_URL_ENV, NATS_URL_ENV, Settings
+
+if TYPE_CHECKING:
+    from controlplane.devstack import NatsCluster, NatsServer
 
 #: Marks a directory as a demo's state directory (so a later ``--state-dir`` may reuse it).
 MARKER = ".elastic-demo"
@@ -1066,7 +1069,7 @@ class Demo:
                 env[key] = value
         if config.standby and env["ELASTIC_RENDEZVOUS_PORT"] == "0":
             env["ELASTIC_RENDEZVOUS_PORT"] = str(free_port(env["ELASTIC_RENDEZVOUS_HOST"]))
-        standby_env = self.standby_env = {**env, "ELASTIC_METRICS_PORT": "0"}
+        self.standby_env = {**env, "ELASTIC_METRICS_PORT": "0"}
         if config.metrics_out is not None:
             host = env.setdefault("ELASTIC_METRICS_HOST", config.host)
             port = env.get("ELASTIC_METRICS_PORT") or str(free_port(host))
@@ -1075,19 +1078,23 @@ class Demo:
         if config.control_exit is not None:
             fault = f"exit-after-{config.control_exit}:{CONTROL_EXIT_GENERATION}"
             env["ELASTIC_CONTROL_FAULT"] = fault
-        serve = [sys.executable, "-m", "controlplane", "serve"]
-        child = self.children.start("serve", serve, env)
+        child = self.children.start("serve", SERVE, env)
         self.stop.sleep(0.3)
         if not child.alive:
             raise DemoError(f"the control plane exited with status {child.popen.returncode}")
         if not config.standby:
             return [child]
         deadline = time.monotonic() + config.start_timeout_s
-        while "ingesting from" not in child.tail(200):  # it holds the lock: it leads
+        while not leads(child):
             if not child.alive or time.monotonic() > deadline:
                 raise DemoError(f"the control plane did not start leading (see {child.log})")
             self.stop.sleep(0.1)
-        return [child, self.children.start("serve-standby", serve, standby_env)]
+        return [child, self._standby("serve-standby")]
+
+    def _standby(self, name: str) -> Child:
+        """Start a standby control plane (``_serve`` set how)."""
+        assert self.children is not None and self.standby_env is not None
+        return self.children.start(name, SERVE, self.standby_env)
 
     def _api(self, stack: Stack) -> None:
         assert self.children is not None
@@ -1238,12 +1245,7 @@ class Demo:
         at = self.config.nats_kill_at
         if not at or step < at or self.nats_killed is not None or self.stack is None:
             return
-        from controlplane.devstack import NatsCluster
-        from controlplane.settings import Settings
-
-        [cluster] = [s for s in self.stack.servers if isinstance(s, NatsCluster)]
-        stream = Settings().stream
-        node = cluster.leader_of(stream) or cluster.nodes[0]
+        cluster, node, stream = self._events_leader()
         assert node.cluster is not None
         node.kill()
         self.nats_killed = {"node": node.cluster.name, "after_step": step, "led": stream}
@@ -1252,6 +1254,16 @@ class Demo:
             f"killed NATS node {node.cluster.name} (it led {stream}) after step {step}: the"
             f" streams go on on {others}"
         )
+
+    def _events_leader(self) -> tuple[NatsCluster, NatsServer, str]:
+        """The run's NATS cluster, the node leading the events stream (the first node when
+        none knows), and the stream's name."""
+        from controlplane.devstack import NatsCluster
+
+        assert self.stack is not None
+        [cluster] = [s for s in self.stack.servers if isinstance(s, NatsCluster)]
+        stream = Settings().stream
+        return cluster, cluster.leader_of(stream) or cluster.nodes[0], stream
 
     def _summary(
         self, watch: Watch, reference_watch: Watch | None, faults: list[str], audited: LogAudit
@@ -1267,7 +1279,7 @@ class Demo:
             incident_summary(watch, incident, fault)
             for incident, fault in zip(incidents, _matched(incidents, faults), strict=True)
         ]
-        completed = view.state.value == "COMPLETED" and view.completed_step == config.steps
+        completed = finished(view, config.steps)
         recovered = (
             completed
             and len(incidents) >= len(faults)
@@ -1275,24 +1287,14 @@ class Demo:
             and audited.whole
             and (config.control_exit is None or self.control_exited is not None)
         )
-        final_loss = view.last_loss if completed else None
-        reference_loss = (
-            reference.last_loss
-            if reference is not None
-            and reference.state.value == "COMPLETED"
-            and reference.completed_step == config.steps
-            else None
-        )
-        rel: float | None = None
+        final_loss, reference_loss, rel = final_losses(view, reference, config.steps)
         loss_ok: bool | None = None
-        if final_loss is not None and reference_loss is not None:
-            rel = abs(final_loss - reference_loss) / max(abs(reference_loss), 1e-12)
+        if rel is not None:
             loss_ok = rel <= config.loss_tolerance
         elif config.reference:
             loss_ok = False
         timeline_url = f"{stack.api_url}/ui/jobs/{view.job_id}" if stack.api_url else None
-        found = goodput(view, watch.counter, view.last_recorded_at or datetime.now(UTC))
-        breakdown = render.goodput(found).model_dump(mode="json") if found is not None else None
+        breakdown = goodput_breakdown(watch)
         return {
             "job_id": view.job_id,
             "job_state": view.state.value,
@@ -1424,6 +1426,49 @@ class Demo:
                 shutil.rmtree(path, ignore_errors=True)
             else:
                 path.unlink(missing_ok=True)
+
+
+#: How the demo starts a control plane.
+SERVE = (sys.executable, "-m", "controlplane", "serve")
+#: What a control plane logs as it starts leading (``app.py``), and as it stops or stands by
+#: (``service.py``, ``lock.py``).
+LEADING = "ingesting from"
+NOT_LEADING = ("lost the ingest lock", "standing by")
+
+
+def leads(child: Child) -> bool:
+    """Whether the control plane ``child`` leads now, as its log's last word on it says."""
+    try:
+        text = child.log.read_text(errors="replace")
+    except OSError:
+        return False
+    lead = text.rfind(LEADING)
+    return lead >= 0 and all(text.rfind(word) < lead for word in NOT_LEADING)
+
+
+def finished(view: JobView, steps: int) -> bool:
+    """The job completed, every one of its ``steps`` done."""
+    return view.state.value == "COMPLETED" and view.completed_step == steps
+
+
+def final_losses(
+    view: JobView, reference: JobView | None, steps: int
+) -> tuple[float | None, float | None, float | None]:
+    """A run's final loss and the fault-free reference's (each None unless that job
+    ``finished``), and their relative difference (None without both)."""
+    final = view.last_loss if finished(view, steps) else None
+    ref = reference.last_loss if reference is not None and finished(reference, steps) else None
+    if final is None or ref is None:
+        return final, ref, None
+    return final, ref, abs(final - ref) / max(abs(ref), 1e-12)
+
+
+def goodput_breakdown(watch: Watch) -> dict[str, Any] | None:
+    """The watched job's goodput as the API renders it (None before it was registered)."""
+    view = watch.view
+    assert view is not None
+    found = goodput(view, watch.counter, view.last_recorded_at or datetime.now(UTC))
+    return render.goodput(found).model_dump(mode="json") if found is not None else None
 
 
 def render_summary(summary: dict[str, Any], console: Console) -> None:

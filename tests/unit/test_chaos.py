@@ -122,18 +122,17 @@ def test_the_human_report_names_every_fault_and_why_a_run_was_cut_short():
 def test_the_leading_control_plane_is_read_from_what_each_logged_last(tmp_path):
     from typing import Any, cast
 
-    from controlplane.chaos import _leads
-    from controlplane.demo import Child
+    from controlplane.demo import Child, leads
 
     def child(*lines: str) -> Child:
         log = tmp_path / f"serve{len(lines)}-{abs(hash(lines))}.log"
         log.write_text("".join(f"2026-12-07 INFO {line}\n" for line in lines))
         return Child("serve", cast(Any, None), log)
 
-    assert not _leads(child("another control plane holds the ingest lock; standing by"))
-    assert _leads(child("took over the ingest lock", "ingesting from nats://a into PostgreSQL"))
+    assert not leads(child("another control plane holds the ingest lock; standing by"))
+    assert leads(child("took over the ingest lock", "ingesting from nats://a into PostgreSQL"))
     # A PostgreSQL restart ended its lock: it stands by, though it led before.
-    assert not _leads(
+    assert not leads(
         child(
             "ingesting from nats://a into PostgreSQL; deciding",
             "lost the ingest lock; stopping ingest until it is ours again",
@@ -141,7 +140,7 @@ def test_the_leading_control_plane_is_read_from_what_each_logged_last(tmp_path):
         )
     )
     # ... and leads again once it took the lock back.
-    assert _leads(
+    assert leads(
         child(
             "ingesting from nats://a",
             "lost the ingest lock; stopping ingest until it is ours again",
@@ -149,4 +148,4 @@ def test_the_leading_control_plane_is_read_from_what_each_logged_last(tmp_path):
             "ingesting from nats://a",
         )
     )
-    assert not _leads(Child("gone", cast(Any, None), tmp_path / "missing.log"))
+    assert not leads(Child("gone", cast(Any, None), tmp_path / "missing.log"))
