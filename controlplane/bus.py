@@ -642,7 +642,9 @@ class Beacon:
     is on a server cut off from this one's side of the cluster, and moves
     (``rank_runtime.client``). This connection moves when the event
     stream has not answered its consumer for ``LEAVE_AFTER_S`` (a server without JetStream's
-    quorum answers no pull request), then at doubling intervals while it still does not."""
+    quorum answers no pull request), then every ``2 * LEAVE_AFTER_S`` while it still does not
+    (not longer: while it does not answer, nothing is judged and no member hears a beacon;
+    a move may land on the server cut off, and the next one must not be long in coming)."""
 
     LEAVE_AFTER_S = 5.0
 
@@ -680,7 +682,7 @@ class Beacon:
         if silent < self._leave_after or now - self._left_at < self._leave_after:
             return
         self._left_at = now
-        self._leave_after = min(self._leave_after * 2, 60.0)
+        self._leave_after = 2 * self.LEAVE_AFTER_S
         self.failovers += 1
         await nc.failover.move(nc, f"the event stream has not answered for {silent:.1f} s")
 

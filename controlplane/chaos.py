@@ -10,8 +10,10 @@ shuffled order, and injects them one at a time while the job trains:
 * ``crash``: a worker is killed (SIGKILL); its launcher reports the exit.
 * ``hang``: a worker is stopped (SIGSTOP); only its silence tells.
 * ``node``: a worker's pod is killed, launcher and member at once; nothing reports an exit.
-* ``slow``: a worker is stopped for ``SLOW_DUTY`` of every half second for ``--slow-for``
-  seconds (a throttled node): the whole job slows while it lasts.
+* ``slow``: a worker is stopped for ``SLOW_DUTY`` of every ``SLOW_PERIOD_S`` for ``--slow-for``
+  seconds (a throttled node): its compute takes twice as long, the whole job slows while it
+  lasts; handled (``tolerated``) when the control plane recorded it as slow (``member.slow``;
+  the job's ``slow_action`` is ``ignore``), else ``undetected``.
 * ``nats``: the NATS node leading the events stream is killed (SIGKILL) and started again
   ``NATS_DOWN_S`` later.
 * ``postgres``: PostgreSQL is stopped (fast shutdown) and started again ``POSTGRES_DOWN_S``
@@ -36,6 +38,7 @@ import contextlib
 import os
 import random
 import signal
+import statistics
 import sys
 import threading
 import time
@@ -76,9 +79,14 @@ LOSING = ("crash", "hang", "node")
 #: How long a killed NATS node stays down, and PostgreSQL stopped.
 NATS_DOWN_S = 10.0
 POSTGRES_DOWN_S = 5.0
-#: A ``slow`` worker is stopped this fraction of every ``SLOW_PERIOD_S``.
-SLOW_DUTY = 0.3
-SLOW_PERIOD_S = 0.5
+#: A ``slow`` worker is stopped this fraction of every ``SLOW_PERIOD_S``: its steps take about
+#: twice as long (a throttled node), each heartbeat's compute time well above the others'.
+SLOW_DUTY = 0.5
+SLOW_PERIOD_S = 0.05
+#: The job's ``slow_window_s``: a slow worker is recorded (``member.slow``) once its compute
+#: time stayed above the job's this long, and a liveness summary (every 10 s) recorded it, so
+#: within the default ``--slow-for`` (20 s). The policy's ``slow_action`` stays ``ignore``.
+SLOW_WINDOW_S = 5.0
 #: After a service is back (or a slowdown over), how long the job must go on stepping before
 #: the fault counts as settled: what members sent meanwhile arrives (``EVENTS_SETTLE_S``) and
 #: a fault it caused would have been found (the heartbeat timeout).
@@ -287,7 +295,9 @@ class Chaos(Demo):
         assert self.children is not None and self.stack is not None
         c, config = self.chaos, self.config
         rack = f"rack{len(self.pods) % 2}"
-        policy = f"{config.policy(world=c.nproc)},world_size={c.nproc}"
+        policy = (
+            f"{config.policy(world=c.nproc)},world_size={c.nproc},slow_window_s={SLOW_WINDOW_S:g}"
+        )
         argv = [
             sys.executable, "-m", "controlplane", "run", "--nproc", str(workers),
             "--spares", str(spares), "--node", name, "--rack", rack, "--job-id", self.job_id,
@@ -621,6 +631,8 @@ class Chaos(Demo):
             if not named:
                 fault.outcome = "undetected"
         else:
+            if kind == "slow":
+                self._computed(fault, view)
             back = fault.repaired_at is not None
             quiet = fault.repaired_at is not None and now - fault.repaired_at >= QUIET_S
             moving = view.last_step > fault.step
@@ -632,8 +644,16 @@ class Chaos(Demo):
             elif not owned and moving and back:
                 fault.outcome = "tolerated"
             if kind == "slow":
-                flagged = view.slow.get(fault.target)
-                fault.detail["flagged_slow"] = flagged is not None
+                # Recorded as slow (``member.slow``) while it lasted; the detector records a
+                # member once a generation, so a mark from before this fault counts too.
+                mark = view.slow.get(fault.target)
+                fault.detail["flagged_slow"] = mark is not None and mark.position > fault.position
+                if mark is not None and mark.position <= fault.position:
+                    fault.detail["flagged_before"] = mark.generation == view.generation
+                if fault.outcome == "tolerated" and not (
+                    fault.detail["flagged_slow"] or fault.detail.get("flagged_before")
+                ):
+                    fault.outcome = "undetected"
         fault.settled_at = now
         assert self.job_watch is not None
         fault.incidents = [incident_summary(self.job_watch, i, None) for i in owned]
@@ -643,6 +663,17 @@ class Chaos(Demo):
             )
         self.current = None
         self._phase(self._words(fault))
+
+    @staticmethod
+    def _computed(fault: Fault, view: JobView) -> None:
+        """The slowest sustained compute time the log gave the slowed member while the fault
+        lasted, and the job's (the median of the others') beside it."""
+        mine = view.compute.get(fault.target)
+        if mine is None or mine.compute_s <= fault.detail.get("compute_s", 0.0):
+            return
+        others = [c.compute_s for m, c in view.compute.items() if m != fault.target]
+        fault.detail["compute_s"] = mine.compute_s
+        fault.detail["job_compute_s"] = statistics.median(others) if others else None
 
     def _words(self, fault: Fault) -> str:
         r = fault.report()

@@ -965,20 +965,21 @@ def chaos(
     --every seconds (jittered) for --minutes, the kinds in shuffled rounds, and injects them
     one at a time, each once the one before settled and a spare is ready: crash (SIGKILL of a
     worker), hang (SIGSTOP), node (a worker's pod killed, launcher and member: nothing
-    reports an exit), slow (a worker stopped 30% of every half second for --slow-for
-    seconds), nats (the node leading the events stream killed, started again 10 s later),
-    postgres (stopped, started again 5 s later), control (the leading control plane killed:
-    the standby takes over, a new standby starts). Each lost worker's node is replaced by a
-    new pod with a warm spare.
+    reports an exit), slow (a worker stopped half of every 50 ms for --slow-for seconds:
+    its compute twice as long, to be recorded as slow), nats (the node leading the events
+    stream killed, started again 10 s later), postgres (stopped, started again 5 s later),
+    control (the leading control plane killed: the standby takes over, a new standby starts).
+    Each lost worker's node is replaced by a new pod with a warm spare.
 
     The report gives per fault its kind, target, step, outcome (recovered: the incidents it
-    caused recovered; tolerated: the job went on stepping with no incident; failed;
-    undetected), how it was detected, the downtime and the steps lost; then the totals, the
-    log's audit (events lost, stored twice), the final loss against a fault-free reference
-    (the same steps on one rank) and the job's goodput (`elasticctl goodput`). The job runs
-    about --minutes plus a fifth (steps take longer than --step-time); progress goes to
-    stderr. Exit status 0 when every injected fault was handled, the job completed, the log is
-    whole and the loss matches; 1 when not; 130/143 when interrupted.
+    caused recovered; tolerated: the job went on stepping with no incident, and a slow
+    worker was recorded as slow; failed; undetected), how it was detected, the downtime and
+    the steps lost; then the totals, the log's audit (events lost, stored twice), the final
+    loss against a fault-free reference (the same steps on one rank) and the job's goodput
+    (`elasticctl goodput`). The job runs about --minutes plus a fifth (steps take longer than
+    --step-time); progress goes to stderr. Exit status 0 when every injected fault was
+    handled, the job completed, the log is whole and the loss matches; 1 when not; 130/143
+    when interrupted.
     """
     from controlplane.chaos import ChaosConfig, run_chaos
     from controlplane.demo import DemoError

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -66,6 +67,24 @@ def arguments(description: str | None) -> argparse.ArgumentParser:
     return parser
 
 
+#: How long one of ``device_time``'s waits lasts, seconds.
+KERNEL_S = 0.005
+
+
+def device_time(seconds: float) -> Callable[..., None]:
+    """A forward pre-hook that waits ``seconds`` as a device runs a larger model: kernel after
+    kernel, each ``KERNEL_S`` long. A process stopped part of the time (a throttled node, as
+    ``elasticctl chaos`` makes one) launches its kernels that much later, and computes that
+    much slower; one long sleep would end on time whatever stopped it."""
+    kernels = max(1, round(seconds / KERNEL_S))
+
+    def wait(*_: object) -> None:
+        for _ in range(kernels):
+            time.sleep(seconds / kernels)
+
+    return wait
+
+
 def problem(
     args: argparse.Namespace,
 ) -> tuple[nn.Module, torch.Tensor, torch.Tensor, StepSampler]:
@@ -73,7 +92,7 @@ def problem(
     torch.manual_seed(args.seed)
     net = nn.Sequential(nn.Linear(args.features, args.hidden), nn.Tanh(), nn.Linear(args.hidden, 1))
     if args.step_time:  # each forward pass lasts that much longer: a larger model's compute
-        net.register_forward_pre_hook(lambda *_: time.sleep(args.step_time))
+        net.register_forward_pre_hook(device_time(args.step_time))
     x, y = synthetic_regression(args.samples, args.features, seed=args.seed)
     return net, x, y, StepSampler(len(x), args.global_batch, seed=args.seed)
 

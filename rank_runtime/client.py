@@ -29,6 +29,7 @@ import logging
 import math
 import os
 import queue
+import random
 import socket
 import threading
 import time
@@ -69,6 +70,10 @@ from schemas.subjects import (
 )
 
 log = logging.getLogger(__name__)
+
+#: While no beacon comes, a connection leaves its server again after this many seconds,
+#: drawn from the range each time (``EventClient._check_beacon``).
+BEACON_RETRY_S = (2.0, 4.0)
 
 
 def _open_relay_socket() -> socket.socket:
@@ -196,12 +201,10 @@ class EventClient:
         #: Where the connection goes when it leaves a server (``_check_beacon``).
         self._failover = Failover()
         #: When the control plane's beacon was last heard (``time.monotonic``; None: never
-        #: yet on this connection), and when this connection may next leave its server for
-        #: want of it (the wait doubling each time, while none comes anywhere).
+        #: yet on this connection), and how long after it (and after the last move) this
+        #: connection leaves its server for want of it (``_check_beacon``).
         self._beacon_at: float | None = None
         self._beacon_heard = False
-        #: Servers left since a beacon was last heard.
-        self._unheard_moves = 0
         self._leave_after = BEACON_TIMEOUT_S
         self._left_at = 0.0
 
@@ -609,7 +612,6 @@ class EventClient:
             self._beacon_at = time.monotonic()
             self._beacon_heard = True
             self._leave_after = BEACON_TIMEOUT_S
-            self._unheard_moves = 0
 
         await nc.subscribe(BEACON_SUBJECT, cb=heard)
         self._beacon_at = time.monotonic()
@@ -626,8 +628,11 @@ class EventClient:
         """Leave a server on which the control plane's beacon stopped: it is cut off from the
         control plane's side of the cluster (what this process publishes there reaches no
         one, and its events are never acknowledged). Only after a beacon was heard (the
-        control plane is up), then at growing intervals while none comes anywhere (the
-        control plane itself is away)."""
+        control plane is up); then again every ``BEACON_RETRY_S`` (drawn each time) while
+        none comes anywhere: the control plane itself may be away (its stream not answering,
+        a restart), and when it beacons again, a connection left on a server cut off
+        meanwhile must be heard within the control plane's settling (``bus.EVENTS_SETTLE_S``),
+        or its healthy members would be taken for silent ones."""
         at = self._beacon_at
         now = time.monotonic()
         if not self._beacon_heard or at is None or not nc.is_connected:
@@ -635,14 +640,9 @@ class EventClient:
         if now - at < self._leave_after or now - self._left_at < self._leave_after:
             return
         self._left_at = now
-        # Not long while servers are left to try: the control plane beacons only from a
-        # server whose stream answers, and moves off one that does not within seconds; it
-        # must hear this process by then. Once every server was tried without a beacon, the
-        # control plane itself is away (a restart, a takeover): a minute, not a stampede of
-        # every member of the job reconnecting every few seconds.
-        self._unheard_moves += 1
-        tried_all = self._unheard_moves >= len(nc.servers)
-        self._leave_after = 60.0 if tried_all else min(self._leave_after * 2, 2 * BEACON_TIMEOUT_S)
+        # Not in step with the job's other connections: a job's members do not all
+        # reconnect at once while the control plane is away.
+        self._leave_after = random.uniform(*BEACON_RETRY_S)
         self.stats.failovers += 1
         await self._failover.move(nc, f"no beacon from the control plane for {now - at:.1f} s")
 

@@ -10,10 +10,11 @@ member's *sustained* compute time: the least per-heartbeat mean over ``slow_wind
 once its heartbeats of the current generation cover the whole window, with at least
 ``MIN_SAMPLES`` of them), and the liveness summaries record it (``JobView.compute``).
 
-A member is slow when its sustained compute time is above the *threshold*: the larger of
-``(1 + slow_ratio)`` times the *baseline* and the baseline plus ``slow_mad_k`` scaled median
-absolute deviations, the baseline being the median of the other members' sustained compute
-times (at least ``MIN_PEERS`` of them). Since the sustained value is the least over the window,
+A member is slow when its sustained compute time is above the *threshold*: the largest of
+``(1 + slow_ratio)`` times the *baseline*, the baseline plus ``slow_mad_k`` scaled median
+absolute deviations, and the baseline plus ``MIN_EXTRA_S`` (the reports' resolution is a
+millisecond), the baseline being the median of the other members' sustained compute times
+(at least ``MIN_PEERS`` of them). Since the sustained value is the least over the window,
 every heartbeat of the window was above the threshold: one slow step (a hiccup) raises one
 heartbeat's mean and never the least, so it is never acted on.
 
@@ -43,6 +44,11 @@ MIN_PEERS = 2
 MIN_SAMPLES = 3
 #: The median absolute deviation of a normal distribution, in standard deviations.
 MAD_SCALE = 1.4826
+#: The least a member must compute above the baseline to be slow, seconds. Compute times
+#: travel on the millisecond (a node's relayed heartbeats, ``compute_ms``): a model whose
+#: step computes in under a millisecond reads 0 on one rank and 0.001 on another, which no
+#: ratio may take for a member twice as slow.
+MIN_EXTRA_S = 0.005
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +83,7 @@ def baseline(others: Sequence[float], ratio: float, mad_k: float) -> Baseline:
     """The baseline of ``others`` (at least one value) and the threshold above it."""
     median = statistics.median(others)
     mad = statistics.median([abs(v - median) for v in others]) * MAD_SCALE
-    threshold = max(median * (1.0 + ratio), median + mad_k * mad)
+    threshold = max(median * (1.0 + ratio), median + mad_k * mad, median + MIN_EXTRA_S)
     return Baseline(median, mad, threshold, len(others))
 
 

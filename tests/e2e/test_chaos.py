@@ -64,6 +64,9 @@ def test_a_round_of_every_fault_kind_is_handled_and_the_job_ends_at_the_referenc
     assert control["detail"]["leader"] != control["target"].removeprefix("control plane ")
     nats = next(f for f in faults if f["kind"] == "nats")
     assert nats["target"].startswith("NATS node") and "healthy_after_s" in nats["detail"]
+    # The slowed worker computed about twice as long as the others, and was recorded slow.
+    slow = next(f for f in faults if f["kind"] == "slow")["detail"]
+    assert slow["flagged_slow"] and slow["compute_s"] > 1.5 * slow["job_compute_s"], slow
     totals = summary["totals"]
     assert totals["injected"] == totals["handled"] == len(planned)
     assert totals["spare_pods_started"] == sum(1 for p in planned if p.kind in LOSING)

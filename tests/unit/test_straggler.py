@@ -72,6 +72,17 @@ def test_the_baseline_is_robust_to_one_outlier():
     assert spread.threshold_s == pytest.approx(0.3 + 3 * 0.1 * 1.4826)
 
 
+def test_a_millisecond_of_difference_is_the_reports_resolution_not_a_slow_member():
+    """A model that computes in under a millisecond a step reads 0 ms on some ranks and 1 ms
+    on others (compute times travel on the millisecond): no ratio makes that a straggler."""
+    base = baseline([0.0, 0.0], ratio=0.2, mad_k=3.0)
+    assert base.threshold_s == pytest.approx(0.005)
+    s = job()
+    assert run(s, 30, lambda t, m: 0.001 if m == "w01" else 0.0) == []
+    # More than five milliseconds above it is the member's.
+    assert run(job(), 30, lambda t, m: 0.008 if m == "w01" else 0.001) != []
+
+
 def test_a_sustained_slowdown_is_flagged_after_the_window_and_replaced_by_a_spare():
     s = job(spares=1, slow_action="replace")
     decided = run(s, 25, slow_from(onset=10))
