@@ -14,6 +14,11 @@ shuffled order, and injects them one at a time while the job trains:
   seconds (a throttled node): its compute takes twice as long, the whole job slows while it
   lasts; handled (``tolerated``) when the control plane recorded it as slow (``member.slow``;
   the job's ``slow_action`` is ``ignore``), else ``undetected``.
+* ``cut-control``, ``cut-peers``: a worker's host is cut from the control plane (NATS, the
+  rendezvous) but not from its peers, or from its peers but not from the control plane, and
+  joined again ``CUT_S`` later. These need root and ``ip netns``: every pod then runs on a
+  host of its own (a network namespace), the services and control planes in a control
+  namespace this process enters (``controlplane/netns.py``).
 * ``nats``: the NATS node leading the events stream is killed (SIGKILL) and started again
   ``NATS_DOWN_S`` later.
 * ``postgres``: PostgreSQL is stopped (fast shutdown) and started again ``POSTGRES_DOWN_S``
@@ -50,6 +55,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from controlplane import netns
 from controlplane.core.view import JobView, MemberStatus
 from controlplane.demo import (
     EXAMPLE,
@@ -69,13 +75,19 @@ from controlplane.demo import (
 )
 from controlplane.postmortem.audit import audit
 
-#: Faults of a rank (a member, or its node).
-RANK_KINDS = ("crash", "hang", "node", "slow")
+#: Partitions of a worker's host (network namespaces: root and ``ip netns``): cut from the
+#: control plane (NATS, the rendezvous) but not from its peers, or from its peers but not
+#: from the control plane; joined again ``CUT_S`` later.
+PARTITION_KINDS = ("cut-control", "cut-peers")
+#: Faults of a rank (a member, its node, or its host's links).
+RANK_KINDS = ("crash", "hang", "node", "slow", *PARTITION_KINDS)
 #: Faults of the infrastructure the job stands on.
 INFRA_KINDS = ("nats", "postgres", "control")
-KINDS = RANK_KINDS + INFRA_KINDS
+#: The kinds every machine can run (``ALL_KINDS``: with the partitions, which need root).
+KINDS = ("crash", "hang", "node", "slow", *INFRA_KINDS)
+ALL_KINDS = (*KINDS, *PARTITION_KINDS)
 #: Faults after which a member is gone and a spare takes its place.
-LOSING = ("crash", "hang", "node")
+LOSING = ("crash", "hang", "node", *PARTITION_KINDS)
 #: How long a killed NATS node stays down, and PostgreSQL stopped.
 NATS_DOWN_S = 10.0
 POSTGRES_DOWN_S = 5.0
@@ -91,6 +103,13 @@ SLOW_WINDOW_S = 5.0
 #: the fault counts as settled: what members sent meanwhile arrives (``EVENTS_SETTLE_S``) and
 #: a fault it caused would have been found (the heartbeat timeout).
 QUIET_S = 10.0
+#: How long a host stays cut: past the heartbeat timeout (cut from the control plane) and the
+#: collective timeout and a probe (cut from its peers), so its member is found and replaced
+#: while it is cut.
+CUT_S = 20.0
+#: The job's ``collective_timeout_s`` in a run with partitions: a host cut from its peers is
+#: found once its collectives fail (``docs/design.md``, "Partitions between hosts").
+COLLECTIVE_TIMEOUT_S = 10.0
 #: The first fault comes this long after the job's first step, and none is injected in the
 #: last ``TAIL_S`` of the fault window.
 WARMUP_S = 20.0
@@ -158,12 +177,16 @@ class ChaosConfig:
 
     def validate(self) -> None:
         """Raise ``ValueError`` on settings that cannot make a run."""
-        unknown = sorted(set(self.kinds) - set(KINDS))
+        unknown = sorted(set(self.kinds) - set(ALL_KINDS))
         if unknown or not self.kinds:
             raise ValueError(
-                f"--kinds takes a comma-separated choice of {', '.join(KINDS)}"
+                f"--kinds takes a comma-separated choice of {', '.join(ALL_KINDS)}"
                 + (f" (not {', '.join(unknown)})" if unknown else "")
             )
+        if self.partitions:
+            why = netns.available()
+            if why is not None:
+                raise ValueError(f"{', '.join(PARTITION_KINDS)} cut hosts' links: {why}")
         if self.minutes <= 0 or self.every_s < 5:
             raise ValueError("--minutes must be > 0 and --every at least 5 seconds")
         if self.nproc < 2:
@@ -172,6 +195,11 @@ class ChaosConfig:
             raise ValueError("--spares must be at least 1: each lost rank is taken by a spare")
         if self.step_time_s < 0:
             raise ValueError("--step-time must be >= 0")
+
+    @property
+    def partitions(self) -> bool:
+        """Whether the run cuts hosts' links: then every pod runs on a host of its own."""
+        return any(k in PARTITION_KINDS for k in self.kinds)
 
     def demo_config(self) -> DemoConfig:
         """The stack and job settings ``elasticctl demo`` takes (no faults of its own)."""
@@ -197,6 +225,8 @@ class ChaosConfig:
             script=self.script,
             nats_cluster=3 if "nats" in self.kinds else 1,
             standby="control" in self.kinds,
+            # The services on the control namespace's address, which every host reaches.
+            host=netns.SERVICE if self.partitions else "127.0.0.1",
         )
 
     def plan(self) -> list[Planned]:
@@ -279,6 +309,26 @@ class Chaos(Demo):
         #: Why the run ended before the jobs did (None: it did not).
         self.aborted: str | None = None
         self.job_watch: Watch | None = None
+        #: With partitions: the hosts, and each pod's (its index among them).
+        self.hosts: netns.Hosts | None = None
+        self.host_of: dict[str, int] = {}
+
+    def run(self) -> int:
+        """The run; with partitions, on hosts made for it: the services and the control
+        planes in the control namespace (this process enters it), each pod on a host."""
+        if not self.chaos.partitions:
+            return super().run()
+        pods = self._nodes()[self.job_id]
+        try:
+            self.hosts = netns.Hosts(len(pods))
+        except RuntimeError as exc:  # an `ip` command refused
+            raise DemoError(f"could not make the hosts of the partitions: {exc}") from exc
+        self.host_of = {name: i for i, name in enumerate(pods)}
+        try:
+            with netns.entered(self.hosts.control):
+                return super().run()
+        finally:
+            self.hosts.close()
 
     # -------------------------------------------------------------- set-up
 
@@ -298,6 +348,8 @@ class Chaos(Demo):
         policy = (
             f"{config.policy(world=c.nproc)},world_size={c.nproc},slow_window_s={SLOW_WINDOW_S:g}"
         )
+        if c.partitions:
+            policy += f",collective_timeout_s={COLLECTIVE_TIMEOUT_S:g}"
         argv = [
             sys.executable, "-m", "controlplane", "run", "--nproc", str(workers),
             "--spares", str(spares), "--node", name, "--rack", rack, "--job-id", self.job_id,
@@ -305,6 +357,12 @@ class Chaos(Demo):
             "--seed", str(config.seed), "--step-time", str(c.step_time_s),
         ]  # fmt: skip
         env = self._env(self.stack, **self.stack.launcher_env(self.job_id))
+        if self.hosts is not None:
+            # On its host: its members reach their peers over the hosts' bridge ("peer"),
+            # the services over its own link.
+            i = self.host_of[name]
+            argv = ["ip", "netns", "exec", self.hosts.hosts[i], *argv]
+            env |= {"ELASTIC_ADVERTISE": self.hosts.peer_address(i), "GLOO_SOCKET_IFNAME": "peer"}
         self.pods[name] = self.children.start(f"pod-{name}", argv, env)
 
     def _repair_pod(self) -> str:
@@ -464,6 +522,9 @@ class Chaos(Demo):
             alive = [c for c in self.serves if c.alive]
             if len(alive) < 2 or sum(map(leads, alive)) != 1:
                 return "no control plane leads with another standing by"
+        cut = [f for f in self.faults if f.planned.kind in PARTITION_KINDS and f.at_s is not None]
+        if any(not f.repaired.is_set() for f in cut):
+            return "a host is still cut off"
         if kind in LOSING and not any(
             m.status is MemberStatus.ACTIVE and m.rank is None and m.member_id not in view.world
             for m in view.members.values()
@@ -487,6 +548,8 @@ class Chaos(Demo):
                 self._signal(pid, signal.SIGKILL)
             elif kind == "hang":
                 self._signal(pid, signal.SIGSTOP)
+            elif kind in PARTITION_KINDS:
+                self._cut(fault, member)
             elif kind == "node":
                 pod = self.pods.get(view.members[member].node)
                 if pod is None:
@@ -498,7 +561,8 @@ class Chaos(Demo):
                 self._slow(fault, pid)
             if kind in LOSING:
                 fault.detail["repair"] = f"pod {self._repair_pod()} with a spare"
-                self._repaired(fault)
+                if kind not in PARTITION_KINDS:  # (repaired once the host is joined again)
+                    self._repaired(fault)
         else:
             self._infra(fault)
         self._phase(
@@ -527,6 +591,27 @@ class Chaos(Demo):
             self._repaired(fault)
 
         threading.Thread(target=run, name=f"chaos-{fault.planned.kind}", daemon=True).start()
+
+    def _cut(self, fault: Fault, member: str) -> None:
+        """Cut ``member``'s host from the control plane or from its peers; join it again
+        ``CUT_S`` later (its member, replaced meanwhile, is then fenced: its pod is lost)."""
+        assert self.hosts is not None and self.job_watch is not None
+        view = self.job_watch.view
+        assert view is not None
+        pod = view.members[member].node
+        i = self.host_of[pod]
+        hosts = self.hosts
+        control = fault.planned.kind == "cut-control"
+        cut = hosts.cut_from_control if control else hosts.cut_from_peers
+        fault.target = f"{member} (host of pod {pod})"
+        fault.detail["cut_s"] = CUT_S
+        cut(i)
+
+        def rejoin() -> None:
+            self.stop.event.wait(CUT_S)
+            cut(i, False)
+
+        self._in_background(fault, rejoin)
 
     def _slow(self, fault: Fault, pid: int) -> None:
         """Stop ``pid`` for ``SLOW_DUTY`` of every ``SLOW_PERIOD_S`` for the set time."""
@@ -773,10 +858,16 @@ def render_chaos(summary: dict[str, Any], console: Console) -> None:
     )
 
 
+def default_kinds() -> tuple[str, ...]:
+    """Every kind this process can run: the partitions only where it can make network
+    namespaces (root and ``ip netns``)."""
+    return ALL_KINDS if netns.available() is None else KINDS
+
+
 def run_chaos(config: ChaosConfig) -> int:
     """Run the chaos; returns the exit status (0: every fault handled, log whole, loss matched;
     1: not; 128+N: stopped by signal N)."""
     return Chaos(config).run()
 
 
-__all__ = ["KINDS", "ChaosConfig", "Planned", "plan", "run_chaos"]
+__all__ = ["ALL_KINDS", "KINDS", "ChaosConfig", "Planned", "default_kinds", "plan", "run_chaos"]

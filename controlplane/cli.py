@@ -918,10 +918,12 @@ def chaos(
     kinds: Annotated[
         str,
         typer.Option(
-            help="Comma-separated fault kinds to mix: crash, hang, node, slow (of ranks), nats,"
-            " postgres, control (of the infrastructure)."
+            help="Comma-separated fault kinds to mix: crash, hang, node, slow (of ranks),"
+            " cut-control, cut-peers (a worker's host partitioned: root and `ip netns`), nats,"
+            " postgres, control (of the infrastructure). Default: all of them, the partitions"
+            " where this process can make network namespaces."
         ),
-    ] = "crash,hang,node,slow,nats,postgres,control",
+    ] = "",
     nproc: Annotated[int, typer.Option(min=2, help="Worker pods (the world size).")] = 4,
     spares: Annotated[int, typer.Option(min=0, help="Spare pods at the start.")] = 2,
     step_time: Annotated[
@@ -966,7 +968,9 @@ def chaos(
     one at a time, each once the one before settled and a spare is ready: crash (SIGKILL of a
     worker), hang (SIGSTOP), node (a worker's pod killed, launcher and member: nothing
     reports an exit), slow (a worker stopped half of every 50 ms for --slow-for seconds:
-    its compute twice as long, to be recorded as slow), nats (the node leading the events
+    its compute twice as long, to be recorded as slow), cut-control and cut-peers (a
+    worker's host cut from the control plane, or from its peers, for 20 s: every pod then
+    runs on a host of its own, a network namespace; needs root), nats (the node leading the events
     stream killed, started again 10 s later), postgres (stopped, started again 5 s later),
     control (the leading control plane killed: the standby takes over, a new standby starts).
     Each lost worker's node is replaced by a new pod with a warm spare.
@@ -981,14 +985,14 @@ def chaos(
     handled, the job completed, the log is whole and the loss matches; 1 when not; 130/143
     when interrupted.
     """
-    from controlplane.chaos import ChaosConfig, run_chaos
+    from controlplane.chaos import ChaosConfig, default_kinds, run_chaos
     from controlplane.demo import DemoError
 
     config = ChaosConfig(
         minutes=minutes,
         every_s=every,
         seed=seed,
-        kinds=tuple(k.strip() for k in kinds.split(",") if k.strip()),
+        kinds=tuple(k.strip() for k in kinds.split(",") if k.strip()) or default_kinds(),
         nproc=nproc,
         spares=spares,
         step_time_s=step_time,

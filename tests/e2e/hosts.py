@@ -11,10 +11,10 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from controlplane import netns
 from controlplane.core.fold import fold
 from controlplane.core.view import JobView
 from controlplane.store.postgres import PostgresEventStore
-from tests import netns
 
 
 def made(count: int) -> Iterator[netns.Hosts]:

@@ -1,5 +1,5 @@
 """A node of a three-node NATS cluster cut from the other two (network namespaces,
-``tests/netns.py``): each NATS server on a host of its own, routed to the others over the
+``controlplane/netns.py``): each NATS server on a host of its own, routed to the others over the
 hosts' bridge; the control plane, its standby-less ``serve``, and the job's launcher in the
 control namespace, reaching every server over its host's own link. So the cut node stays
 reachable by the clients connected to it, but has no quorum: its JetStream answers nothing,
@@ -28,11 +28,11 @@ from pathlib import Path
 import psutil
 import pytest
 
+from controlplane import netns
 from controlplane.core.timeline import timeline
 from controlplane.devstack import nats_server_binary
 from controlplane.store.postgres import PostgresEventStore
 from schemas.common import FaultReason, JobState
-from tests import netns
 from tests.e2e.hosts import job_view, last_step, made, stop, wait
 from tests.integration.helpers import assert_sequences_whole
 

@@ -1,4 +1,4 @@
-"""Hosts partitioned (network namespaces, ``tests/netns.py``). First a host cut from the control
+"""Hosts partitioned (network namespaces, ``controlplane/netns.py``). First a host cut from the control
 plane but not from its peers, the classic split brain: its member keeps training with its
 peers, unheard; the control plane finds it silent and replaces it with a spare on another
 host, restoring the backup its peers reported (the log never heard the isolated member's
@@ -31,12 +31,12 @@ from pathlib import Path
 import psutil
 import pytest
 
+from controlplane import netns
 from controlplane.core.fold import fold, fold_noting
 from controlplane.core.view import DiscountReason, MemberStatus
 from controlplane.devstack import nats_server_binary
 from controlplane.store.postgres import PostgresEventStore
 from schemas.common import JobState
-from tests import netns
 from tests.e2e.hosts import job_view, last_step, made, stop, wait
 
 pytestmark = pytest.mark.timeout(300)

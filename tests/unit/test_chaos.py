@@ -7,7 +7,9 @@ from collections import Counter
 
 import pytest
 
+from controlplane import netns
 from controlplane.chaos import (
+    ALL_KINDS,
     KINDS,
     LOSING,
     TAIL_S,
@@ -15,6 +17,7 @@ from controlplane.chaos import (
     Chaos,
     ChaosConfig,
     Fault,
+    default_kinds,
     plan,
 )
 
@@ -70,6 +73,25 @@ def test_the_stack_follows_the_kinds():
     assert full.steps == ChaosConfig(minutes=2).steps() == round((WARMUP_S + 120) / 0.1)
     light = ChaosConfig(minutes=2, kinds=("crash", "hang")).demo_config()
     assert light.nats_cluster == 1 and not light.standby
+
+
+def test_partitions_need_network_namespaces_and_put_the_services_where_hosts_reach_them(
+    monkeypatch,
+):
+    """Cutting a host's links needs namespaces: refused with the reason where they cannot be
+    made, and left out of the default mix; with them, the services listen on the control
+    namespace's address."""
+    monkeypatch.setattr(netns, "available", lambda: "network namespaces need root")
+    with pytest.raises(ValueError, match=r"cut-control, cut-peers cut hosts' links: .* root"):
+        ChaosConfig(kinds=("crash", "cut-control")).validate()
+    assert default_kinds() == KINDS
+    assert ChaosConfig(kinds=KINDS).demo_config().host == "127.0.0.1"
+    monkeypatch.setattr(netns, "available", lambda: None)
+    assert default_kinds() == ALL_KINDS
+    config = ChaosConfig(kinds=("cut-peers",))
+    config.validate()
+    assert config.partitions and config.demo_config().host == netns.SERVICE
+    assert all(k in LOSING for k in ("cut-control", "cut-peers"))
 
 
 def test_credentials_cover_every_pod_the_run_may_start():

@@ -9,15 +9,20 @@ from the control plane (its port on the bridge down), each undone as it was done
 stays where it is: its Unix socket is a file, which every namespace sees.
 
 Made by root with iproute2 (``ip``), removed on ``close``; ``available()`` says why not.
+Used by the tests of partitions and by ``elasticctl chaos``'s partition faults, which runs the
+control plane's side in the control namespace (``entered``) and each pod on a host.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import shutil
 import subprocess
+import threading
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import IO, Any
 
 SERVICE = "10.199.0.1"
@@ -30,15 +35,51 @@ def available() -> str | None:
     if shutil.which("ip") is None:
         return "no `ip` (iproute2)"
     probe = f"elprobe{uuid.uuid4().hex[:6]}"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    made = subprocess.run(
+        ["ip", "netns", "add", probe], capture_output=True, text=True, check=False
+    )
     if made.returncode != 0:
         return f"`ip netns add` failed: {made.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True, check=False)
     return None
 
 
+#: ``setns``'s flag for a network namespace (linux/sched.h).
+_CLONE_NEWNET = 0x40000000
+
+
+def _setns(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.setns(fd, _CLONE_NEWNET) != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"setns({path}): {os.strerror(errno)}")
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def entered(ns: str) -> Iterator[None]:
+    """This process in namespace ``ns`` while the block runs, as ``ip netns exec`` puts a
+    command there: what it starts, and the sockets it opens, are in ``ns``. Only from a
+    process of one thread (a namespace is a thread's: threads started before would stay
+    where they were)."""
+    if threading.active_count() != 1:
+        raise RuntimeError("a network namespace is entered before any thread starts")
+    home = os.open("/proc/self/ns/net", os.O_RDONLY)
+    try:
+        _setns(f"/var/run/netns/{ns}")
+        try:
+            yield
+        finally:
+            _setns(f"/proc/self/fd/{home}")
+    finally:
+        os.close(home)
+
+
 def _ip(*args: str) -> None:
-    done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+    done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip()}")
 
@@ -123,5 +164,5 @@ class Hosts:
     def close(self) -> None:
         """Remove every namespace (their links go with them)."""
         for ns in reversed(self._made):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30, check=False)
         self._made.clear()
