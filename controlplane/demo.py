@@ -63,6 +63,8 @@ if TYPE_CHECKING:
 
 #: Marks a directory as a demo's state directory (so a later ``--state-dir`` may reuse it).
 MARKER = ".elastic-demo"
+#: The event log a failed run leaves beside its logs (JSONL, as `elasticctl export` writes).
+EVENTS_FILE = "events.jsonl"
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train.py"
 REFERENCE_KIND = (
@@ -1389,7 +1391,32 @@ class Demo:
             return
         kept = Path(tempfile.mkdtemp(prefix="elastic-demo-logs-"))
         shutil.copytree(logs, kept, dirs_exist_ok=True)
-        self.err.print(f"{self.command}: the logs are kept in {kept}", highlight=False)
+        what = "the logs are kept"
+        if self._export_events(kept / EVENTS_FILE):
+            what += f" (the event log in {EVENTS_FILE}: `elasticctl import` it to replay)"
+        self.err.print(f"{self.command}: {what} in {kept}", highlight=False)
+
+    def _export_events(self, path: Path) -> bool:
+        """Write the event log (every job) to ``path`` as `elasticctl export` does, while the
+        database still runs; whether it was written (a log that cannot be read is left)."""
+        from controlplane.postmortem.transfer import export_log
+        from controlplane.store.postgres import PostgresEventStore
+
+        if self.stack is None:
+            return False
+        try:
+            store = PostgresEventStore.from_url(self.stack.database_url)
+            try:
+                with path.open("wb") as out:
+                    export_log(store, out)
+            finally:
+                store.close()
+        except Exception as exc:  # what failed the run may have taken the database
+            self.err.print(f"{self.command}: the event log was not exported: {exc}",
+                           markup=False, highlight=False)  # fmt: skip
+            path.unlink(missing_ok=True)
+            return False
+        return True
 
     def _teardown(self) -> None:
         """Stop everything the demo started; remove the state directory unless kept."""

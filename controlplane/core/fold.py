@@ -514,6 +514,7 @@ class _Fold:
             if heard is not None and last_at < heard.at:
                 continue
             heartbeats[member_id] = Heartbeat(last_at, position, "liveness.summary", phase)
+        self._heard_step(p)
         if p.compute_window_ms is not None:
             self._compute(stored, p)
         self._progress(stored, p)
@@ -559,6 +560,21 @@ class _Fold:
             policy.step_timeout_window_s,
         )  # fmt: skip
         view.step_threshold = timeouts.derive_step(view.step_samples, policy)
+
+    def _heard_step(self, p: Any) -> None:
+        """The newest step a summary heard a member of the current generation at (a
+        spare's heartbeats carry step 0: they change nothing)."""
+        view = self.view
+        generation = view.generation
+        steps = [e.step for e in p.members if e.generation == generation]
+        columns, regular = p.columns, p.regular
+        if columns is not None:
+            steps += [
+                s for s, g in zip(columns.step, columns.generation, strict=True) if g == generation
+            ]
+        if regular is not None and regular.generation == generation:
+            steps.append(regular.step_max)
+        view.heard_step = max([view.heard_step, *steps])
 
     def _progress(self, stored: StoredEvent, p: Any) -> None:
         """A summary's progress columns: where each member it lists was in its steps at its
@@ -1165,7 +1181,7 @@ class _Fold:
             view.anomaly = None  # a report of the world this one replaces
         if restore is None:
             return
-        view.last_step = restore
+        view.last_step = view.heard_step = restore
         if view.recent_losses and view.recent_losses[-1][0] > restore:
             view.recent_losses = tuple(x for x in view.recent_losses if x[0] <= restore)
         for step in [s for s in view.backups if s > restore]:

@@ -123,15 +123,18 @@ def _unreported(
     shards of ``backup`` whose owner's report never came because the owner is gone: a member
     cut off from the control plane (its reports unheard while it trained on with its peers),
     or one that died before its report left. Only for a backup of the current generation that
-    the job went past (a later step was reported: every rank, the silent owner too, took the
-    step's collectives after it), whose every other shard its owner reported; a holder's
-    process must have joined before the step's first report. Empty when none applies.
+    the job went past (a later step was reported, or heartbeats carried a step at least two
+    later: every rank, the silent owner too, took a later step's collectives), whose every
+    other shard its owner reported; a holder's process must have joined before the step's
+    first report. Empty when none applies. The heartbeats count because the member that
+    reports the job's steps (rank 0) may be the one cut off: then no step is reported.
 
     Such a copy's digest is only the one its holder keeps (its owner's claim, under the job's
     secret): a plan with one restores without the owners' digests (``restore_digests``).
     One a restore found missing is refuted and never planned from again."""
     world = view.world
-    if backup.generation != view.generation or backup.step >= view.last_step:
+    past = max(view.last_step, view.heard_step - 1)
+    if backup.generation != view.generation or backup.step >= past:
         return {}
     placement = view.placement
     shards = backup.shards

@@ -27,7 +27,7 @@ from pydantic import TypeAdapter
 from controlplane.core.view import JobView
 
 #: Raised with every change to what the fold makes of the log (a fold case, a rule).
-FOLD_REVISION: Final = 10
+FOLD_REVISION: Final = 11
 
 _VIEW: Final = TypeAdapter(JobView)
 

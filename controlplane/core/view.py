@@ -483,6 +483,10 @@ class JobView:
     #: The newest step of the current timeline: the current generation's newest step, from its
     #: restore step on (a generation issued by a reallocation starts there).
     last_step: int = 0
+    #: The newest step a liveness summary heard a member of the current generation at, from
+    #: its restore step on: that the job went past a step even while the reports of the
+    #: member that reports steps (rank 0) do not come (``restore._unreported``).
+    heard_step: int = 0
     last_loss: float | None = None
     completed_step: int | None = None
     backups: dict[int, StepBackup] = field(default_factory=dict)

@@ -286,9 +286,12 @@ def test_when_every_copy_of_the_step_is_refused_an_older_one_is_restored():
 # --------------------------------------------------------------------------- unheard owners
 
 
-def _trained(*, past: bool, unheard: int, dies: int) -> tuple[Scenario, object]:
+def _trained(
+    *, past: bool, unheard: int, dies: int, heard: int | None = None
+) -> tuple[Scenario, object]:
     """4 workers and a spare, complete backups at step 10; at step 15 nothing heard of rank
-    ``unheard``'s shard, then (when ``past``) step 17; then rank ``dies`` exits. The decision."""
+    ``unheard``'s shard, then (when ``past``) step 17; (with ``heard``) a liveness summary
+    hearing the other ranks at that step; then rank ``dies`` exits. The decision."""
     s = Scenario("job1", world_size=4, min_world=2, redundancy=1)
     s.cluster(2, 2, spares=1)
     s.decide()
@@ -300,6 +303,9 @@ def _trained(*, past: bool, unheard: int, dies: int) -> tuple[Scenario, object]:
     s.backup(15, named=True, unheard={s.v.world[unheard]})
     if past:
         s.step(17)
+    if heard is not None:
+        others = [m for m in s.v.world if m != s.v.world[unheard]]
+        _heard_at(s, others, heard)
     s.at(2)
     s.exited(s.v.world[dies])
     [decision] = [d.payload for d in s.decide() if d.type == "reallocation.issued"]
@@ -330,6 +336,30 @@ def test_no_unreported_shard_is_guessed_while_its_owner_lives_or_before_the_job_
     assert _trained(past=True, unheard=1, dies=2)[1].restore_step == 10
     # The job never went past step 15: its lost owner may have died taking it.
     assert _trained(past=False, unheard=1, dies=1)[1].restore_step == 10
+
+
+def test_heartbeats_tell_the_job_went_past_when_the_member_that_reports_steps_is_cut_off():
+    """Rank 0 reports the job's steps: cut off from the control plane, its last report is
+    the step of the cut, though the others trained on with it. Their heartbeats (a liveness
+    summary) carry their steps: two past a backup, every rank took the step after it, the
+    lost rank 0's snapshot of it too."""
+    s, decision = _trained(past=False, unheard=0, dies=0, heard=17)
+    assert decision.restore_step == 15 and decision.plan[0] in _placement_before(s)[0]
+    assert s.v.heard_step == s.v.last_step == 15  # the new generation starts at its restore
+    # One step past it is not enough: rank 0 may have died between the step and its backup.
+    assert _trained(past=False, unheard=0, dies=0, heard=16)[1].restore_step == 10
+
+
+def _heard_at(s: Scenario, members: list[str], step: int) -> None:
+    """A ``liveness.summary`` now: ``members`` heard in the current generation at ``step``."""
+    payload = {
+        "reason": "interval", "at": s.now, "since": s.now,
+        "regular": {
+            "members": members, "bound_ms": 500, "generation": s.v.generation,
+            "phase": "train", "step_min": step, "step_max": step, "max_step_ms": 100,
+        },
+    }  # fmt: skip
+    s.add(s.ev.make("liveness.summary", payload, source="controlplane", generation=s.v.generation))
 
 
 def _placement_before(s: Scenario) -> list[list[str]]:
