@@ -260,3 +260,47 @@ def test_goodput_command_prints_the_breakdown_of_a_recorded_two_incident_run(sou
     assert "ETTR" in text.stdout and "recomputation" in text.stdout
     missing = _cli(["goodput", "nope"], database_url)
     assert missing.exit_code == 1 and "no job 'nope'" in missing.stderr
+
+
+def test_a_failed_demo_run_leaves_its_event_log_beside_its_logs(
+    source: PostgresEventStore, database_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A demo or chaos run that fails keeps its logs, and the event log with them (the
+    export's format: `elasticctl import` and `replay` read it); with the database gone, the
+    logs are still kept, and it says why the event log is not."""
+    import tempfile
+
+    from rich.console import Console
+
+    from controlplane.demo import EVENTS_FILE, Demo, DemoConfig, Stack
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the kept logs go
+    demo = Demo(DemoConfig())
+    demo.state = tmp_path / "state"
+    (demo.state / "logs").mkdir(parents=True)
+    (demo.state / "logs" / "serve.log").write_text("the control plane's log\n")
+    said = io.StringIO()
+    demo.err = Console(file=said, width=400)
+
+    def kept() -> Path:
+        line = said.getvalue().strip().splitlines()[-1]
+        return Path(line.rsplit(" in ", 1)[1])
+
+    demo.stack = Stack(nats_url="", database_url=database_url)
+    demo._save_logs()
+    where = kept()
+    assert where.parent == tmp_path
+    assert (where / "serve.log").read_text() == "the control plane's log\n"
+    with (where / EVENTS_FILE).open("rb") as f:
+        positions = [e.position for e in read_log(f)]
+    assert positions == list(range(1, source.last_position() + 1))
+    assert EVENTS_FILE in said.getvalue()
+
+    gone = database_url.rsplit("/", 1)[0] + "/no_such_database"
+    demo.stack = Stack(nats_url="", database_url=gone)
+    said.truncate(0)
+    said.seek(0)
+    demo._save_logs()
+    lines = said.getvalue()
+    assert "the event log was not exported" in lines and EVENTS_FILE not in lines.splitlines()[-1]
+    assert (kept() / "serve.log").exists() and not (kept() / EVENTS_FILE).exists()
