@@ -21,6 +21,7 @@ from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.api import (
     AckPolicy,
+    ClusterInfo,
     ConsumerConfig,
     ConsumerInfo,
     DeliverPolicy,
@@ -312,6 +313,11 @@ STREAM_ANSWER_GRACE_S = 1.0
 #: How long after the stream answers again events members sent while it did not may still
 #: be on their way (each is sent again once its acknowledgement times out), with a margin.
 EVENTS_SETTLE_S = EVENT_ACK_TIMEOUT_S + 1.0
+#: A peer of the consumer's group counts towards its leader's quorum when the leader heard it
+#: this recently (JetStream's replicas are heard about every second), and how long the
+#: control plane waits for the leader's answer when it asks (``EventConsumer.check_quorum``).
+QUORUM_ACTIVE_S = 2.5
+QUORUM_ASK_TIMEOUT_S = 0.5
 #: A partly filled batch is handed over once this long passes without _WAKE_EVERY more.
 _LINGER_S = 0.005
 _WAKE_EVERY = 256
@@ -368,6 +374,9 @@ class EventConsumer:
         #: not answering, and when it last answered again after such a time (see ``answering``).
         self._answer_s = settings.ingest_fetch_timeout_s + STREAM_ANSWER_GRACE_S
         self._answered_again_at: float | None = None
+        #: Since when the consumer's leader has not heard a majority of its group (None: it
+        #: has, or the group is of one): its answers are a cut-off server's (``check_quorum``).
+        self._quorum_lost_at: float | None = None
         #: The ack floor a re-creation read before it deleted the consumer, while the
         #: consumer is not added again (the server did not answer): the next attempt starts
         #: after it, not at the stream's first message.
@@ -569,14 +578,48 @@ class EventConsumer:
         self._asked_at = None
 
     def unanswered_s(self) -> float:
-        """How long the oldest request of this consumer has gone unanswered (0: none)."""
-        asked = self._asked_at
-        return 0.0 if asked is None else time.monotonic() - asked
+        """How long the oldest request of this consumer has gone unanswered (0: none), or
+        its leader has gone without a quorum, whichever is longer."""
+        now = time.monotonic()
+        asked, lost = self._asked_at, self._quorum_lost_at
+        unanswered = 0.0 if asked is None else now - asked
+        return unanswered if lost is None else max(unanswered, now - lost)
 
     def stream_answers(self) -> bool:
-        """Whether no request has gone unanswered past its expiry and a grace (``answering``
-        without the settling after an outage)."""
-        return self.unanswered_s() <= self._answer_s
+        """Whether no request has gone unanswered past its expiry and a grace, and the
+        consumer's leader hears its group (``answering`` without the settling after an
+        outage)."""
+        return self._quorum_lost_at is None and self.unanswered_s() <= self._answer_s
+
+    async def check_quorum(self) -> None:
+        """Ask the consumer's leader whom of its group it hears. A leader left on a server cut
+        off from the rest of the cluster still answers pull requests (expired, with no
+        messages) until it steps down, though nothing reaches it: while it hears less than a
+        majority, the stream counts as not answering (so no silence is judged on what the
+        control plane cannot hear, and the control plane leaves the server), and once it
+        hears one again, as answering again (the settling follows). No answer, or an error,
+        changes nothing: the pull requests' answers judge that."""
+        try:
+            info = await self._js.consumer_info(
+                self._settings.stream, self._settings.ingest_durable, timeout=QUORUM_ASK_TIMEOUT_S
+            )
+        except Exception as exc:  # not known now
+            log.debug("consumer info: %s", exc)
+            return
+        now = time.monotonic()
+        if not has_quorum(info.cluster):
+            if self._quorum_lost_at is None:
+                self._quorum_lost_at = now
+                leader = info.cluster.leader if info.cluster is not None else None
+                log.warning(
+                    "the events consumer's leader (%s) hears no majority of its group: the"
+                    " stream counts as not answering",
+                    leader or "none known",
+                )
+        elif self._quorum_lost_at is not None:
+            self._quorum_lost_at = None
+            self._answered_again_at = now
+            log.info("the events consumer's leader hears its group again")
 
     def answering(self) -> bool:
         """Whether the stream answers, and has for long enough that what members sent while
@@ -633,6 +676,19 @@ class HeartbeatStats:
 _REFUSAL_LOG_S = 10.0
 
 
+def has_quorum(cluster: ClusterInfo | None, active_s: float = QUORUM_ACTIVE_S) -> bool:
+    """Whether the leader that gave ``cluster`` (a stream's or a consumer's info) hears a
+    majority of its group: itself and the peers it heard from within ``active_s``, not
+    offline. Without a cluster, or a group of one, it does."""
+    if cluster is None or not cluster.replicas:
+        return True
+    limit = active_s * 1e9  # the server gives ``active`` in nanoseconds
+    heard = sum(
+        1 for p in cluster.replicas if not p.offline and p.active is not None and p.active < limit
+    )
+    return 2 * (1 + heard) > 1 + len(cluster.replicas)
+
+
 class Beacon:
     """The control plane's beacon, and its connection's way off a server cut off from the
     cluster.
@@ -664,6 +720,7 @@ class Beacon:
             if stop.is_set() or not nc.is_connected:
                 continue
             try:
+                await self._consumer.check_quorum()
                 # Only from a server whose stream answers: members that hear it stay where
                 # they are, so a server cut off from the cluster must not send it.
                 if self._consumer.stream_answers():

@@ -163,21 +163,9 @@ def running(tmp_path: Path, hosts: netns.Hosts, database_url: str) -> Iterator[C
         stop(cluster.procs)
 
 
-#: Cutting the control plane's node does not always pass (1 run in 3 or 4): the control plane
-#: judged every member silent 5 s after the cut, its heartbeats (NATS core) no longer reaching
-#: it, while its pull requests were still answered (expired, no messages), so it never counted
-#: its stream as not answering, did not leave the node, and decided on silences that were its
-#: own: most likely the events consumer's leader was on the cut node, answering without a
-#: quorum (an open defect, issue 27's note). Run with ``ELASTIC_OPEN_DEFECTS=1``.
-OPEN_DEFECT = pytest.mark.skipif(
-    os.environ.get("ELASTIC_OPEN_DEFECTS") != "1",
-    reason="reproduces an open defect in some runs (ELASTIC_OPEN_DEFECTS=1)",
-)
-
-
 @pytest.mark.parametrize(
     "cut",
-    [JOB_NODE, pytest.param(CONTROL_NODE, marks=OPEN_DEFECT)],
+    [JOB_NODE, CONTROL_NODE],
     ids=["the-job-s-node", "the-control-plane-s"],
 )
 def test_a_nats_node_cut_from_the_others_loses_nothing_and_fails_no_one(

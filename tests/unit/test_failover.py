@@ -112,3 +112,26 @@ class _Subscribing:
     @staticmethod
     async def beacon(member: object) -> None:
         await _Subscribing.callbacks[id(member)](None)  # type: ignore[operator]
+
+
+def test_a_leader_counts_as_answering_only_while_it_hears_a_majority_of_its_group():
+    """A consumer's leader on a server cut off from the cluster still answers pull requests;
+    whom it heard lately (its info's replicas, ``active`` in nanoseconds) tells."""
+    from nats.js.api import ClusterInfo, PeerInfo
+
+    from controlplane.bus import QUORUM_ACTIVE_S, has_quorum
+
+    def peer(active_s: float | None, offline: bool = False) -> PeerInfo:
+        ns = None if active_s is None else int(active_s * 1e9)
+        return PeerInfo(name="n", current=True, offline=offline, active=ns)
+
+    lately, long_ago = QUORUM_ACTIVE_S / 3, QUORUM_ACTIVE_S * 4
+    assert has_quorum(None) and has_quorum(ClusterInfo(leader="n0", replicas=None))
+    assert has_quorum(ClusterInfo(leader="n0", replicas=[]))  # a group of one
+    assert has_quorum(ClusterInfo(leader="n0", replicas=[peer(lately), peer(lately)]))
+    assert has_quorum(ClusterInfo(leader="n0", replicas=[peer(lately), peer(long_ago)]))
+    assert not has_quorum(ClusterInfo(leader="n0", replicas=[peer(long_ago), peer(long_ago)]))
+    assert not has_quorum(ClusterInfo(leader="n0", replicas=[peer(lately, True), peer(None)]))
+    five = [peer(lately), peer(long_ago), peer(long_ago), peer(long_ago)]
+    assert not has_quorum(ClusterInfo(leader="n0", replicas=five))
+    assert has_quorum(ClusterInfo(leader="n0", replicas=[peer(lately), *five[:3]]))
