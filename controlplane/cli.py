@@ -861,7 +861,9 @@ def demo(
     --json prints the summary as one JSON object on stdout (progress goes to stderr). --keep
     leaves the stack up for browsing until Ctrl-C. Ctrl-C (or SIGTERM) stops everything at any
     point. Exit status 0 when every fault recovered and the loss matches the reference, 1 when
-    not, 130/143 when interrupted. Two to three minutes on a busy 2-core machine.
+    not, 130/143 when interrupted. A failed run keeps every process's log and the event log
+    (events.jsonl, for `elasticctl replay`) in a directory it names. Two to three minutes on a
+    busy 2-core machine.
     """
     from controlplane.demo import EXAMPLE, DemoConfig, DemoError, run_demo
 
@@ -983,7 +985,8 @@ def chaos(
     (`elasticctl goodput`). The job runs about --minutes plus a fifth (steps take longer than
     --step-time); progress goes to stderr. Exit status 0 when every injected fault was
     handled, the job completed, the log is whole and the loss matches; 1 when not; 130/143
-    when interrupted.
+    when interrupted. A failed run keeps every process's log and the event log (events.jsonl,
+    for `elasticctl replay`) in a directory it names.
     """
     from controlplane.chaos import ChaosConfig, default_kinds, run_chaos
     from controlplane.demo import DemoError

@@ -1399,18 +1399,13 @@ class Demo:
     def _export_events(self, path: Path) -> bool:
         """Write the event log (every job) to ``path`` as `elasticctl export` does, while the
         database still runs; whether it was written (a log that cannot be read is left)."""
-        from controlplane.postmortem.transfer import export_log
-        from controlplane.store.postgres import PostgresEventStore
+        from controlplane.postmortem.commands import export
 
         if self.stack is None:
             return False
         try:
-            store = PostgresEventStore.from_url(self.stack.database_url)
-            try:
-                with path.open("wb") as out:
-                    export_log(store, out)
-            finally:
-                store.close()
+            with path.open("wb") as out:
+                export(self.stack.database_url, out, job_id=None, after=0, show_progress=False)
         except Exception as exc:  # what failed the run may have taken the database
             self.err.print(f"{self.command}: the event log was not exported: {exc}",
                            markup=False, highlight=False)  # fmt: skip
