@@ -104,11 +104,12 @@ SLOW_WINDOW_S = 5.0
 #: a fault it caused would have been found (the heartbeat timeout).
 QUIET_S = 10.0
 #: How long a host stays cut: past the heartbeat timeout (cut from the control plane) and the
-#: collective timeout and a probe (cut from its peers), so its member is found and replaced
-#: while it is cut.
+#: collective timeout and a probe (cut from its peers: the fallback, should the collective
+#: watchdog's probes not find it), so its member is found and replaced while it is cut.
 CUT_S = 20.0
 #: The job's ``collective_timeout_s`` in a run with partitions: a host cut from its peers is
-#: found once its collectives fail (``docs/design.md``, "Partitions between hosts").
+#: found by the watchdog's probes while its peers wait (the policy's ``collective_probe_s``),
+#: or else once their collectives fail (``docs/design.md``, "Partitions between hosts").
 COLLECTIVE_TIMEOUT_S = 10.0
 #: The first fault comes this long after the job's first step, and none is injected in the
 #: last ``TAIL_S`` of the fault window.

@@ -34,6 +34,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -90,6 +91,8 @@ _REFUSED_KEPT = 1024
 _WINDOW = 512
 #: The largest compute time per step a heartbeat carries (``schemas.common.ComputeSeconds``).
 _COMPUTE_MAX_S = 3600.0
+#: How much of the longest recent step ``open_step`` still remembers a step later.
+_LONG_STEP_DECAY = 0.98
 #: ``command.refused`` reports per minute at most (the rest are counted into the next one), so
 #: a flood of forged commands does not become a flood of events from every member.
 _REFUSALS_PER_MINUTE = 10
@@ -198,6 +201,15 @@ class EventClient:
         self._stepped_at = time.monotonic()
         self._ready_at: float | None = None
         self._beat_phase: Phase | None = None
+        #: When the member's open step began (``time.monotonic``; None: no step is open), and
+        #: the longest of its recent steps (decaying): what ``open_step`` tells a watchdog.
+        self._began_at: float | None = None
+        self._long_step = 0.0
+        #: The step ``step_began`` began last.
+        self.open_step_number = 0
+        #: Called (on the client's thread) with every command accepted, as it arrives: the
+        #: member ends a step its collectives block once a newer generation is decided.
+        self.on_command: Callable[[Start | Reallocate | Stop], None] | None = None
         #: Where the connection goes when it leaves a server (``_check_beacon``).
         self._failover = Failover()
         #: When the control plane's beacon was last heard (``time.monotonic``; None: never
@@ -297,14 +309,38 @@ class EventClient:
             self.step = step
             self._stepped_at = time.monotonic()
             self._ready_at = None
+            self._began_at = None
             self._step_seconds = max(self._step_seconds, seconds)
+            self._long_step = max(seconds, self._long_step * _LONG_STEP_DECAY)
             if compute is not None and math.isfinite(compute) and compute >= 0:
                 self._compute_seconds += compute
                 self._computed += 1
 
-    def step_began(self) -> None:
-        """The member began a step: its gradients are not ready yet."""
+    def step_began(self, step: int | None = None) -> None:
+        """The member began ``step`` (None: the one after its last): its gradients are not
+        ready yet."""
         self._ready_at = None
+        self.open_step_number = self.step + 1 if step is None else step
+        self._began_at = time.monotonic()
+
+    def step_abandoned(self) -> None:
+        """The member's open step failed (it recovers): no step is open."""
+        self._began_at = None
+        self._ready_at = None
+
+    def open_step(self) -> tuple[float, float | None, float] | None:
+        """The member's open step in phase train, as ``time.monotonic`` times: when it began,
+        when its gradients were all ready (None: not yet, or not reported), and the longest
+        of its recent steps in seconds; None when no step is open."""
+        began, ready = self._began_at, self._ready_at
+        if began is None or self.phase is not Phase.TRAIN:
+            return None
+        return began, ready, self._long_step
+
+    @property
+    def newest_generation(self) -> int:
+        """The newest generation a command this client accepted named (0: none yet)."""
+        return self._newest_generation
 
     def gradients_ready(self) -> None:
         """Every gradient of the member's current step is ready: from here it waits for its
@@ -472,6 +508,12 @@ class EventClient:
         self._seen_commands.add(key)
         self.stats.commands += 1
         self._commands.put(command)
+        hook = self.on_command
+        if hook is not None:
+            try:
+                hook(command)
+            except Exception:  # the command is queued all the same: the member still follows it
+                log.exception("the command hook failed")
 
     def _refuse(self, subject: str, data: bytes, reason: str) -> None:
         """Drop a command that did not verify, log it, and report it (``command.refused``,

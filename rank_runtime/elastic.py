@@ -363,6 +363,10 @@ class Elastic:
         #: the session adds those of the sub-groups its ``build`` creates.
         self.group_sockets = GroupSockets({})
         self._closed = False
+        #: Set when the member closes: the collective watchdog (``_watch``) stops.
+        self._closing = threading.Event()
+        self._watchdog: threading.Thread | None = None
+        self.client.on_command = self._on_command
         # An error of the loop (or a script that never calls finish) ends the interpreter with
         # the background threads running: close while the interpreter is whole. Daemon threads
         # cut off inside torch at finalization, and a process group destroyed that late, can
@@ -406,6 +410,11 @@ class Elastic:
         self.client.publish("member.joined", joined)
         self.client.phase = Phase.WAITING if identity.role is Role.SPARE else Phase.INIT
         self.client.start_heartbeats(self.policy.heartbeat_interval_s)
+        if self.policy.collective_probe_s > 0 and self._watchdog is None:
+            self._watchdog = threading.Thread(
+                target=self._watch, name="elastic-watchdog", daemon=True
+            )
+            self._watchdog.start()
         if self.checkpoint_dir and self.policy.checkpoint_every > 0:
             self._cold = checkpoint.ColdWriter(
                 self.checkpoint_dir, identity.job_id, self._on_checkpoint
@@ -551,12 +560,16 @@ class Elastic:
         before it needed it again.
         """
         log.warning("step %d failed (%s); waiting for the control plane", step, error)
+        self.client.step_abandoned()
         self._drop_restore()  # a restore still on its way belongs to the failed generation
+        # A collective that failed once a newer generation was decided failed because of it
+        # (``_on_command`` ended the group): a consequence of the decision, not evidence.
+        decided = self.world is not None and self.client.newest_generation > self.world.generation
         # A loss anomaly was reported as such, and its rank is well: it stays in the group
         # until the decision comes, so the peers it holds in a collective fail only then,
         # in a generation the decision ended (their reports are stale, not evidence).
         anomaly = isinstance(error, LossAnomaly)
-        if not isinstance(error, GenerationSuperseded | LossAnomaly):  # no fault: a decision
+        if not decided and not isinstance(error, GenerationSuperseded | LossAnomaly):
             self.report_fault(
                 FaultKind.COLLECTIVE_ERROR,
                 f"{type(error).__name__}: {error}",
@@ -733,6 +746,63 @@ class Elastic:
         log.info("generation %d: rank %d of %d from step %d (group formed in %.3fs; %d bytes"
                  " restored in %.3fs, from %s)", world.generation, world.rank, world.size,
                  command.restore_step, formed, nbytes, seconds, sources)  # fmt: skip
+
+    def _on_command(self, command: Start | Reallocate | Stop) -> None:
+        """On the client's thread, as a command arrives: a newer generation ends this one, so
+        a step blocked in its collectives is released now (the group's connections ended:
+        ``rank_runtime.group``) rather than at the collective timeout, which is the only
+        release when the peer it waits for is on a host cut off from this one (its own end
+        of the connections, closed when it is fenced, never reaches here). ``recover`` then
+        follows the decision without reporting the failure it caused."""
+        world = self.world
+        if isinstance(command, Stop) or world is None or command.generation <= world.generation:
+            return
+        if self.client.open_step() is None:
+            return  # between steps: the next one finds the newer generation first
+        ended = self.group_sockets.shutdown()
+        if ended:
+            log.warning("generation %d decided during a step of generation %d: ended the"
+                        " group's %d connections", command.generation, world.generation,
+                        ended)  # fmt: skip
+
+    def _watch(self) -> None:
+        """The collective watchdog: while a step's collectives keep this member waiting past
+        the policy's ``collective_probe_s`` (since its gradients were all ready; without that
+        evidence, past twice its longest recent step), probe its peers' hosts, and when some
+        do not answer, report them as it still waits (``collective_error``, once a step). The
+        probe is repeated after twice the wait each time. Without it, a host cut from its
+        peers (and not from the control plane) is found only once the collectives time out:
+        no heartbeat stops, and every side waits with its gradients ready."""
+        limit = self.policy.collective_probe_s
+        tick = min(0.5, limit / 4)
+        began_at: float | None = None  # the open step the probes below are of
+        due, reported = limit, False
+        while not self._closing.wait(tick):
+            opened = self.client.open_step()
+            world = self.world
+            if opened is None or world is None:
+                continue
+            began, ready, longest = opened
+            if began != began_at:
+                began_at, due, reported = began, limit, False
+            now = time.monotonic()
+            waited = now - ready if ready is not None else now - began - 2 * longest
+            if waited < due or reported:
+                continue
+            due *= 2
+            gone = self._unreachable()
+            still = self.client.open_step()
+            if not gone or still is None or still[0] != began or self.world is not world:
+                continue  # everyone answers (a slow peer: the stall detector's), or it went on
+            reported = True
+            step = self.client.open_step_number
+            self.report_fault(
+                FaultKind.COLLECTIVE_ERROR,
+                f"waited {waited:.1f}s in step {step}'s collectives (generation"
+                f" {world.generation}); no answer from the hosts of {', '.join(gone[:8])}",
+                step=step,
+                suspects=gone,
+            )
 
     def _leave_group(self) -> None:
         import torch.distributed as dist
@@ -1290,6 +1360,7 @@ class Elastic:
         if self._closed:
             return
         self._closed = True
+        self._closing.set()
         self._drop_restore()
         self._drain_replication()
         if self._cold is not None:

@@ -639,7 +639,7 @@ class _StepGuard:
         assert parts is not None
         parts.grads_ready = None
         parts.accumulated = 0
-        self._session.elastic.client.step_began()
+        self._session.elastic.client.step_began(self._session._step)
         self._started = time.perf_counter()
         return parts.model, parts.optimizer
 

@@ -270,6 +270,12 @@ class JobPolicy(Strict):
     #: with the members on hosts this member cannot reach at all (a partition between hosts,
     #: which no heartbeat shows: ``rank_runtime.replication.unreachable``).
     collective_timeout_s: Annotated[float, Field(ge=1, le=86_400, allow_inf_nan=False)] = 60.0
+    #: How long a member waits in a step's collectives (past the moment its gradients were
+    #: all ready; without that evidence, past twice its longest recent step) before it probes
+    #: its peers' hosts, reporting those that do not answer while it still waits, and again
+    #: after twice as long each time (0: only once a collective failed). A host cut from its
+    #: peers is then found in seconds rather than at the collective timeout.
+    collective_probe_s: Annotated[float, Field(ge=0, le=86_400, allow_inf_nan=False)] = 2.0
 
     def heartbeat_floor(self, phase: Phase) -> float:
         """The floor of ``phase``'s derived heartbeat timeout (``auto``)."""

@@ -217,9 +217,12 @@ def test_a_host_cut_from_its_peers_is_left_out_and_the_job_goes_on(
     tmp_path: Path, hosts: netns.Hosts, settings, pg_store: PostgresEventStore
 ) -> None:
     """h2 reaches the control plane, not its peers: the collectives stop on every side. The
-    control plane leaves h2's member out and puts the spare in its place; the isolated member,
-    told the job goes on without it, leaves; what it reported of the broken world is recorded
-    and not believed, and no step of it counts after the decision."""
+    survivors, waiting in them, probe their peers' hosts (the collective watchdog) and name
+    h2's member while they still wait; the control plane leaves it out and puts the spare in
+    its place, and the decision itself releases the survivors from the collective (not its
+    timeout); the isolated member, told the job goes on without it, leaves; what it reported
+    of the broken world is recorded and not believed, and no step of it counts after the
+    decision."""
     with running_job(tmp_path, hosts, settings.database_url) as job:
         wait(lambda: last_step(pg_store, JOB) >= 30, 120, "the job to train")
         hosts.cut_from_peers(CUT)
@@ -236,9 +239,15 @@ def test_a_host_cut_from_its_peers_is_left_out_and_the_job_goes_on(
         decision = incident.decisions[-1]
         assert ISOLATED not in decision.world and "h3-s0" in decision.world, (incident, job.tails())
         print(f"decided {time.monotonic() - cut:.1f} s after the cut: {incident.reasons}")
+        # Found by the watchdog's reports, made while the survivors waited in the collective.
+        assert any("s in step" in r and "collectives" in r for r in incident.reasons), incident
         for proc in job.launchers:
             proc.wait(180)
         assert [p.returncode for p in job.launchers] == [0, 0, 0, 0], job.tails()
+        # The decision released the survivors blocked in the step (``Elastic._on_command``).
+        for survivor in (0, 1):
+            log_text = (job.logs / f"h{survivor}.log").read_text()
+            assert "decided during a step of generation 1" in log_text, job.tails()
     view = job_view(pg_store, JOB)
     assert view is not None and view.state is JobState.COMPLETED, view and view.state
     assert view.members[ISOLATED].status is not MemberStatus.ACTIVE

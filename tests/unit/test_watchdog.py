@@ -1,0 +1,208 @@
+"""A step blocked in its collectives (issue 27): the member probes its peers' hosts while it
+waits and names those that do not answer (``Elastic._watch``), and a newer generation decided
+meanwhile ends the group's connections, releasing the step (``Elastic._on_command``). A host
+cut from its peers is then found, and its peers go on, in seconds rather than at the
+collective timeout."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+
+from rank_runtime.elastic import Elastic, World
+from rank_runtime.group import GroupSockets
+from rank_runtime.identity import Identity
+from schemas.commands import Reallocate
+from schemas.common import FaultKind, Phase, ReallocationMode, RestoreFrom, Role
+from schemas.events import JobPolicy
+from tests.factories import T0
+
+
+def member(endpoints: dict[str, str] | None = None, probe_s: float = 2.0) -> Elastic:
+    """w1, a member of generation 1 (w0, w1, w2) training, as ``start`` leaves it; no I/O."""
+    elastic = Elastic(
+        Identity("job1", "n1", "r0", "w1", Role.WORKER, "nats://127.0.0.1:1"),
+        policy=JobPolicy(collective_probe_s=probe_s),
+    )
+    elastic.world = World(1, 1, 3, ("w0", "w1", "w2"), (), endpoints or {}, "tcp://rdzv/job1/1")
+    elastic.client.phase = Phase.TRAIN
+    return elastic
+
+
+def reallocate(generation: int) -> Reallocate:
+    return Reallocate(
+        command_id=uuid.uuid4(), job_id="job1", decision_position=1, issued_at=T0,
+        generation=generation, world=["w0", "w1", "s0"], rendezvous="tcp://rdzv/job1/2",
+        incident_id=uuid.uuid4(), mode=ReallocationMode.REPLACE, restore_step=20,
+        restore_from=RestoreFrom.MEMORY, plan=["w0", "w1", "s0"],
+    )  # fmt: skip
+
+
+def arrives(elastic: Elastic, command: Reallocate) -> None:
+    """``command`` as the client takes it from its subscription."""
+    elastic.client._take_command("elastic.cmd.job1", command.model_dump_json().encode(), None)
+
+
+def faults(elastic: Elastic) -> list[dict[str, Any]]:
+    """The ``member.fault`` events the member published (still in its client's buffer)."""
+    events = [json.loads(data) for _, _, data in list(elastic.client._buffer)]
+    return [e["payload"] for e in events if e["type"] == "member.fault"]
+
+
+@contextmanager
+def connection(elastic: Elastic) -> Iterator[socket.socket]:
+    """A TCP connection whose near end the member's group recorded; yields the far end."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        opened = GroupSockets({})
+        with opened.recording():
+            near = socket.create_connection(server.getsockname())
+        far, _ = server.accept()
+    elastic.group_sockets = opened
+    far.settimeout(5)
+    try:
+        yield far
+    finally:
+        near.close()
+        far.close()
+
+
+def test_the_client_tells_which_step_is_open():
+    client = member().client
+    assert client.open_step() is None  # none began
+    client.step_began(7)
+    began = client.open_step()
+    assert began is not None and began[1] is None and client.open_step_number == 7
+    client.gradients_ready()
+    opened = client.open_step()
+    assert opened is not None and opened[1] is not None and opened[0] == began[0]
+    client.phase = Phase.BACKUP
+    assert client.open_step() is None  # only in phase train
+    client.phase = Phase.TRAIN
+    client.finished_step(7, 0.5)
+    assert client.open_step() is None
+    client.step_began(8)
+    opened = client.open_step()
+    assert opened is not None and opened[2] == 0.5  # the longest recent step
+    client.finished_step(8, 0.1)
+    client.step_began(9)
+    opened = client.open_step()
+    assert opened is not None and 0.4 < opened[2] < 0.5  # remembered, decaying
+    client.step_abandoned()
+    assert client.open_step() is None
+
+
+def test_a_newer_generation_decided_during_a_step_ends_the_group_connections():
+    elastic = member()
+    with connection(elastic) as far:
+        elastic.client.step_began(7)
+        arrives(elastic, reallocate(2))
+        assert far.recv(1) == b""  # the near end was shut down: the peer sees it closed
+    assert elastic.client.newest_generation == 2
+    assert elastic.client.next_command() is not None  # queued all the same, to be followed
+
+
+@pytest.mark.parametrize("case", ["between steps", "same generation"])
+def test_the_connections_stay_when_no_step_waits_or_nothing_newer_is_decided(case: str):
+    elastic = member()
+    with connection(elastic) as far:
+        if case == "between steps":
+            elastic.client.step_began(7)
+            elastic.client.finished_step(7, 0.1)
+            arrives(elastic, reallocate(2))
+        else:
+            elastic.client.step_began(7)
+            arrives(elastic, reallocate(1))
+        far.settimeout(0.2)
+        with pytest.raises(TimeoutError):
+            far.recv(1)  # still open: nothing arrives, nothing closed
+
+
+@contextmanager
+def watching(elastic: Elastic) -> Iterator[None]:
+    thread = threading.Thread(target=elastic._watch, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        elastic._closing.set()
+        thread.join(5)
+
+
+@pytest.fixture
+def probes(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    """The hosts that do not answer (``replication.unreachable``, tested with real sockets in
+    ``test_replication``): w0's, unless the test empties the list; each probe is counted."""
+    down = ["w0"]
+    made: list[list[str]] = []
+
+    def probe(endpoints: dict[str, str], own: str) -> list[str]:
+        assert own == "w1" and set(endpoints) == {"w0", "w1", "w2"}
+        made.append(list(down))
+        return list(down)
+
+    monkeypatch.setattr("rank_runtime.elastic.unreachable", probe)
+    made.append(down)  # made[0] is the list of hosts that do not answer
+    return made
+
+
+def _until(condition: Any, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_member_waiting_in_a_step_names_the_peers_whose_hosts_do_not_answer(probes):
+    elastic = member(probe_s=0.2)
+    with watching(elastic):
+        elastic.client.step_began(7)
+        elastic.client.gradients_ready()  # from here it only waits for its peers
+        assert _until(lambda: faults(elastic), 10), "no report"
+        time.sleep(1.0)  # probed again (after 0.4 s): still one report a step
+    (report,) = faults(elastic)
+    assert report["kind"] == FaultKind.COLLECTIVE_ERROR.value
+    assert report["suspects"] == ["w0"] and report["step"] == 7
+    assert "collectives" in report["detail"] and "w0" in report["detail"]
+    assert len(probes) - 1 >= 1
+
+
+def test_nothing_is_probed_while_steps_go_on(probes):
+    elastic = member(probe_s=0.3)
+    with watching(elastic):
+        for step in range(1, 8):  # steps shorter than the probe's wait
+            elastic.client.step_began(step)
+            elastic.client.gradients_ready()
+            time.sleep(0.1)
+            elastic.client.finished_step(step, 0.1)
+    assert faults(elastic) == [] and len(probes) == 1
+
+
+def test_nothing_is_reported_when_every_host_answers(probes):
+    probes[0].clear()  # a slow peer, not a cut one: the stall detector's to find
+    elastic = member(probe_s=0.2)
+    with watching(elastic):
+        elastic.client.step_began(1)
+        elastic.client.gradients_ready()
+        time.sleep(1.0)
+    assert faults(elastic) == []
+    assert 2 <= len(probes) - 1 <= 3  # at 0.2 s, 0.4 s, 0.8 s: twice the wait each time
+
+
+def test_without_gradient_evidence_the_wait_counts_past_twice_the_longest_step(probes):
+    elastic = member(probe_s=0.2)
+    elastic.client.finished_step(6, 0.4)  # a step of 0.4 s: nothing before 0.8 + 0.2 s
+    with watching(elastic):
+        elastic.client.step_began(7)
+        time.sleep(0.6)
+        assert faults(elastic) == []
+        assert _until(lambda: faults(elastic), 10), "no report"
