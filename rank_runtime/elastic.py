@@ -754,12 +754,15 @@ class Elastic:
         release when the peer it waits for is on a host cut off from this one (its own end
         of the connections, closed when it is fenced, never reaches here). ``recover`` then
         follows the decision without reporting the failure it caused."""
+        # Read before the world: a member that entered the newer generation meanwhile holds
+        # that one's connections, and its world says so (nothing is ended then).
+        sockets = self.group_sockets
         world = self.world
         if isinstance(command, Stop) or world is None or command.generation <= world.generation:
             return
         if self.client.open_step() is None:
             return  # between steps: the next one finds the newer generation first
-        ended = self.group_sockets.shutdown()
+        ended = sockets.shutdown()
         if ended:
             log.warning("generation %d decided during a step of generation %d: ended the"
                         " group's %d connections", command.generation, world.generation,
