@@ -13,8 +13,9 @@ import signal
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Coroutine
 from datetime import timedelta
+from typing import Any
 
 import nats
 import pytest
@@ -27,7 +28,8 @@ from controlplane.core.view import Incident, JobView
 from controlplane.settings import Settings
 from controlplane.store.postgres import PostgresEventStore
 from schemas.commands import COMMAND_ADAPTER, Reallocate, Start, Stop
-from schemas.common import JobState
+from schemas.common import JobState, Phase
+from schemas.events import FaultDetected
 from schemas.rendezvous import parse_endpoint
 from schemas.subjects import command_wildcard
 from tests.integration.helpers import running_controlplane, wait_until
@@ -141,6 +143,28 @@ async def test_crash_is_recorded_then_published_and_the_job_recovers(settings, p
         assert cp.views["job-crash"] == fold(None, pg_store.read(job_id="job-crash"))
 
 
+async def silence_found(
+    store: PostgresEventStore,
+    job_id: str,
+    commands: Commands,
+    alive: list[str],
+    beating: Coroutine[Any, Any, None],
+) -> tuple[FaultDetected, float]:
+    """While ``alive`` beat (``beating``), w11 is silent: the world shrinks to ``alive``. The
+    detection, and how long after w11's last heartbeat it was recorded."""
+    task = asyncio.create_task(beating)
+    try:
+        [command] = await commands.next(Reallocate, timeout=10)
+    finally:
+        task.cancel()
+    assert command.mode == "shrink" and command.world == alive
+    [detected] = store.read(job_id=job_id, types=["fault.detected"])
+    payload = detected.event.payload
+    assert isinstance(payload, FaultDetected)
+    assert payload.reason == "heartbeat_timeout" and payload.members == ["w11"]
+    return payload, (detected.recorded_at - payload.evidence[0].at).total_seconds()
+
+
 async def test_a_hang_is_decided_when_its_heartbeat_timeout_expires(settings, pg_store, bus):
     async with running_controlplane(settings) as cp:
         job = cluster(bus.jetstream(), "job-hang", spares=0)
@@ -153,17 +177,8 @@ async def test_a_hang_is_decided_when_its_heartbeat_timeout_expires(settings, pg
                 await job.heartbeat(alive, 5)
                 await asyncio.sleep(0.2)
 
-        beating = asyncio.create_task(beat())
-        try:
-            [command] = await commands.next(Reallocate, timeout=10)
-        finally:
-            beating.cancel()
-        assert command.mode == "shrink" and command.world == alive
-        [detected] = pg_store.read(job_id="job-hang", types=["fault.detected"])
-        payload = detected.event.payload
-        assert payload.reason == "heartbeat_timeout" and payload.members == ["w11"]
-        last_heartbeat = payload.evidence[0].at
-        late = (detected.recorded_at - last_heartbeat).total_seconds()
+        payload, late = await silence_found(pg_store, "job-hang", commands, alive, beat())
+        assert [(t.mode, t.seconds) for t in payload.thresholds or ()] == [("fixed", 1.0)]
         # Decided within a fraction of a second of the 1 s timeout expiring.
         assert 1.0 < late < 1.5, late
         assert cp.views["job-hang"].state is JobState.RECOVERING
@@ -334,3 +349,58 @@ async def test_one_control_plane_decides_for_many_jobs(settings, pg_store, bus):
         assert cp.views["job-many-b"].state is JobState.RUNNING
         for name in jobs:
             assert cp.views[name] == fold(None, pg_store.read(job_id=name))
+
+
+async def test_a_hang_is_decided_at_the_timeout_derived_from_the_observed_gaps(
+    settings, pg_store, bus
+):
+    """``heartbeat_timeout_mode=auto`` through the real service: the liveness summaries
+    record the members' heartbeat gaps, the fold derives the train timeout from them (far
+    below the fixed 10 s), and the silent member is found at that derived timeout, the
+    detection naming it and how it was derived."""
+    policy = {
+        **POLICY,
+        "heartbeat_timeout_s": {**POLICY["heartbeat_timeout_s"], "train": 10.0},
+        "heartbeat_timeout_mode": "auto",
+        # 5 x the 0.2 s gaps: a busy machine may stretch a healthy member's gap to 0.6 s.
+        "heartbeat_timeout_k": 5.0,
+        "heartbeat_timeout_min_gaps": 8,
+        "heartbeat_timeout_floor_s": 0.5,
+        "liveness_summary_interval_s": 0.5,
+    }
+    async with running_controlplane(settings) as cp:
+        job = cluster(bus.jetstream(), "job-auto", spares=0)
+        commands = await listen(bus, "job-auto")
+        await job.join(job.members, policy=policy)
+        [start] = await commands.next(Start)
+        await job.obey(start)
+        alive = ["w00", "w01", "w10"]
+
+        def derived() -> bool:
+            threshold = cp.views["job-auto"].thresholds.get(Phase.TRAIN)
+            return threshold is not None and threshold.mode == "auto"
+
+        async def beat(members: list[str], until: Callable[[], bool] | None, beats: int) -> None:
+            for _ in range(beats):
+                if until is not None and until():
+                    return
+                await job.beat(bus, members, 5)  # on NATS core, as members do
+                await asyncio.sleep(0.2)
+
+        # Every member beats until the summaries hold enough gaps for a derived timeout.
+        await beat(WORKERS, derived, 100)
+        assert derived(), "no timeout derived from the gaps within 20 s"
+        payload, late = await silence_found(
+            pg_store, "job-auto", commands, alive, beat(alive, None, 100)
+        )
+    [threshold] = payload.thresholds
+    assert threshold.mode == "auto" and threshold.phase is Phase.TRAIN
+    assert threshold.gaps >= 8 and threshold.k == 5.0 and threshold.gap_s is not None
+    # k x the gap quantile, clamped: the members beat every 0.2 s (a busy machine stretches
+    # a gap, never shortens it).
+    assert threshold.seconds == max(0.5, min(300.0, 5.0 * threshold.gap_s))
+    assert 0.15 <= threshold.gap_s < 3.0, threshold
+    assert threshold.how.startswith(f"timeout {threshold.seconds:g}s = 5 x p99 gap"), threshold.how
+    print(f"found {late:.2f} s after its last heartbeat: {threshold.how}")
+    # Found once the derived timeout passed, long before the fixed 10 s would have.
+    assert threshold.seconds <= late < 10.0, (late, threshold)
