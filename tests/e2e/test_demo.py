@@ -349,7 +349,9 @@ def test_demo_recovers_every_fault_and_ends_at_the_reference_loss(tmp_path, stat
     # its productive time, so it lies between the ETTR and the ETTR with every backup second
     # added back (a demo's ETTR is a few percent: its backup copies are not negligible beside it).
     seconds, wall = breakdown["seconds"], breakdown["wall_s"]
-    assert seconds["backup"] < 0.002 * wall
+    # A small share of the wall time (a few milliseconds a backup: 0.1-0.2% on an idle
+    # machine, more on a busy one; the bracket below is the check).
+    assert seconds["backup"] < 0.02 * wall, (seconds, wall)
     ettr = ettr_of(exported.read_text())
     ceiling = (seconds["productive"] + seconds["backup"]) / wall
     assert summary["ettr"] * 0.99 <= ettr <= ceiling * 1.01, (ettr, summary["ettr"], ceiling)
