@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -26,13 +27,13 @@ from schemas.events import JobPolicy
 from tests.factories import T0
 
 
-def member(endpoints: dict[str, str] | None = None, probe_s: float = 2.0) -> Elastic:
+def member(probe_s: float = 2.0) -> Elastic:
     """w1, a member of generation 1 (w0, w1, w2) training, as ``start`` leaves it; no I/O."""
     elastic = Elastic(
         Identity("job1", "n1", "r0", "w1", Role.WORKER, "nats://127.0.0.1:1"),
         policy=JobPolicy(collective_probe_s=probe_s),
     )
-    elastic.world = World(1, 1, 3, ("w0", "w1", "w2"), (), endpoints or {}, "tcp://rdzv/job1/1")
+    elastic.world = World(1, 1, 3, ("w0", "w1", "w2"), (), {}, "tcp://rdzv/job1/1")
     elastic.client.phase = Phase.TRAIN
     return elastic
 
@@ -136,21 +137,27 @@ def watching(elastic: Elastic) -> Iterator[None]:
         thread.join(5)
 
 
+@dataclass
+class Probes:
+    """The members whose hosts do not answer, and how many probes were made."""
+
+    down: list[str] = field(default_factory=lambda: ["w0"])
+    made: int = 0
+
+
 @pytest.fixture
-def probes(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
-    """The hosts that do not answer (``replication.unreachable``, tested with real sockets in
-    ``test_replication``): w0's, unless the test empties the list; each probe is counted."""
-    down = ["w0"]
-    made: list[list[str]] = []
+def probes(monkeypatch: pytest.MonkeyPatch) -> Probes:
+    """The probe of peers' hosts (``replication.unreachable``, tested with real sockets in
+    ``test_replication``): w0's host does not answer, unless the test empties ``down``."""
+    probes = Probes()
 
     def probe(endpoints: dict[str, str], own: str) -> list[str]:
         assert own == "w1" and set(endpoints) == {"w0", "w1", "w2"}
-        made.append(list(down))
-        return list(down)
+        probes.made += 1
+        return list(probes.down)
 
     monkeypatch.setattr("rank_runtime.elastic.unreachable", probe)
-    made.append(down)  # made[0] is the list of hosts that do not answer
-    return made
+    return probes
 
 
 def _until(condition: Any, timeout: float) -> bool:
@@ -173,7 +180,7 @@ def test_a_member_waiting_in_a_step_names_the_peers_whose_hosts_do_not_answer(pr
     assert report["kind"] == FaultKind.COLLECTIVE_ERROR.value
     assert report["suspects"] == ["w0"] and report["step"] == 7
     assert "collectives" in report["detail"] and "w0" in report["detail"]
-    assert len(probes) - 1 >= 1
+    assert probes.made >= 1
 
 
 def test_nothing_is_probed_while_steps_go_on(probes):
@@ -184,18 +191,18 @@ def test_nothing_is_probed_while_steps_go_on(probes):
             elastic.client.gradients_ready()
             time.sleep(0.1)
             elastic.client.finished_step(step, 0.1)
-    assert faults(elastic) == [] and len(probes) == 1
+    assert faults(elastic) == [] and probes.made == 0
 
 
 def test_nothing_is_reported_when_every_host_answers(probes):
-    probes[0].clear()  # a slow peer, not a cut one: the stall detector's to find
+    probes.down.clear()  # a slow peer, not a cut one: the stall detector's to find
     elastic = member(probe_s=0.2)
     with watching(elastic):
         elastic.client.step_began(1)
         elastic.client.gradients_ready()
         time.sleep(1.0)
     assert faults(elastic) == []
-    assert 2 <= len(probes) - 1 <= 3  # at 0.2 s, 0.4 s, 0.8 s: twice the wait each time
+    assert 2 <= probes.made <= 3  # at 0.2 s, 0.4 s, 0.8 s: twice the wait each time
 
 
 def test_without_gradient_evidence_the_wait_counts_past_twice_the_longest_step(probes):
