@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Final
+from typing import Final, NamedTuple
 
 from controlplane.core.records import StoredEvent
 from schemas.catalog import CatalogColumns
@@ -147,8 +146,7 @@ def reports(event: EnvelopeBase) -> Iterator[BackupSnapshotEvent]:
         )
 
 
-@dataclass(frozen=True, slots=True)
-class Sender:
+class Sender(NamedTuple):
     """What a packed report's envelope says of who sent it (``Entry.event``)."""
 
     source: str
@@ -158,13 +156,13 @@ class Sender:
     type: str = PACKED
 
 
-@dataclass(frozen=True, slots=True)
-class Entry:
+class Entry(NamedTuple):
     """One report of a stored catalog as the fold reads it: its position (the catalog's),
     its sender (``event``, as a stored event's envelope) and its values (as a
     ``backup.snapshot``'s payload). ``reports`` makes the whole event of each, with an
     event_id derived for it; a fold needs none of that, and at 16,384 reports a backup the
-    events took half the fold's time."""
+    events took half the fold's time. Tuples: made in C, in a quarter of a frozen
+    dataclass's time, 16,384 of each a backup."""
 
     position: int
     event: Sender

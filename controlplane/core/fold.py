@@ -1298,12 +1298,14 @@ class _Fold:
         plan = p.plan if p.plan_spans is None else expand(p.plan_spans, view.world)
         incident = self._incident(incident_id)
         if incident is None and p.mode is ReallocationMode.GROW:
-            # A planned growth has no fault behind it: the decision opens its own record.
+            # A planned growth has no fault behind it: the decision opens its own record
+            # (its members: the world's newcomers, looked up in a set: worlds of 16,384).
+            current = set(view.world)
             incident = Incident(
                 incident_id=incident_id,
                 opened_at=stored.recorded_at,
                 opened_position=stored.position,
-                members=[m for m in world if m not in view.world],
+                members=[m for m in world if m not in current],
                 reasons=[p.reason],
                 detections=[],
                 step_at_fault=view.last_step,
