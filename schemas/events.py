@@ -681,8 +681,9 @@ class LivenessSummary(Strict):
         default_factory=list
     )
     columns: LivenessColumns | None = None
-    #: In an interval summary, the members heard regularly (in part 1; None: none, or a
-    #: decision's summary, which lists every member in ``columns``).
+    #: The members heard regularly (None: none, or a decision's summary that lists every
+    #: member in ``columns``): in part 1, and in the next parts when they are more than
+    #: ``MAX_WORLD`` (a world that large has spares too).
     regular: RegularMembers | None = None
     #: The window each member's sustained compute time is taken over (``compute_ms``), ms
     #: (None: no compute times, as in summaries recorded before).

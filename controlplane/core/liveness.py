@@ -48,7 +48,7 @@ from typing import NamedTuple
 from controlplane.core.detect import heartbeat_timeout, silence_limit
 from controlplane.core.straggler import MIN_SAMPLES
 from controlplane.core.view import Computed, Heartbeat, JobView, MemberStatus, Progress
-from schemas.common import Phase
+from schemas.common import MAX_WORLD, Phase
 from schemas.events import (
     SUMMARY_COLUMN_MEMBERS,
     LivenessColumns,
@@ -566,11 +566,12 @@ class LivenessTable:
         return self._windows.get(job_id, self.started_at) + timedelta(seconds=interval_s)
 
     def summarize(self, view: JobView, now: datetime, reason: str) -> list[LivenessSummary]:
-        """The job's summary at ``now`` (split in parts of ``SUMMARY_COLUMN_MEMBERS``): every
-        member the table holds whose process is the view's, in columns; the members heard
-        regularly named only (``regular``, see ``RegularMembers``) in an interval's summary,
-        and in a decision's when naming them is safe (``names_regular``). Empty when there
-        is none. Active members never heard count as heard at the start (as ``probe``)."""
+        """The job's summary at ``now`` (split in parts of ``SUMMARY_COLUMN_MEMBERS`` listed
+        and ``MAX_WORLD`` named members): every member the table holds whose process is the
+        view's, in columns; the members heard regularly named only (``regular``, see
+        ``RegularMembers``) in an interval's summary, and in a decision's when naming them
+        is safe (``names_regular``). Empty when there is none. Active members never heard
+        count as heard at the start (as ``probe``)."""
         job_id = view.job_id
         self._adopt(view)
         table = self._member_table(job_id)
@@ -611,7 +612,7 @@ class LivenessTable:
                 listed.append((member_id, heard))
         if not steady and not listed:
             return []
-        regular = None
+        regular: list[RegularMembers] = []
         window_ms = round(view.effective_policy.slow_window_s * 1000)
         computes = window_ms > 0
         if steady:
@@ -619,15 +620,17 @@ class LivenessTable:
         epoch = ms_of(now)  # rounded down to the millisecond
         size = SUMMARY_COLUMN_MEMBERS
         chunks = [listed[i : i + size] for i in range(0, len(listed), size)] or [[]]
+        parts = max(len(chunks), len(regular))
+        chunks += [[]] * (parts - len(chunks))
         return [
             LivenessSummary(
                 reason=reason,  # type: ignore[arg-type]  # "interval" | "decision"
                 since=since,
                 at=now,
                 part=i,
-                parts=len(chunks),
+                parts=parts,
                 columns=_columns(epoch, chunk, computes) if chunk else None,
-                regular=regular if i == 1 else None,
+                regular=regular[i - 1] if i <= len(regular) else None,
                 compute_window_ms=window_ms if computes else None,
             )
             for i, chunk in enumerate(chunks, start=1)
@@ -692,11 +695,12 @@ def _regular(
     others: list[tuple[str, Heard]],
     bound_ms: int,
     computes: bool = False,
-) -> tuple[RegularMembers | None, list[tuple[str, Heard]]]:
+) -> tuple[list[RegularMembers], list[tuple[str, Heard]]]:
     """The members heard ``steady``-ly named (``RegularMembers``: those in the window's most
-    common generation and phase whose longest step is within a quarter of the median's),
-    and everyone else to list in full (``others`` and the rest of ``steady``, in name
-    order as both are)."""
+    common generation and phase whose longest step is within a quarter of the median's;
+    one a part, ``MAX_WORLD`` names each: a world of 65,536 ranks has spares too), and
+    everyone else to list in full (``others`` and the rest of ``steady``, in name order
+    as both are)."""
     common = Counter((h.generation, h.phase) for _, h in steady).most_common(1)[0][0]
     steps = sorted(h.max_step_ms for _, h in steady)
     slow = steps[len(steps) // 2] * 1.25
@@ -719,18 +723,26 @@ def _regular(
         else:
             rest.append(pair)
     if not chosen:
-        return None, sorted([*others, *steady], key=_NAME)
-    regular = RegularMembers(
-        members=[m for m, _ in chosen],  # in name order, as ``steady`` is
-        bound_ms=bound_ms,
-        generation=generation,
-        phase=phase,
-        step_min=min(h.step for _, h in chosen),
-        step_max=max(h.step for _, h in chosen),
-        max_step_ms=max(h.max_step_ms for _, h in chosen),
-        max_gap_ms=max(h.max_gap_ms for _, h in chosen),
-        compute_ms=_known([h.sustained_ms for _, h in chosen]) if computes else None,
-    )
+        return [], sorted([*others, *steady], key=_NAME)
+    step_min = min(h.step for _, h in chosen)
+    step_max = max(h.step for _, h in chosen)
+    max_step_ms = max(h.max_step_ms for _, h in chosen)
+    max_gap_ms = max(h.max_gap_ms for _, h in chosen)
+    # The bounds of them all hold for each part's names.
+    regular = [
+        RegularMembers(
+            members=[m for m, _ in part],  # in name order, as ``steady`` is
+            bound_ms=bound_ms,
+            generation=generation,
+            phase=phase,
+            step_min=step_min,
+            step_max=step_max,
+            max_step_ms=max_step_ms,
+            max_gap_ms=max_gap_ms,
+            compute_ms=_known([h.sustained_ms for _, h in part]) if computes else None,
+        )
+        for part in (chosen[i : i + MAX_WORLD] for i in range(0, len(chosen), MAX_WORLD))
+    ]
     if rest:
         others = sorted([*others, *rest], key=_NAME)
     return regular, others

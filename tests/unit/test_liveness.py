@@ -19,7 +19,7 @@ from controlplane.core.liveness import TABLE, Beats, LivenessTable, take_beats
 from controlplane.core.replay import DEADLINE_TICK, counterfactual, redecide
 from controlplane.core.view import Heartbeat
 from controlplane.decode import decode_heartbeats
-from schemas.common import Phase
+from schemas.common import MAX_WORLD, Phase
 from schemas.events import SUMMARY_COLUMN_MEMBERS, JobPolicy, ms_of
 from tests.factories import T0, Events, recorded
 from tests.recorded import (
@@ -801,3 +801,25 @@ async def test_the_decider_decides_once_on_the_log_s_own_view_and_replays_exactl
     assert detected.evidence[0].position == summary.position
     assert views[s.job_id] == fold(None, log)  # the live view is the log's
     assert all(r.matches for r in redecide(log))
+
+
+def test_a_summary_names_more_regular_members_than_a_world_holds_in_several_parts():
+    """A world of MAX_WORLD ranks with its spares: the members heard regularly are named in
+    parts of at most MAX_WORLD (one list of them all failed validation, and with it every
+    summary of such a job); the parts folded give each one its heartbeat."""
+    n = MAX_WORLD + 8
+    names = [f"m{i}" for i in range(n)]
+    events = Events()
+    view = fold(None, recorded([events.joined(m, incarnation="i1") for m in names]))
+    table = LivenessTable(started_at=T0)
+    beats = Beats("job1", "n0", names, ["i1"] * n, [0] * n, [0] * n, [Phase.TRAIN] * n,
+                  [0] * n, [0] * n)  # fmt: skip
+    for t in (0.5, 1.0, 1.5, 2.0, 2.5, 3.0):
+        assert take_beats(table, view, beats, at(t)) == []
+    parts = table.summarize(view, at(3.0), "interval")
+    assert [(p.part, p.parts, p.columns) for p in parts] == [(1, 2, None), (2, 2, None)]
+    named = [m for p in parts if p.regular is not None for m in p.regular.members]
+    assert [len(p.regular.members) for p in parts if p.regular] == [MAX_WORLD, 8]
+    assert named == sorted(names)
+    folded = fold(view, recorded([_recorded_summary(events, p) for p in parts], start=n + 1))
+    assert {folded.heartbeats[m].at for m in names} == {at(1.0)}
