@@ -134,7 +134,9 @@ def relaxed() -> Iterator[None]:
 def held_off() -> Iterator[None]:
     """No collections inside: for work that keeps many objects alive and makes no cycles
     (a replay's parts read ahead: a collector walking them found nothing and cost a fifth
-    of the CPU)."""
+    of the CPU; a simulation's views of a 16,384-rank job: the collector cost 40% of
+    ``elasticctl simulate --ranks 16384 --days 3 --strategy spares`` and found about 600
+    objects in cycles at its end, freed by the next collection after it)."""
     collecting = gc.isenabled()
     gc.disable()
     try:
