@@ -37,7 +37,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 import nats
 import nats.errors
@@ -125,6 +125,17 @@ class ClientStats:
     failovers: int = 0
 
 
+class OpenStep(NamedTuple):
+    """A member's open step (``EventClient.open_step``), times as ``time.monotonic``."""
+
+    step: int
+    began: float
+    #: When its gradients were all ready (None: not yet, or not reported).
+    ready: float | None
+    #: The longest of the member's recent steps, seconds.
+    longest: float
+
+
 class EventClient:
     """Publishes this member's events and receives its commands. No I/O before ``start``."""
 
@@ -201,12 +212,12 @@ class EventClient:
         self._stepped_at = time.monotonic()
         self._ready_at: float | None = None
         self._beat_phase: Phase | None = None
-        #: When the member's open step began (``time.monotonic``; None: no step is open), and
-        #: the longest of its recent steps (decaying): what ``open_step`` tells a watchdog.
+        #: The step ``step_began`` began last and when (``time.monotonic``; None: no step is
+        #: open), and the longest of its recent steps (decaying): what ``open_step`` tells a
+        #: watchdog.
+        self._began_step = 0
         self._began_at: float | None = None
         self._long_step = 0.0
-        #: The step ``step_began`` began last.
-        self.open_step_number = 0
         #: Called (on the client's thread) with every command accepted, as it arrives: the
         #: member ends a step its collectives block once a newer generation is decided.
         self.on_command: Callable[[Start | Reallocate | Stop], None] | None = None
@@ -320,7 +331,7 @@ class EventClient:
         """The member began ``step`` (None: the one after its last): its gradients are not
         ready yet."""
         self._ready_at = None
-        self.open_step_number = self.step + 1 if step is None else step
+        self._began_step = self.step + 1 if step is None else step
         self._began_at = time.monotonic()
 
     def step_abandoned(self) -> None:
@@ -328,14 +339,12 @@ class EventClient:
         self._began_at = None
         self._ready_at = None
 
-    def open_step(self) -> tuple[float, float | None, float] | None:
-        """The member's open step in phase train, as ``time.monotonic`` times: when it began,
-        when its gradients were all ready (None: not yet, or not reported), and the longest
-        of its recent steps in seconds; None when no step is open."""
-        began, ready = self._began_at, self._ready_at
+    def open_step(self) -> OpenStep | None:
+        """The member's open step in phase train; None when no step is open."""
+        began = self._began_at
         if began is None or self.phase is not Phase.TRAIN:
             return None
-        return began, ready, self._long_step
+        return OpenStep(self._began_step, began, self._ready_at, self._long_step)
 
     @property
     def newest_generation(self) -> int:

@@ -785,7 +785,7 @@ class Elastic:
             world = self.world
             if opened is None or world is None:
                 continue
-            began, ready, longest = opened
+            began, ready, longest = opened.began, opened.ready, opened.longest
             if began != began_at:
                 began_at, due, reported = began, limit, False
             now = time.monotonic()
@@ -795,10 +795,10 @@ class Elastic:
             due *= 2
             gone = self._unreachable()
             still = self.client.open_step()
-            if not gone or still is None or still[0] != began or self.world is not world:
+            if not gone or still is None or still.began != began or self.world is not world:
                 continue  # everyone answers (a slow peer: the stall detector's), or it went on
             reported = True
-            step = self.client.open_step_number
+            step = opened.step
             self.report_fault(
                 FaultKind.COLLECTIVE_ERROR,
                 f"waited {waited:.1f}s in step {step}'s collectives (generation"

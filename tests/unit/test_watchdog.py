@@ -80,10 +80,10 @@ def test_the_client_tells_which_step_is_open():
     assert client.open_step() is None  # none began
     client.step_began(7)
     began = client.open_step()
-    assert began is not None and began[1] is None and client.open_step_number == 7
+    assert began is not None and began.ready is None and began.step == 7
     client.gradients_ready()
     opened = client.open_step()
-    assert opened is not None and opened[1] is not None and opened[0] == began[0]
+    assert opened is not None and opened.ready is not None and opened.began == began.began
     client.phase = Phase.BACKUP
     assert client.open_step() is None  # only in phase train
     client.phase = Phase.TRAIN
@@ -91,11 +91,11 @@ def test_the_client_tells_which_step_is_open():
     assert client.open_step() is None
     client.step_began(8)
     opened = client.open_step()
-    assert opened is not None and opened[2] == 0.5  # the longest recent step
+    assert opened is not None and opened.longest == 0.5  # the longest recent step
     client.finished_step(8, 0.1)
     client.step_began(9)
     opened = client.open_step()
-    assert opened is not None and 0.4 < opened[2] < 0.5  # remembered, decaying
+    assert opened is not None and 0.4 < opened.longest < 0.5  # remembered, decaying
     client.step_abandoned()
     assert client.open_step() is None
 
