@@ -31,6 +31,7 @@ from schemas.events import (
     CATALOG_ENTRIES,
     EVENT_ADAPTER,
     EVENT_CLASSES,
+    BackupCatalog,
     BackupCatalogEvent,
     EnvelopeBase,
     PackedCatalog,
@@ -133,9 +134,13 @@ class SimJob:
     """A job of many members on ``log``, started and recovered by the real decider; members
     heartbeat every ``beat_s`` (what ``turn`` hears of them)."""
 
-    def __init__(self, log: SimLog, beat_s: float) -> None:
+    def __init__(self, log: SimLog, beat_s: float, *, pack: bool = True) -> None:
         self.log = log
         self.beat_s = beat_s
+        #: Backups recorded as the store packs them (``PackedCatalog``); without, as version
+        #: 1's lists (``BackupCatalog``): nothing to encode, for a log no one keeps
+        #: (``elasticctl simulate``). The fold reads the same columns from either.
+        self.pack = pack
         #: node -> its launcher's events.
         self.launchers: dict[str, Source] = {}
         #: member -> (node, rack).
@@ -252,9 +257,18 @@ class SimJob:
                 seconds=[round(0.3 + _SPAN * draw(), 6) for _ in shards],
                 holders=[list(placement[shard]) for shard in shards],
             )
+            payload: PackedCatalog | BackupCatalog = (
+                PackedCatalog.of(step, columns) if self.pack else BackupCatalog.model_construct(
+                    step=step, sources=columns.sources, incarnations=columns.incarnations,
+                    seqs=columns.seqs, shards=columns.shards, nbytes=columns.nbytes,
+                    checksums=columns.checksums, sha256=None, seconds=columns.seconds,
+                    holders=columns.holders,
+                )
+            )  # fmt: skip
             events.append(BackupCatalogEvent.model_construct(
-                event_id=new_event_id(), job_id=log.job_id, type=CATALOG, v=2,
-                source=CONTROLPLANE_SOURCE, incarnation=CATALOG_INCARNATION, seq=1,
-                generation=generation, emitted_at=at, payload=PackedCatalog.of(step, columns),
+                event_id=new_event_id(), job_id=log.job_id, type=CATALOG,
+                v=2 if self.pack else 1, source=CONTROLPLANE_SOURCE,
+                incarnation=CATALOG_INCARNATION, seq=1, generation=generation, emitted_at=at,
+                payload=payload,
             ))  # fmt: skip
         log.add(events, at)

@@ -493,6 +493,7 @@ class _Run:
         model: Model,
         seed: int,
         every_turn: bool = False,
+        pack: bool = True,
     ) -> None:
         self.strategy, self.ranks, self.model = strategy, ranks, model
         #: Take the decider's turn at every repair, as the service does; by default only
@@ -502,7 +503,7 @@ class _Run:
         self.end = days * _DAY
         self.rng = random.Random(seed + 1)
         self.log = SimLog(f"sim-{strategy}", 0, random.Random(seed))
-        self.job = SimJob(self.log, model.heartbeat_interval_s)
+        self.job = SimJob(self.log, model.heartbeat_interval_s, pack=pack)
         self.workers = math.ceil(ranks / NODE_RANKS)
         self.nodes = self.workers + spares
         #: node -> its live members (its current processes); nodes down, and their repairs.
@@ -819,11 +820,11 @@ def simulate_decider(
 ) -> tuple[Result, SimLog]:
     """A run of a hot-backup strategy on the real decider (see the module docstring); the
     result and the log it made (what the control plane would have recorded; with ``keep``
-    false, only what was made since the last failure, repair or growth: a long run's log
-    does not fit in memory)."""
+    false, only what was made since the last failure, repair or growth, its backups' catalogs
+    not packed: a long run's log does not fit in memory, and no one reads it)."""
     began = time.perf_counter()
     run = _Run(strategy, ranks=ranks, spares=spares, days=days, model=model, seed=seed,
-               every_turn=every_turn)  # fmt: skip
+               every_turn=every_turn, pack=keep)  # fmt: skip
     # The run keeps a job's views alive (hundreds of thousands of objects at 16,384 ranks)
     # and makes almost no reference cycles: the collector, walking them, took 40% of it.
     with gctune.held_off():

@@ -15,7 +15,7 @@ import pytest
 
 from controlplane.bus import HeartbeatListener
 from controlplane.core.fold import fold
-from controlplane.core.liveness import TABLE, Beats, LivenessTable, take_beats
+from controlplane.core.liveness import TABLE, Beats, Heard, LivenessTable, _first, take_beats
 from controlplane.core.replay import DEADLINE_TICK, counterfactual, redecide
 from controlplane.core.view import Heartbeat
 from controlplane.decode import decode_heartbeats
@@ -823,3 +823,11 @@ def test_a_summary_names_more_regular_members_than_a_world_holds_in_several_part
     assert named == sorted(names)
     folded = fold(view, recorded([_recorded_summary(events, p) for p in parts], start=n + 1))
     assert {folded.heartbeats[m].at for m in names} == {at(1.0)}
+
+
+def test_the_entry_of_a_first_heartbeat_holds_what_its_fields_say():
+    """``_first`` builds a ``Heard`` positionally (one per member a simulated turn): a field
+    added or moved in ``Heard`` must not shift what it holds."""
+    made = _first("n0", "i1", 3, Phase.TRAIN, 7, at(1.0), 1000, 250, 2)
+    assert made == Heard("n0", "i1", 3, Phase.TRAIN, 7, at(1.0), 1000, window=2, first_ms=1000,
+                         beats=1, max_step_ms=250)  # fmt: skip

@@ -17,6 +17,7 @@ from controlplane.postmortem.simulate import (
     Failure,
     Model,
     Rates,
+    _Run,
     draw,
     model_with,
     read_trace,
@@ -82,6 +83,31 @@ def test_every_incident_is_decided_by_the_decider_and_a_replay_re_decides_it():
     # The decider restored the newest backup before each fault: at most an interval lost.
     assert all(0 <= i.steps_lost <= model.backup_interval for i in result.incidents)
     assert result.spares_used == 10  # the spare node's eight and two more of the other's
+
+
+def test_a_run_that_keeps_no_log_decides_as_one_that_keeps_it():
+    """Without its log kept (``elasticctl simulate``) a run records its backups' catalogs
+    unpacked (version 1: nothing to encode); the fold reads the same reports, and the
+    result is the same as with the log kept (catalogs packed as the store packs them)."""
+    failures = draw(Rates(crash=0.1, hang=0.02, node=0.04), 33, 3, 2 * 86_400.0, seed=3)
+    runs = [
+        simulate_decider("mixed", ranks=256, spares=1, days=2, failures=failures, seed=3,
+                         model=Model(repair_s=20_000.0), keep=keep)
+        for keep in (True, False)
+    ]  # fmt: skip
+    for result, _ in runs:
+        result.seconds = 0.0
+    (kept, log), (unkept, _) = runs
+    made, _ = log.take()
+    assert {s.event.v for s in made if s.event.type == "backup.catalog"} == {2}
+    assert len(kept.incidents) >= 5
+    assert kept.summary() == unkept.summary() and kept.incidents == unkept.incidents
+    unpacked = _Run("spares", ranks=64, spares=1, days=1, model=Model(), seed=3, pack=False)
+    unpacked.start()
+    unpacked.record_step(100.0)
+    made, _ = unpacked.log.take()
+    assert {s.event.v for s in made if s.event.type == "backup.catalog"} == {1}
+    assert unpacked.log.v.last_complete_backup == 50
 
 
 @pytest.mark.parametrize("strategy", ["spares", "shrink", "mixed"])
