@@ -33,7 +33,7 @@ What the report says:
   ``db_bytes_per_rank_day_by_type`` by event type, as each type's payloads are stored in the
   same window (without the rows' headers, the envelope's columns and the indexes, which the
   total has); ``db_payload_bytes_per_fault``: the payloads the control plane recorded for
-  each fault (its detection, decision, generation, incident), for the whole job;
+  each fault (its detection, decision, generation, incident) in the window with faults;
 - ``controlplane_cpu_cores``: the control plane process's CPU time over both phases, per
   second (the simulated members, NATS and PostgreSQL share the machine);
 - ``lost`` / ``duplicated``: durable events the members published (JetStream acknowledged
@@ -485,8 +485,10 @@ async def _scenario(
             cursor = await db.execute(
                 "SELECT coalesce(sum(pg_column_size(payload)), 0) FROM events WHERE job_id = %s"
                 " AND source = %s AND type NOT IN ('liveness.summary', 'backup.catalog')"
-                " AND recorded_at >= to_timestamp(%s)",
-                (job_id, CONTROLPLANE_SOURCE, t0),
+                " AND recorded_at >= to_timestamp(%s) AND recorded_at <= to_timestamp(%s)",
+                # Within the window: once the members stop, the control plane finds them all
+                # silent, and that decision (naming thousands) is no fault's.
+                (job_id, CONTROLPLANE_SOURCE, t0, t1),
             )
             row = await cursor.fetchone()
             decided_bytes = int(row[0]) if row else 0
