@@ -1,9 +1,10 @@
 """Generations are fences, with real processes (issue 21, "Must show"): a rank SIGSTOPped at
 step 25 is found by its heartbeats and replaced by the spare; the launcher runs with
 ``--no-fence``, so nothing kills it, and the test resumes it (SIGCONT) right after the
-decision, as if the launcher's fencing kill had not landed yet. The resumed rank's late events
-of the abandoned generation reach the log and change no decision: the job completes, only the
-hung rank was ever found failed, and the run ends where a fault-free run of the same seed ends.
+decision, as if the launcher's fencing kill had not landed yet. The resumed rank's late
+heartbeats of the abandoned generation are refused, its late events (when it sends any) reach
+the log as discounts, and neither changes a decision: the job completes, only the hung rank
+was ever found failed, and the run ends where a fault-free run of the same seed ends.
 """
 
 from __future__ import annotations
@@ -87,9 +88,13 @@ async def test_a_hung_rank_resumed_after_its_replacement_changes_nothing(
     ]
     kinds = sorted({s.event.type for s in late})
     print(f"late events of {HUNG}: {len(late)} ({', '.join(kinds)})")
-    assert late, f"no late event of {HUNG} reached the log"
     # Its heartbeat thread resumed too: heartbeats are soft state (never stored), and the
-    # control plane refused them, a member left out of the world beating in its old one.
+    # control plane refused them, a member left out of the world beating in its old one:
+    # the late evidence every run has. Late events in the log depend on the order things
+    # happen in once it resumes: its step record goes out late when it was still queued as
+    # the process stopped (the publisher may have sent it just before), and its collective's
+    # failure is reported when it failed before the decision reached it (one that hears of
+    # generation 2 first sends nothing more of generation 1, and leaves).
     assert "member.heartbeat" not in kinds
     assert cp.heartbeats is not None
     assert cp.heartbeats.stats.refused.get("stale_generation", 0) >= 1, cp.heartbeats.stats
@@ -104,7 +109,7 @@ async def test_a_hung_rank_resumed_after_its_replacement_changes_nothing(
         "counts:",
         view.discount_counts,
     )
-    assert counted and all(s.position in discounts for s in counted), {
+    assert all(s.position in discounts for s in counted), {
         s.position: s.event.type for s in counted if s.position not in discounts
     }
     assert view.members[HUNG].status.value in ("failed", "exited")
