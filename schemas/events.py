@@ -806,6 +806,17 @@ class BackupCatalog(Strict):
     seconds: list[Seconds]
     holders: list[Annotated[list[Ident], Field(max_length=8)]]
 
+    @classmethod
+    def of(cls, step: int, columns: CatalogColumns) -> BackupCatalog:
+        """The catalog of ``columns`` (validated reports' values) in this version's lists,
+        built without validating again (``PackedCatalog.of``'s twin: nothing encoded)."""
+        return cls.model_construct(
+            step=step, sources=columns.sources, incarnations=columns.incarnations,
+            seqs=columns.seqs, shards=columns.shards, nbytes=columns.nbytes,
+            checksums=columns.checksums, sha256=None, seconds=columns.seconds,
+            holders=columns.holders,
+        )  # fmt: skip
+
     @staticmethod
     def sha256_of(checksums: list[str]) -> list[str] | None:
         """``checksums`` in the ``sha256`` column's form when every one is a sha256 in

@@ -267,14 +267,7 @@ class SimJob:
                 seconds=[round(0.3 + _SPAN * draw(), 6) for _ in shards],
                 holders=[list(placement[shard]) for shard in shards],
             )
-            payload: PackedCatalog | BackupCatalog = (
-                PackedCatalog.of(step, columns) if self.pack else BackupCatalog.model_construct(
-                    step=step, sources=columns.sources, incarnations=columns.incarnations,
-                    seqs=columns.seqs, shards=columns.shards, nbytes=columns.nbytes,
-                    checksums=columns.checksums, sha256=None, seconds=columns.seconds,
-                    holders=columns.holders,
-                )
-            )  # fmt: skip
+            payload = (PackedCatalog if self.pack else BackupCatalog).of(step, columns)
             events.append(BackupCatalogEvent.model_construct(
                 event_id=new_event_id(), job_id=log.job_id, type=CATALOG,
                 v=2 if self.pack else 1, source=CONTROLPLANE_SOURCE,
