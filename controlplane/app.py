@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable
 from datetime import datetime
 from typing import TYPE_CHECKING
 
+from nats.aio.client import Client
 from nats.js import JetStreamContext
 
 from controlplane import bus, gctune, snapshots
@@ -29,6 +30,7 @@ from controlplane.store.migrate import check_schema
 from controlplane.store.port import EventStore
 from controlplane.store.postgres import PostgresEventStore
 from schemas.auth import CommandSigner
+from schemas.nats import Failover
 
 if TYPE_CHECKING:
     from controlplane.api.metrics import LogMetrics, MetricsExporter
@@ -201,7 +203,11 @@ class ControlPlane:
         """Connect, then run the service loop (``service.Session``) until ``stop`` or until
         the lock is lost (its connection ended)."""
         settings = self.settings
-        nc = await _connect(settings, stop)
+        failover = Failover()
+        # Heartbeats sent while the connection was away were not heard: no silence of that
+        # time is judged (the table counts every member heard at the reconnection).
+        reconnected: list[Callable[[], None]] = []
+        nc = await _connect(settings, stop, failover, lambda: [f() for f in reconnected])
         appender = store.appender()
         publisher: CommandPublisher | None = None
         try:
@@ -230,10 +236,8 @@ class ControlPlane:
                 await session.refresh(job_id)
 
             consumer = bus.EventConsumer(nc, settings)
-            # Heartbeats sent while the connection was away were not heard: no silence of
-            # that time is judged (the table counts every member heard at the reconnection).
-            nc.on_reconnect = lambda: table.resume(utcnow())
-            beacon = bus.Beacon(nc, consumer)
+            reconnected.append(lambda: table.resume(utcnow()))
+            beacon = bus.Beacon(nc, consumer, failover)
             beaconing = asyncio.create_task(beacon.run(stop))
             decider = self.decider = Decider(
                 views=lambda: folded.current,
@@ -294,11 +298,16 @@ async def _ensure_commands(js: JetStreamContext, settings: Settings, stop: async
             await backoff.sleep(stop)
 
 
-async def _connect(settings: Settings, stop: asyncio.Event) -> bus.FastClient | None:
+async def _connect(
+    settings: Settings,
+    stop: asyncio.Event,
+    failover: Failover,
+    on_reconnect: Callable[[], object],
+) -> Client | None:
     backoff = Backoff(max_s=settings.retry_max_s)
     while not stop.is_set():
         try:
-            return await bus.connect(settings)
+            return await bus.connect(settings, failover=failover, on_reconnect=on_reconnect)
         except BusUnavailable as exc:
             log.warning("waiting for NATS: %s", exc)
             await backoff.sleep(stop)

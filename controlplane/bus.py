@@ -28,7 +28,6 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.protocol.parser import AWAITING_CONTROL_LINE, MAX_CONTROL_LINE_SIZE, Parser
 
 from controlplane.core.liveness import Beats, on_the_ms
 from controlplane.decode import decode_heartbeats
@@ -69,123 +68,24 @@ class Delivery(NamedTuple):
     data: bytes
 
 
-#: Handles a raw delivery: (subject, reply, payload, header block or None).
-RawHandler = Callable[[bytes | bytearray, bytes | bytearray, bytes, bytes | None], None]
-
-
-class _RawParser(Parser):
-    """nats-py's protocol parser with a fast path for messages of raw subscriptions.
-
-    nats-py matches two regular expressions, fills a dict and awaits a coroutine per message.
-    This parses a run of ``MSG``/``HMSG`` frames for ``FastClient.deliver_raw`` subscriptions
-    by offsets and calls their handlers directly; anything else (another subscription's
-    message, PING, INFO, -ERR, a frame left half-parsed by the slow path) goes to nats-py's
-    parser unchanged. A frame that has not fully arrived waits for the next read.
-    """
-
-    nc: FastClient
-
-    async def parse(self, data: bytes = b"") -> None:
-        buf = self.buf
-        buf.extend(data)
-        if self.state == AWAITING_CONTROL_LINE:
-            at, waiting = self._raw_frames(buf)
-            if at:
-                del buf[:at]
-            if waiting or not buf:
-                return
-        await super().parse()
-
-    def _raw_frames(self, buf: bytearray) -> tuple[int, bool]:
-        """Deliver the raw frames at the start of ``buf``: (bytes consumed, whether what
-        follows is a raw frame still arriving)."""
-        handlers = self.nc._raw_handlers
-        stats = self.nc.stats
-        size = len(buf)
-        at = 0
-        while at < size:
-            if buf.startswith(b"HMSG ", at):
-                skip, with_headers = 5, True
-            elif buf.startswith(b"MSG ", at):
-                skip, with_headers = 4, False
-            else:
-                return at, False
-            line_end = buf.find(b"\r\n", at)
-            if line_end < 0:
-                return at, size - at < MAX_CONTROL_LINE_SIZE
-            # MSG <subject> <sid> [reply-to] <#bytes> / HMSG ... [reply-to] <#hdr> <#total>
-            args = buf[at + skip : line_end].split()
-            try:
-                handler = handlers.get(int(args[1]))
-            except (IndexError, ValueError):
-                handler = None
-            if handler is None:
-                return at, False
-            counts = 2 if with_headers else 1
-            reply = args[2] if len(args) == 3 + counts else b""
-            total = int(args[-1])
-            header_size = int(args[-2]) if with_headers else 0
-            start = line_end + 2
-            end = start + total + 2
-            if end > size:
-                return at, True
-            headers = bytes(buf[start : start + header_size]) if with_headers else None
-            payload = bytes(buf[start + header_size : start + total])
-            at = end
-            stats["in_msgs"] += 1
-            stats["in_bytes"] += len(payload)
-            handler(args[0], reply, payload, headers)
-        return at, False
-
-
-class FastClient(Client):
-    """A nats-py client that hands the ingest's inbox deliveries over raw.
-
-    For every other subscription it is nats-py unchanged. For a subscription registered with
-    ``deliver_raw``, it skips what nats-py does per message (parse headers into a dict, build a
-    ``Msg``, queue it, switch to the subscription's task, call back), which cost more than
-    validating and storing the event. Relies on ``Client._process_msg``, stable across
-    nats-py 2.x (the dependency is pinned below 3).
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._raw_handlers: dict[int, RawHandler] = {}
-        self._ps = _RawParser(self)
-        #: Where a reconnection goes (``connect`` hands it to nats-py; ``Beacon`` leaves a
-        #: server cut off from the rest of the cluster through it).
-        self.failover = Failover()
-        #: Called on each reconnection (the heartbeats sent meanwhile were not heard).
-        self.on_reconnect: Callable[[], None] | None = None
-
-    def deliver_raw(self, sub: Subscription, handler: RawHandler | None) -> None:
-        """Route ``sub``'s messages to ``handler`` (None: back to nats-py's path)."""
-        sid: int = sub._id
-        if handler is None:
-            self._raw_handlers.pop(sid, None)
-        else:
-            self._raw_handlers[sid] = handler
-
-    async def _process_msg(
-        self, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes | None
-    ) -> None:
-        handler = self._raw_handlers.get(sid)
-        if handler is None:
-            await super()._process_msg(sid, subject, reply, data, headers)  # type: ignore[arg-type]
-            return
-        self.stats["in_msgs"] += 1
-        self.stats["in_bytes"] += len(data)
-        handler(subject, reply, data, headers)
-
-
 #: Warnings logged once per process (a connection without credentials).
 _warned = {"unauthenticated": False, "beacon": False}
 
 
 async def connect(
-    settings: Settings, *, name: str = "elastic-controlplane", **options: Any
-) -> FastClient:
-    """Connect with reconnection forever; raise ``BusUnavailable`` if the first connect fails."""
+    settings: Settings,
+    *,
+    name: str = "elastic-controlplane",
+    failover: Failover | None = None,
+    on_reconnect: Callable[[], object] | None = None,
+    **options: Any,
+) -> Client:
+    """Connect with reconnection forever; raise ``BusUnavailable`` if the first connect fails.
+
+    ``failover`` picks the server a reconnection goes to (``Beacon`` leaves a server cut off
+    from the rest of the cluster through it); ``on_reconnect`` is called on each reconnection
+    (the heartbeats sent meanwhile were not heard)."""
+    failover = failover or Failover()
     auth = auth_options(settings.nats_creds, settings.nats_user, settings.nats_password)
     if not auth and not _warned["unauthenticated"]:
         _warned["unauthenticated"] = True
@@ -201,9 +101,9 @@ async def connect(
 
     async def _reconnected() -> None:
         log.info("NATS reconnected")
-        nc.failover.connected()
-        if nc.on_reconnect is not None:
-            nc.on_reconnect()
+        failover.connected()
+        if on_reconnect is not None:
+            on_reconnect()
 
     async def _error(exc: Exception) -> None:
         if BEACON_SUBJECT in str(exc) and not _warned["beacon"]:
@@ -216,7 +116,7 @@ async def connect(
             )
         log.debug("NATS: %s", exc)
 
-    nc = FastClient()
+    nc = Client()
     try:
         await nc.connect(
             servers=[s.strip() for s in settings.nats_url.split(",")],
@@ -227,7 +127,7 @@ async def connect(
             disconnected_cb=_disconnected,
             reconnected_cb=_reconnected,
             error_cb=_error,
-            reconnect_to_server_handler=nc.failover,
+            reconnect_to_server_handler=failover,
             **auth,
             **options,
         )
@@ -324,9 +224,8 @@ _WAKE_EVERY = 256
 #: Events that report a failure: a batch holding one is handed over without the linger (the
 #: decider waits for it). They are rare, so batches stay as full as before.
 URGENT_TYPES = frozenset({"member.exited", "member.fault"})
-#: Their subjects' ends (``elastic.evt.<job>.<node>.<member>.<type>``).
+#: Their subjects' ends (``elastic.evt.<job>.<node>.<role>.<type>``).
 _URGENT_ENDS = tuple(f".{t}" for t in sorted(URGENT_TYPES))
-_URGENT_ENDS_RAW = tuple(end.encode() for end in _URGENT_ENDS)
 
 
 def unacknowledged(info: ConsumerInfo) -> int:
@@ -340,7 +239,7 @@ class EventConsumer:
 
     nats-py's ``fetch`` awaits each message with its own timeout, which costs more than the
     rest of the ingest together; this keeps one pull request outstanding, lets the server
-    stream into a buffer (raw, through ``FastClient``), and hands over a batch when it is full
+    stream into a buffer (the subscription's callback), and hands over a batch when it is full
     or the stream pauses.
 
     Ack-all acknowledges every pending message up to a stream sequence, including messages
@@ -438,31 +337,11 @@ class EventConsumer:
             pending_msgs_limit=-1,
             pending_bytes_limit=-1,
         )
-        if isinstance(self._nc, FastClient):
-            self._nc.deliver_raw(self._sub, self._on_raw)
         self._request_until = 0.0
         self._broken = None
 
-    def _on_raw(
-        self,
-        subject: bytes | bytearray,
-        reply: bytes | bytearray,
-        data: bytes,
-        headers: bytes | None,
-    ) -> None:
-        if headers is not None and not data and headers.startswith(b"NATS/1.0 "):
-            # A status: b"NATS/1.0 404 No Messages\r\n...", 408 Request Timeout, 409 ...
-            line = headers.split(b"\r\n", 1)[0].decode(errors="replace")
-            self._on_status(line[9:12], line[13:])
-            return
-        if subject.endswith(_URGENT_ENDS_RAW):
-            self._urgent = True
-        # NATS accepts any bytes in a subject: one that is not UTF-8 must reach decode (and
-        # the dead letters) rather than raise in nats-py's read loop (issue 20).
-        self._on_delivery(Delivery(subject.decode(errors="backslashreplace"), reply.decode(), data))
-
     async def _on_message(self, msg: Msg) -> None:
-        # nats-py's path, used when the client is not a FastClient.
+        # A status (no messages, expired, refused) comes as headers without data.
         status = msg.headers.get("Status") if msg.headers else None
         if status is None:
             if msg.subject.endswith(_URGENT_ENDS):
@@ -506,8 +385,6 @@ class EventConsumer:
         self._buffer = []
         self._urgent = False
         self._request_until = 0.0
-        if sub is not None and isinstance(self._nc, FastClient):
-            self._nc.deliver_raw(sub, None)
         if sub is not None:
             try:
                 await sub.unsubscribe()
@@ -704,8 +581,9 @@ class Beacon:
 
     LEAVE_AFTER_S = 5.0
 
-    def __init__(self, nc: FastClient, consumer: EventConsumer) -> None:
+    def __init__(self, nc: Client, consumer: EventConsumer, failover: Failover) -> None:
         self._nc = nc
+        self._failover = failover
         self._consumer = consumer
         self._leave_after = self.LEAVE_AFTER_S
         self._left_at = 0.0
@@ -741,7 +619,7 @@ class Beacon:
         self._left_at = now
         self._leave_after = 2 * self.LEAVE_AFTER_S
         self.failovers += 1
-        await nc.failover.move(nc, f"the event stream has not answered for {silent:.1f} s")
+        await self._failover.move(nc, f"the event stream has not answered for {silent:.1f} s")
 
 
 class HeartbeatListener:
@@ -777,8 +655,6 @@ class HeartbeatListener:
             pending_msgs_limit=-1,
             pending_bytes_limit=-1,
         )
-        if isinstance(self._nc, FastClient):
-            self._nc.deliver_raw(self._sub, self._on_raw)
 
     async def catch_up(self, timeout_s: float = 5.0) -> None:
         """Take every heartbeat that reached NATS before this call: a PING's PONG comes back
@@ -820,19 +696,8 @@ class HeartbeatListener:
     async def stop(self) -> None:
         sub, self._sub = self._sub, None
         if sub is not None:
-            if isinstance(self._nc, FastClient):
-                self._nc.deliver_raw(sub, None)
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
-
-    def _on_raw(
-        self,
-        subject: bytes | bytearray,
-        reply: bytes | bytearray,
-        data: bytes,
-        headers: bytes | None,
-    ) -> None:
-        self.receive(bytes(subject).decode("utf-8", "replace"), data)
 
     async def _on_message(self, msg: Msg) -> None:
         self.receive(msg.subject, msg.data)

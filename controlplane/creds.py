@@ -6,11 +6,14 @@ deterministically, an Ed25519 NKey seed for
 - the control plane (``controlplane.nk``): administers both streams, pulls and acks events,
   publishes commands; the only identity that can read events;
 - each node of a job, twice: its launcher (``<job>/<node>/launcher.nk``), which may publish
-  ``elastic.evt.<job>.<node>.>`` (its members' exits as ``<node>/launcher``) and the NATS core
-  subject ``elastic.hb.<job>.<node>.launcher`` (the heartbeats it relays), and its members
-  (``<job>/<node>/member.nk``), which may publish ``elastic.evt.<job>.<node>.*.>`` except
-  ``elastic.evt.<job>.<node>.launcher.>``, and their heartbeats on the NATS core subjects
-  ``elastic.hb.<job>.<node>.*`` except ``elastic.hb.<job>.<node>.launcher``.
+  ``elastic.evt.<job>.<node>.launcher.<type>`` (its members' exits as ``<node>/launcher``) and
+  the NATS core subject ``elastic.hb.<job>.<node>.launcher`` (the heartbeats it relays), and
+  its members (``<job>/<node>/member.nk``), which may publish
+  ``elastic.evt.<job>.<node>.member.<type>`` and their heartbeats on the NATS core subject
+  ``elastic.hb.<job>.<node>.member``; ``<type>`` is each member event type, one literal
+  subject each (no wildcard: the server refuses every other subject, so a member cannot make
+  the control plane read bytes that are not UTF-8 in a subject, nor fill the stream with
+  subjects of its own).
 
 The control plane also publishes its beacon (``elastic.beacon``, NATS core), which both node
 identities may subscribe to. Both node identities read only their own job's commands: they
@@ -60,12 +63,17 @@ from schemas.creds import (
     node_dir,
     public_key,
 )
-from schemas.subjects import BEACON_SUBJECT, COMMAND_PREFIX, EVENT_PREFIX, HEARTBEAT_PREFIX
+from schemas.events import MEMBER_EVENT_TYPES
+from schemas.subjects import (
+    BEACON_SUBJECT,
+    COMMAND_PREFIX,
+    EVENT_PREFIX,
+    HEARTBEAT_PREFIX,
+    LAUNCHER_MEMBER,
+    MEMBER_ROLE,
+)
 
 CONTROLPLANE = "controlplane"
-#: The member name a launcher publishes under (``<node>/launcher``): no member may use it.
-LAUNCHER_MEMBER = "launcher"
-
 CONTROLPLANE_FILE = "controlplane.nk"
 USERS_FILE = "nats-users.conf"
 
@@ -113,10 +121,16 @@ def node_permissions(
     job_id: str, node: str, kind: str, public: str, *, command_stream: str
 ) -> dict[str, Any]:
     """What one node's launcher (``kind`` launcher) or members (``member``) may do."""
-    events = f"{EVENT_PREFIX}.{job_id}.{node}"
+    # Literal subjects only, each token named here (the role, the event types): a member
+    # cannot publish a subject the control plane did not name, so none that is not UTF-8
+    # (nats-py's reader stops at one) and no unbounded set of subjects in the stream.
+    role = LAUNCHER_MEMBER if kind == LAUNCHER else MEMBER_ROLE
+    events = f"{EVENT_PREFIX}.{job_id}.{node}.{role}"
     publish: dict[str, list[str]] = {
         "allow": [
-            f"{events}.>" if kind == LAUNCHER else f"{events}.*.>",
+            *(f"{events}.{type_}" for type_ in MEMBER_EVENT_TYPES),
+            # Heartbeats (NATS core, not stored): a member's own, or those the launcher relays.
+            f"{HEARTBEAT_PREFIX}.{job_id}.{node}.{role}",
             # The job's commands in force: find the stream, read the last command of a
             # subject of this job only (direct get names the subject in its own). Not
             # STREAM.INFO: its per-subject counts would name every job's members.
@@ -124,14 +138,6 @@ def node_permissions(
             f"$JS.API.DIRECT.GET.{command_stream}.{COMMAND_PREFIX}.{job_id}.>",
         ]
     }
-    beats = f"{HEARTBEAT_PREFIX}.{job_id}.{node}"
-    if kind == LAUNCHER:
-        # The node's heartbeats that its members sent it (NATS core, not stored).
-        publish["allow"].append(f"{beats}.{LAUNCHER_MEMBER}")
-    else:
-        # Its members' heartbeats (NATS core, not stored), as its members only.
-        publish["allow"].append(f"{beats}.*")
-        publish["deny"] = [f"{events}.{LAUNCHER_MEMBER}.>", f"{beats}.{LAUNCHER_MEMBER}"]
     # Commands as they are published (NATS core), this job's only; replies on its own inbox;
     # the control plane's beacon (a server it stops on is cut off from the control plane).
     subscribe = [f"{inbox_prefix(public)}.>", f"{COMMAND_PREFIX}.{job_id}.>", BEACON_SUBJECT]

@@ -18,7 +18,12 @@ from schemas.events import (
     HeartbeatMessage,
     NodeHeartbeatMessage,
 )
-from schemas.subjects import EventSubject, parse_event_subject, parse_heartbeat_subject
+from schemas.subjects import (
+    LAUNCHER_MEMBER,
+    EventSubject,
+    parse_event_subject,
+    parse_heartbeat_subject,
+)
 
 log = logging.getLogger(__name__)
 
@@ -74,16 +79,19 @@ def _decode(subject: str, data: bytes, stream_seq: int | None) -> EnvelopeBase |
     if len(data) > MAX_EVENT_BYTES:
         return dead(f"oversized: {len(data)} bytes, the limit is {MAX_EVENT_BYTES}")
     if parsed is None:
-        return dead("not an event subject: expected elastic.evt.<job>.<node>.<member>.<type>")
+        return dead(
+            "not an event subject: expected elastic.evt.<job>.<node>.<role>.<type>"
+            " (role: member or launcher)"
+        )
     try:
         event = EVENT_ADAPTER.validate_json(data)
     except ValidationError as exc:
         return dead(explain(exc))
     if event.type in CONTROLPLANE_EVENT_TYPES:
         return dead(f"forged: {event.type} is recorded only by the control plane")
-    if event.source != parsed.source:
+    if not parsed.binds(event.source):
         return dead(
-            f"forged source: envelope says {event.source!r}, subject binds {parsed.source!r}"
+            f"forged source: envelope says {event.source!r}, subject binds {_bound(parsed)!r}"
         )
     if event.job_id != parsed.job_id:
         return dead(f"job mismatch: envelope says {event.job_id!r}, subject says {parsed.job_id!r}")
@@ -94,13 +102,16 @@ def _decode(subject: str, data: bytes, stream_seq: int | None) -> EnvelopeBase |
     return event
 
 
-#: The member name a launcher publishes under: its heartbeat subject carries its node's.
-_LAUNCHER = "launcher"
+def _bound(parsed: EventSubject) -> str:
+    """What a subject binds a source to, as its reasons name it."""
+    if parsed.role == LAUNCHER_MEMBER:
+        return f"{parsed.node}/{LAUNCHER_MEMBER}"
+    return f"{parsed.node}/<member>"
 
 
 def decode_heartbeats(subject: str, data: bytes) -> Beats | str:
     """Validate one heartbeat message published on ``subject``: a member's own
-    (``elastic.hb.<job>.<node>.<member>``, ``member.heartbeat``) or its node's
+    (``elastic.hb.<job>.<node>.member``, ``member.heartbeat``) or its node's
     (``elastic.hb.<job>.<node>.launcher``, ``node.heartbeat``: the launcher relays its
     members'). The beats it carries, or why it is refused. Bound to its subject like an event
     (the job, the source); a node's message speaks only for members of that node (the taker
@@ -110,18 +121,21 @@ def decode_heartbeats(subject: str, data: bytes) -> Beats | str:
             return f"oversized: {len(data)} bytes, the limit is {MAX_EVENT_BYTES}"
         parsed = parse_heartbeat_subject(subject)
         if parsed is None:
-            return "not a heartbeat subject: expected elastic.hb.<job>.<node>.<member>"
+            return (
+                "not a heartbeat subject: expected elastic.hb.<job>.<node>.<role>"
+                " (role: member or launcher)"
+            )
         message: HeartbeatMessage | NodeHeartbeatMessage
         try:
-            if parsed.member == _LAUNCHER:
+            if parsed.role == LAUNCHER_MEMBER:
                 message = NodeHeartbeatMessage.model_validate_json(data)
             else:
                 message = HeartbeatMessage.model_validate_json(data)
         except ValidationError as exc:
             return _explain_heartbeat(exc)
-        if message.source != parsed.source:
+        if not parsed.binds(message.source):
             return (
-                f"forged source: message says {message.source!r}, subject binds {parsed.source!r}"
+                f"forged source: message says {message.source!r}, subject binds {_bound(parsed)!r}"
             )
         if message.job_id != parsed.job_id:
             return f"job mismatch: message says {message.job_id!r}, subject says {parsed.job_id!r}"
@@ -129,13 +143,14 @@ def decode_heartbeats(subject: str, data: bytes) -> Beats | str:
         if isinstance(message, HeartbeatMessage):
             p = message.payload
             compute, since, ready = p.compute_seconds, p.since_step_seconds, p.ready_seconds
-            return Beats(job, node, [parsed.member], [message.incarnation], [message.generation],
+            member = message.source.partition("/")[2]
+            return Beats(job, node, [member], [message.incarnation], [message.generation],
                          [p.step], [p.phase], [round(p.step_seconds * 1000)], [0],
                          None if compute is None else [round(compute * 1000)],
                          None if since is None else [round(since * 1000)],
                          None if ready is None else [round(ready * 1000)])  # fmt: skip
         m = message
-        if _LAUNCHER in m.members:
+        if LAUNCHER_MEMBER in m.members:
             return "forged: a launcher relays its members' heartbeats, not its own"
         return Beats(job, node, m.members, m.incarnation, m.generation, m.step, m.phase,
                      m.step_ms, m.age_ms, m.compute_ms, m.since_step_ms,

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from schemas.common import IDENT_PATTERN, Role
+from schemas.subjects import LAUNCHER_MEMBER
 
 #: The job this member trains in (a name: letters, digits, ``_``, ``-``, at most 64); required.
 JOB_ID_ENV = "ELASTIC_JOB_ID"
@@ -41,9 +42,6 @@ INCARNATION_ENV = "ELASTIC_INCARNATION"
 #: its heartbeats there, and the launcher sends the node's in one message an interval
 #: (``rank_runtime/relay.py``). Unset: the member heartbeats on NATS itself.
 HEARTBEAT_RELAY_ENV = "ELASTIC_HEARTBEAT_RELAY"
-#: The member name a node's launcher publishes under (``<node>/launcher``): the control plane
-#: believes a member's exit, and counts a spare, only from it, so no member may take it.
-LAUNCHER_MEMBER = "launcher"
 
 _IDENT = re.compile(IDENT_PATTERN)
 

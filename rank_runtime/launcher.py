@@ -55,7 +55,6 @@ from rank_runtime.identity import (
     HEARTBEAT_RELAY_ENV,
     INCARNATION_ENV,
     JOB_ID_ENV,
-    LAUNCHER_MEMBER,
     MEMBER_ENV,
     NATS_CREDS_ENV,
     NATS_PASSWORD_ENV,
@@ -73,6 +72,7 @@ from schemas.auth import COMMAND_KEY_ENV, MASTER_SECRET_ENV
 from schemas.commands import Reallocate, Stop
 from schemas.common import Role
 from schemas.events import JobPolicy
+from schemas.subjects import LAUNCHER_MEMBER
 
 log = logging.getLogger(__name__)
 

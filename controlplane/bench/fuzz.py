@@ -3,12 +3,14 @@
 The control plane runs as its own process (``elasticctl serve``) over NATS and PostgreSQL
 (embedded, or ELASTIC_NATS_URL / ELASTIC_DATABASE_URL), and a small job trains alongside
 (``elasticctl run`` of ``examples/train.py``). Once the job trains, this process publishes
-the fuzz cases over the raw NATS protocol (so a subject may hold any byte) to fuzz jobs of
+the fuzz cases over the raw NATS protocol (so a subject may hold a NUL) to fuzz jobs of
 their own: valid member events, and valid events mutated in every way a buggy trainer or an
 attacker would (a NUL or a lone surrogate in any string, bytes that are not UTF-8, integers
 beyond int64, NaN and infinities, wrong types, truncated JSON, random bytes, a subject that
 contradicts the envelope, forged control-plane types, implausible and replayed seqs, deep
-nesting, oversized messages, instants out of range).
+nesting, oversized messages, instants out of range). A subject that is not UTF-8 is not a
+case: a member's credential names literal subjects only, and the server refuses every other
+(``tests/integration/test_bus_identity.py``); this stack runs without credentials.
 
 Every case JetStream acknowledged must end stored (by event_id) or dead-lettered (by stream
 sequence, or by event_id for an event the sequence rules or the store refused), or, for a
@@ -62,6 +64,7 @@ from controlplane.store.postgres import (
 )
 from schemas.common import IDENT_PATTERN, MAX_EVENT_BYTES, JobState
 from schemas.events import CONTROLPLANE_EVENT_TYPES, MEMBER_EVENT_TYPES
+from schemas.subjects import event_subject
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 #: The training job's policy: timeouts long enough that a busy machine does not fail it
@@ -198,7 +201,7 @@ class Generator:
         rng = self.rng
         env, (job, node, member) = self.envelope()
         event_id = env["event_id"]
-        subject = f"elastic.evt.{job}.{node}.{member}.{env['type']}".encode()
+        subject = event_subject(job, node, member, env["type"]).encode()
         kind = rng.choice(_MUTATIONS)
         data: bytes
         if kind == "valid":
@@ -265,7 +268,7 @@ def _m_subject(g: Generator, env: dict[str, Any], subject: bytes) -> tuple[bytes
     parts = subject.split(b".", 5)
     spot = rng.randrange(2, 6)
     parts[spot] = rng.choice(
-        [b"other", b"n9", b"m9", b"member.exited", b"x\xff", b"\x00", b"a-b", b"controlplane"]
+        [b"other", b"n9", b"m9", b"member.exited", b"launcher", b"\x00", b"a-b", b"controlplane"]
     )
     return b".".join(parts), json.dumps(env).encode()
 

@@ -41,14 +41,14 @@ def invalid_messages(job_id: str, count: int, rng: random.Random) -> list[tuple[
         "emitted_at": "2026-01-01T00:00:00+00:00",
         "payload": {"step": 1, "phase": "train"},
     }
-    subject = f"elastic.evt.{job_id}.nx.mx.member.heartbeat"
+    subject = f"elastic.evt.{job_id}.nx.member.member.heartbeat"
     kinds: list[Callable[[dict[str, Any]], tuple[str, bytes, str]]] = [
         lambda e: (subject, b"{not json", "not JSON"),
         lambda e: (subject.replace("heartbeat", "bogus"), json.dumps({**e, "type": "member.bogus"}).encode(), "unknown event type"),
         lambda e: (subject, json.dumps({**e, "v": 9}).encode(), "unknown schema version"),
         lambda e: (subject, json.dumps({**e, "payload": {"step": -1, "phase": "train"}}).encode(), "schema violation"),
         lambda e: (subject, json.dumps({**e, "payload": {"step": 1, "phase": "train", "pad": "x" * 70_000}}).encode(), "oversized"),
-        lambda e: (subject, json.dumps({**e, "source": "nx/other"}).encode(), "forged source"),
+        lambda e: (subject, json.dumps({**e, "source": "ny/mx"}).encode(), "forged source"),
     ]  # fmt: skip
     out = []
     for i in range(count):

@@ -207,6 +207,63 @@ async def test_a_member_cannot_publish_as_its_launcher(
     assert ack.stream == EVENTS
 
 
+async def _publish_raw_as(url: str, seed: bytes, frames: list[tuple[bytes, bytes]]) -> list[str]:
+    """Publish ``frames`` (subject, data: any bytes in the subject) over the raw NATS protocol
+    under an NKey seed; the server's errors, read until the PONG after them."""
+    import base64
+
+    import nkeys
+
+    host, port = url.removeprefix("nats://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        info = json.loads((await reader.readline()).split(b" ", 1)[1])
+        kp = nkeys.from_seed(seed)
+        sig = base64.urlsafe_b64encode(kp.sign(info["nonce"].encode())).rstrip(b"=").decode()
+        options = {"verbose": False, "pedantic": False, "nkey": kp.public_key.decode(), "sig": sig}
+        out = [b"CONNECT " + json.dumps(options).encode() + b"\r\n"]
+        out += [b"PUB %s %d\r\n%s\r\n" % (subject, len(data), data) for subject, data in frames]
+        writer.write(b"".join(out) + b"PING\r\n")
+        await writer.drain()
+        errors = []
+        while True:
+            line = await asyncio.wait_for(reader.readline(), 5)
+            if line.startswith(b"PONG") or not line:
+                return errors
+            if line.startswith(b"-ERR"):
+                errors.append(line.decode(errors="backslashreplace"))
+    finally:
+        writer.close()
+
+
+async def test_a_member_publishes_only_on_subjects_the_control_plane_named(
+    secured: Secured, controlplane: Conn
+) -> None:
+    """A node credential lists literal subjects only: a subject that is not UTF-8 (which would
+    stop nats-py's reader in the control plane), an event type of its own, a member's name
+    in the role's place: the server refuses each, and the stream gets none."""
+    before = await stored(controlplane)
+    base = f"elastic.evt.{JOB_A}.n0.member"
+    frames = [
+        (f"{base}.member.heartbeat".encode() + b"\xff", b"{}"),
+        (f"{base}.member.\xc3".encode(), b"{}"),
+        (f"elastic.evt.{JOB_A}.n0.".encode() + b"\xed\xa0\x80.member.heartbeat", b"{}"),
+        (f"{base}.member.bogus".encode(), b"{}"),
+        (f"elastic.evt.{JOB_A}.n0.w0.member.heartbeat".encode(), b"{}"),
+        (f"elastic.hb.{JOB_A}.n0.w0".encode(), b"{}"),
+        (f"elastic.hb.{JOB_A}.n0.member".encode() + b"\xff", b"{}"),
+    ]
+    seed = secured.seed(JOB_A, "n0", creds.MEMBER).read_bytes().strip()
+    errors = await _publish_raw_as(secured.url, seed, frames)
+    assert len(errors) == len(frames), errors
+    assert all("permissions violation for publish" in e.lower() for e in errors), errors
+    # The same connection's honest publication is not refused.
+    own = event_subject(JOB_A, "n0", "w0", "member.heartbeat").encode()
+    assert await _publish_raw_as(secured.url, seed, [(own, b"{}")]) == []
+    await asyncio.sleep(0.2)
+    assert await stored(controlplane) == before + 1, "a refused subject reached the stream"
+
+
 async def test_heartbeats_go_only_as_the_nodes_own_members_and_only_to_the_control_plane(
     secured: Secured, controlplane: Conn, connect: Any
 ) -> None:

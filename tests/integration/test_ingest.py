@@ -243,7 +243,7 @@ async def test_a_failure_report_is_handed_over_without_the_linger(settings, monk
     ``member.fault``) is among them: that one goes to the ingest at once, with what came
     before it."""
     monkeypatch.setattr(bus, "_LINGER_S", 1.5)
-    base = "elastic.evt.job-urgent.n0.m0"
+    base = "elastic.evt.job-urgent.n0.member"
     heartbeat = Outgoing(f"{base}.member.heartbeat", b"{}")
     nc = await bus.connect(settings)
     try:
@@ -274,7 +274,7 @@ async def test_a_consumer_recreation_cut_short_resumes_from_its_floor(settings):
     that stops answering in between (a clustered stream electing its leader) leaves none.
     The next attempt starts after the floor the first one read, not at the stream's start
     (a week of events read again)."""
-    base = "elastic.evt.job-floor.n0.m0"
+    base = "elastic.evt.job-floor.n0.member"
     nc = await bus.connect(settings)
     try:
         await bus.ensure_stream(nc.jetstream(), settings)

@@ -27,6 +27,7 @@ from controlplane import bus
 from controlplane.publish import Outgoing
 from controlplane.settings import Settings
 from controlplane.store.postgres import PostgresEventStore
+from schemas.subjects import event_subject
 from tests.integration.helpers import publish, wait_until
 from tests.unit.test_decode import messages
 
@@ -50,7 +51,7 @@ def _event(type_: str, payload: dict[str, Any], *, member: str = "m0", seq: int 
         "emitted_at": "2026-01-01T00:00:00+00:00",
         "payload": payload,
     }
-    subject = f"elastic.evt.{JOB}.n0.{member}.{type_}"
+    subject = event_subject(JOB, "n0", member, type_)
     return Outgoing(subject, json.dumps(envelope).encode(), envelope["event_id"])
 
 
@@ -96,7 +97,7 @@ async def test_the_poison_pair_and_seq_2_63_are_dead_lettered_and_serve_goes_on(
     nul_fault = _event(
         "member.fault", {"kind": "exception", "detail": "bad\u0000nul"}, member="m0", seq=1
     )
-    malformed = Outgoing(f"elastic.evt.{JOB}.n0.m1.member.heartbeat", b'{"event_id": "x", ')
+    malformed = Outgoing(f"elastic.evt.{JOB}.n0.member.member.heartbeat", b'{"event_id": "x", ')
     await publish(settings.nats_url, [nul_fault, malformed])
 
     log = tmp_path / "serve.log"
@@ -122,7 +123,7 @@ async def test_the_poison_pair_and_seq_2_63_are_dead_lettered_and_serve_goes_on(
         big_generation = _heartbeat("m3", 1, generation=2**63)
         again = [
             big_seq,
-            Outgoing(f"elastic.evt.{JOB}.n0.m6.member.heartbeat", b"\xff\xfe garbage"),
+            Outgoing(f"elastic.evt.{JOB}.n0.member.member.heartbeat", b"\xff\xfe garbage"),
             _heartbeat("m4", 1),
             big_generation,
             _event("member.fault", {"kind": "other", "detail": "x\x00"}, member="m5", seq=1),
@@ -197,11 +198,13 @@ async def test_a_seq_jumping_implausibly_far_does_not_poison_its_source(
     assert jump.msg_id not in _stored_ids(pg_store)
 
 
-async def test_a_subject_that_is_not_utf8_is_dead_lettered_and_ingest_goes_on(
+async def test_a_subject_with_a_nul_is_dead_lettered_and_ingest_goes_on(
     settings: Settings, pg_store: PostgresEventStore, tmp_path: Path
 ) -> None:
-    """NATS takes any bytes in a subject (JetStream stores them): the ingest's reader used to
-    raise UnicodeDecodeError on one and stop receiving, for every job."""
+    """NATS takes any byte but whitespace in a subject (JetStream stores it): one with a NUL
+    is dead-lettered with the NUL escaped, and the ingest goes on. (A subject that is not
+    UTF-8 no member can publish: its credential names literal subjects only, and the server
+    refuses the rest; tests/integration/test_bus_identity.py.)"""
     from controlplane.bench.fuzz import publish_raw
 
     # The stream exists before anything is published, however long serve takes to start
@@ -217,8 +220,8 @@ async def test_a_subject_that_is_not_utf8_is_dead_lettered_and_ingest_goes_on(
         acks = await publish_raw(
             settings.nats_url,
             [
-                (f"elastic.evt.{JOB}\xff.n0.m0.member.heartbeat".encode("latin-1"), b"{}"),
-                (f"elastic.evt.{JOB}.n0.m\x00.member.heartbeat".encode(), b"{}"),
+                (f"elastic.evt.{JOB}.n0.member\x00.member.heartbeat".encode(), b"{}"),
+                (f"elastic.evt.{JOB}.n0.member.member.\x00".encode(), b"{}"),
                 (good.subject.encode(), good.data),
             ],
         )
@@ -235,8 +238,8 @@ async def test_a_subject_that_is_not_utf8_is_dead_lettered_and_ingest_goes_on(
     assert "Traceback" not in log.read_text(), log.read_text()
     subjects = sorted(d.letter.subject for d in pg_store.dead_letters())
     assert subjects == [
-        f"elastic.evt.{JOB}.n0.m\\x00.member.heartbeat",
-        f"elastic.evt.{JOB}\\xff.n0.m0.member.heartbeat",
+        f"elastic.evt.{JOB}.n0.member.member.\\x00",
+        f"elastic.evt.{JOB}.n0.member\\x00.member.heartbeat",
     ]
 
 

@@ -145,7 +145,7 @@ async def test_bad_heartbeats_are_refused_and_the_rest_go_on(settings, pg_store,
                 # A launcher speaks for its own node's members only, and never for a launcher.
                 ("elastic.hb.job-badbeat.node-w1.launcher", relayed("node-w1", "w0")),
                 ("elastic.hb.job-badbeat.node-w0.launcher", relayed("node-w0", "launcher")),
-                ("elastic.hb.job-badbeat.node-w1.w0", good.data),  # another node's member
+                ("elastic.hb.job-badbeat.node-w1.member", good.data),  # another node's member
                 (good.subject, b"x" * 70_000),
             ]
             for subject, data in bad:

@@ -24,9 +24,10 @@ from schemas.subjects import (
     command_wildcard,
     event_subject,
     parse_event_subject,
+    role_of,
 )
 
-SUBJECT = "elastic.evt.job1.n0.m0.member.heartbeat"
+SUBJECT = "elastic.evt.job1.n0.member.member.heartbeat"
 
 
 def envelope(**over: Any) -> dict[str, Any]:
@@ -176,12 +177,13 @@ def test_size_limit_is_inclusive():
 @pytest.mark.parametrize(
     "subject",
     [
-        "elastic.cmd.job1.n0.m0.member.heartbeat",
-        "elastic.evt.job1.n0.m0",
-        "elastic.evt.job1..m0.member.heartbeat",
+        "elastic.cmd.job1.n0.member.member.heartbeat",
+        "elastic.evt.job1.n0.member",
+        "elastic.evt.job1..member.member.heartbeat",
+        "elastic.evt.job1.n0.m0.member.heartbeat",  # a member's name is no role
         "elastic.evt",
         "",
-        "other.evt.job1.n0.m0.member.heartbeat",
+        "other.evt.job1.n0.member.member.heartbeat",
     ],
 )
 def test_not_an_event_subject(subject: str):
@@ -193,8 +195,8 @@ def test_not_an_event_subject(subject: str):
 @pytest.mark.parametrize(
     "subject",
     [
-        "elastic.evt.job1.n1.m0.member.heartbeat",  # another node
-        "elastic.evt.job1.n0.m1.member.heartbeat",  # another member
+        "elastic.evt.job1.n1.member.member.heartbeat",  # another node
+        "elastic.evt.job1.n0.launcher.member.heartbeat",  # the launcher's
     ],
 )
 def test_forged_source(subject: str):
@@ -203,19 +205,28 @@ def test_forged_source(subject: str):
     assert "'n0/m0'" in letter.reason
 
 
-def test_control_plane_source_from_a_member_subject_is_forged():
-    letter = dead(SUBJECT, raw(source="controlplane"))
+@pytest.mark.parametrize("source", ["controlplane", "n0/launcher", "n1/m0"])
+def test_a_member_subject_binds_a_member_of_its_node(source: str):
+    letter = dead(SUBJECT, raw(source=source))
     assert letter.reason.startswith("forged source"), letter.reason
+    assert "'n0/<member>'" in letter.reason
+
+
+def test_a_launcher_subject_binds_the_launcher_only():
+    subject = "elastic.evt.job1.n0.launcher.member.heartbeat"
+    assert isinstance(decode(subject, raw(source="n0/launcher")), EnvelopeBase)
+    letter = dead(subject, raw(source="n0/m0"))
+    assert "'n0/launcher'" in letter.reason, letter.reason
 
 
 def test_job_mismatch():
-    letter = dead("elastic.evt.job2.n0.m0.member.heartbeat", raw())
+    letter = dead("elastic.evt.job2.n0.member.member.heartbeat", raw())
     assert letter.reason.startswith("job mismatch"), letter.reason
     assert letter.job_id == "job2"  # the dead letter is filed under the subject's job
 
 
 def test_type_mismatch():
-    letter = dead("elastic.evt.job1.n0.m0.train.step", raw())
+    letter = dead("elastic.evt.job1.n0.member.train.step", raw())
     assert letter.reason.startswith("type mismatch"), letter.reason
 
 
@@ -309,30 +320,35 @@ def test_decode_never_raises_on_mangled_envelopes(over: dict[str, Any]):
 )
 def test_event_subject_round_trip(type_: str):
     subject = event_subject("job1", "n0", "m0", type_)
-    assert subject == f"{EVENT_PREFIX}.job1.n0.m0.{type_}"
+    assert subject == f"{EVENT_PREFIX}.job1.n0.member.{type_}"
     parsed = parse_event_subject(subject)
-    assert parsed == EventSubject("job1", "n0", "m0", type_)
+    assert parsed == EventSubject("job1", "n0", "member", type_)
     assert parsed.type == type_
     assert event_subject(*parsed) == subject
+    launcher = event_subject("job1", "n0", "launcher", type_)
+    assert launcher == f"{EVENT_PREFIX}.job1.n0.launcher.{type_}"
+    assert parse_event_subject(launcher) == EventSubject("job1", "n0", "launcher", type_)
 
 
 @pytest.mark.parametrize(
     "subject",
     [
-        "elastic.cmd.job1.n0.m0.member.heartbeat",  # wrong prefix
-        "elastic.events.job1.n0.m0.member.heartbeat",
-        "evt.elastic.job1.n0.m0.member.heartbeat",
-        "elastic.evt.job1.n0.m0",  # too few tokens
+        "elastic.cmd.job1.n0.member.member.heartbeat",  # wrong prefix
+        "elastic.events.job1.n0.member.member.heartbeat",
+        "evt.elastic.job1.n0.member.member.heartbeat",
+        "elastic.evt.job1.n0.member",  # too few tokens
         "elastic.evt.job1.n0",
         "elastic.evt",
         "elastic",
         "",
-        "elastic.evt..n0.m0.member.heartbeat",  # empty tokens
-        "elastic.evt.job1..m0.member.heartbeat",
+        "elastic.evt..n0.member.member.heartbeat",  # empty tokens
+        "elastic.evt.job1..member.member.heartbeat",
         "elastic.evt.job1.n0..member.heartbeat",
-        "elastic.evt.job1.n0.m0.",
-        ".evt.job1.n0.m0.x",
-        "elastic..job1.n0.m0.x",
+        "elastic.evt.job1.n0.member.",
+        "elastic.evt.job1.n0.m0.member.heartbeat",  # no role
+        "elastic.evt.job1.n0.Member.member.heartbeat",
+        ".evt.job1.n0.member.x",
+        "elastic..job1.n0.member.x",
     ],
 )
 def test_parse_event_subject_rejects(subject: str):
@@ -340,20 +356,21 @@ def test_parse_event_subject_rejects(subject: str):
 
 
 def test_parse_keeps_trailing_tokens_in_the_type():
-    # everything after the member is the type, even an empty-looking tail token
-    parsed = parse_event_subject("elastic.evt.job1.n0.m0.member..heartbeat")
+    # everything after the role is the type, even an empty-looking tail token
+    parsed = parse_event_subject("elastic.evt.job1.n0.member.member..heartbeat")
     assert parsed is not None
     assert parsed.type == "member..heartbeat"
 
 
-def test_event_subject_source():
-    assert EventSubject("job1", "n0", "m0", "member.heartbeat").source == "n0/m0"
+def test_event_subject_binds_a_source():
     parsed = parse_event_subject(SUBJECT)
-    assert parsed is not None
-    assert parsed.source == "n0/m0"
-    assert parsed.job_id == "job1"
-    assert parsed.node == "n0"
-    assert parsed.member == "m0"
+    assert parsed == EventSubject("job1", "n0", "member", "member.heartbeat")
+    assert parsed.binds("n0/m0") and parsed.binds("n0/m1")
+    for source in ("n0/launcher", "n1/m0", "n0/", "n0", "/m0", "controlplane"):
+        assert not parsed.binds(source), source
+    launcher = EventSubject("job1", "n0", "launcher", "member.exited")
+    assert launcher.binds("n0/launcher")
+    assert not launcher.binds("n0/m0") and not launcher.binds("n1/launcher")
 
 
 def test_command_subjects():
@@ -373,7 +390,8 @@ def test_command_subjects():
 )
 def test_event_subject_round_trip_property(job: str, node: str, member: str, type_: str):
     parsed = parse_event_subject(event_subject(job, node, member, type_))
-    assert parsed == EventSubject(job, node, member, type_)
+    assert parsed == EventSubject(job, node, role_of(member), type_)
+    assert parsed.binds(f"{node}/{member}")
 
 
 # --------------------------------------------------------------------------- fuzz (issue 20)
@@ -411,7 +429,7 @@ def messages(draw: st.DrawFn) -> tuple[str, bytes]:
 
     gen = Generator(draw(st.integers(0, 2**32)), "h", jobs=2, nodes=2, members=2)
     env, (job, node, member) = gen.envelope()
-    subject = f"elastic.evt.{job}.{node}.{member}.{env['type']}"
+    subject = event_subject(job, node, member, env["type"])
     how = draw(st.sampled_from(["value", "key", "bytes", "subject", "none"]))
     if how == "value":
         paths = [p for p, _ in _leaves(env) if p != ("event_id",)]
@@ -421,7 +439,7 @@ def messages(draw: st.DrawFn) -> tuple[str, bytes]:
     elif how == "subject":
         subject = draw(st.sampled_from([
             subject + "\x00", subject.replace(job, job + "\udcff"), "elastic.evt." + "x" * 300,
-            subject.replace(member, draw(nasty_text) or "m"), "elastic.evt.a.b",
+            subject.replace(".member.", f".{draw(nasty_text) or 'm'}.", 1), "elastic.evt.a.b",
         ]))  # fmt: skip
     text = json.dumps(env, allow_nan=True, ensure_ascii=draw(st.booleans()))
     data = text.encode("utf-8", "surrogatepass")

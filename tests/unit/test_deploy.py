@@ -46,6 +46,7 @@ from controlplane.cli import app
 from controlplane.settings import ENV_PREFIX, Settings
 from rank_runtime import faults
 from rank_runtime.launcher_cli import launch_policy
+from schemas.events import CONTROLPLANE_EVENT_TYPES
 from schemas.subjects import (
     BROADCAST,
     EVENTS_WILDCARD,
@@ -566,11 +567,24 @@ def test_nats_identities_cover_the_subjects(tmp_path: Path) -> None:
     settings = Settings()
     own = [event_subject(JOB, "node0", "w0", t) for t in ("member.joined", "train.step")]
     for subject in own:
-        assert allowed(member["publish"], subject) and allowed(launcher["publish"], subject)
+        assert allowed(member["publish"], subject) and not allowed(launcher["publish"], subject)
         assert not allowed(cp["publish"], subject), "the control plane never publishes events"
         assert subject_matches(EVENTS_WILDCARD, subject)
     exits = event_subject(JOB, "node0", "launcher", "member.exited")
     assert allowed(launcher["publish"], exits) and not allowed(member["publish"], exits)
+    # Literal subjects only: every token is one the control plane named (no wildcard a member
+    # could fill with bytes that are not UTF-8, or with subjects of its own).
+    for perms in (member, launcher):
+        for subject in perms["publish"]["allow"]:
+            if subject.startswith(("elastic.evt.", "elastic.hb.")):
+                assert "*" not in subject.split(".") and ">" not in subject.split("."), subject
+    for subject in (
+        f"elastic.evt.{JOB}.node0.member.member.bogus",
+        f"elastic.evt.{JOB}.node0.w0.member.joined",
+        f"elastic.evt.{JOB}.node0.member.{next(iter(CONTROLPLANE_EVENT_TYPES))}",
+        f"elastic.hb.{JOB}.node0.w0",
+    ):
+        assert not allowed(member["publish"], subject), subject
     for subject in (
         event_subject(JOB, "node1", "w1", "member.exited"),
         event_subject(JOB, "node1", "launcher", "member.exited"),

@@ -304,7 +304,7 @@ def _beat(**over):
 
 
 def test_a_heartbeat_is_validated_and_bound_to_its_subject():
-    subject = "elastic.hb.job1.n0.m0"
+    subject = "elastic.hb.job1.n0.member"
     beats = decode_heartbeats(subject, _beat())
     assert not isinstance(beats, str)
     assert beats == Beats("job1", "n0", ["m0"], ["i1"], [1], [3], [Phase.TRAIN], [0], [0])
@@ -316,7 +316,9 @@ def test_a_heartbeat_is_validated_and_bound_to_its_subject():
         (subject, _beat(type="member.joined")): "schema violation",
         (subject, _beat(extra=1)): "schema violation",
         ("elastic.hb.job1.n0", _beat()): "not a heartbeat subject",
-        ("elastic.evt.job1.n0.m0.member.heartbeat", _beat()): "not a heartbeat subject",
+        ("elastic.evt.job1.n0.member.member.heartbeat", _beat()): "not a heartbeat subject",
+        ("elastic.hb.job1.n0.m0", _beat()): "not a heartbeat subject",  # a name, no role
+        (subject, _beat(source="n0/launcher")): "forged source",
         ("elastic.hb.job1.n0.launcher", _beat(source="n0/launcher")): "schema violation",
         (subject, b" " * 70_000): "oversized",
     }
@@ -335,7 +337,7 @@ def test_one_bad_heartbeat_or_a_failing_taker_never_stops_the_listener():
         return [] if beats.incarnation[0] == "i1" else ["stale_incarnation: i2"]
 
     listener = HeartbeatListener(None, take, clock=lambda: T0)  # type: ignore[arg-type]
-    subject = "elastic.hb.job1.n0.m0"
+    subject = "elastic.hb.job1.n0.member"
     for data in (b"\x00garbage", _beat(payload={"step": 13, "phase": "train"}),
                  _beat(incarnation="i2"), _beat()):  # fmt: skip
         listener.receive(subject, data)
@@ -350,7 +352,7 @@ def test_heartbeats_held_during_a_decision_s_append_are_taken_after_at_their_arr
     listener = HeartbeatListener(  # type: ignore[arg-type]
         None, lambda beats, at: taken.append((beats.step[0], at)) or [], clock=lambda: now[0]
     )
-    subject = "elastic.hb.job1.n0.m0"
+    subject = "elastic.hb.job1.n0.member"
 
     async def turn():
         with listener.held():
@@ -397,7 +399,7 @@ def test_a_nodes_heartbeats_are_bound_to_its_launcher_and_speak_for_its_members_
     assert beats.source(1) == "n0/m1"
     refused = {
         (subject, _node([_relayed()], source="n1/launcher")): "forged source",
-        ("elastic.hb.job1.n0.m0", _node([_relayed()], source="n0/m0")): "schema violation",
+        ("elastic.hb.job1.n0.member", _node([_relayed()], source="n0/m0")): "schema violation",
         (subject, _node([_relayed()], job_id="job2")): "job mismatch",
         (subject, _node([_relayed("launcher")])): "forged",
         (subject, _node([_relayed(), _relayed()])): "schema violation",
@@ -640,14 +642,14 @@ async def test_the_event_stream_counts_as_answering_once_what_members_sent_meanw
     await consumer._request(10, 0.5)
     clock[0] += answer_s - 0.01
     assert consumer.answering()
-    consumer._on_raw(b"_INBOX.x", b"", b"", b"NATS/1.0 408 Request Timeout\r\n\r\n")
+    consumer._on_status("408", "Request Timeout")
     assert consumer.answering()  # answered in time: no outage
 
     await consumer._request(10, 0.5)
     clock[0] += answer_s + 0.01
     assert not consumer.answering()  # unanswered: a leader being elected, say
     clock[0] += 7.0
-    consumer._on_raw(b"_INBOX.x", b"", b"", b"NATS/1.0 404 No Messages\r\n\r\n")
+    consumer._on_status("404", "No Messages")
     assert not consumer.answering()  # answers again; members' retries still on their way
     clock[0] += bus.EVENTS_SETTLE_S - 0.01
     assert not consumer.answering()
