@@ -206,8 +206,13 @@ class ControlPlane:
         failover = Failover()
         # Heartbeats sent while the connection was away were not heard: no silence of that
         # time is judged (the table counts every member heard at the reconnection).
-        reconnected: list[Callable[[], None]] = []
-        nc = await _connect(settings, stop, failover, lambda: [f() for f in reconnected])
+        table: LivenessTable | None = None
+
+        def heard_again() -> None:
+            if table is not None:
+                table.resume(utcnow())
+
+        nc = await _connect(settings, stop, failover, heard_again)
         appender = store.appender()
         publisher: CommandPublisher | None = None
         try:
@@ -236,7 +241,6 @@ class ControlPlane:
                 await session.refresh(job_id)
 
             consumer = bus.EventConsumer(nc, settings)
-            reconnected.append(lambda: table.resume(utcnow()))
             beacon = bus.Beacon(nc, consumer, failover)
             beaconing = asyncio.create_task(beacon.run(stop))
             decider = self.decider = Decider(
@@ -302,7 +306,7 @@ async def _connect(
     settings: Settings,
     stop: asyncio.Event,
     failover: Failover,
-    on_reconnect: Callable[[], object],
+    on_reconnect: Callable[[], None],
 ) -> Client | None:
     backoff = Backoff(max_s=settings.retry_max_s)
     while not stop.is_set():

@@ -77,7 +77,7 @@ async def connect(
     *,
     name: str = "elastic-controlplane",
     failover: Failover | None = None,
-    on_reconnect: Callable[[], object] | None = None,
+    on_reconnect: Callable[[], None] | None = None,
     **options: Any,
 ) -> Client:
     """Connect with reconnection forever; raise ``BusUnavailable`` if the first connect fails.
@@ -659,7 +659,7 @@ class HeartbeatListener:
     async def catch_up(self, timeout_s: float = 5.0) -> None:
         """Take every heartbeat that reached NATS before this call: a PING's PONG comes back
         behind every message the server sent before it, and nats-py's queue for this
-        subscription (a plain client's path) is then drained. A connection that does not
+        subscription is then drained. A connection that does not
         answer within ``timeout_s`` is given up on (what was heard is what there is)."""
         try:
             await self._nc.flush(timeout=timeout_s)  # type: ignore[arg-type]  # seconds
