@@ -141,8 +141,10 @@ def creds(
     """Issue per-node NATS credentials (NKeys) from the installation secret, ELASTIC_SECRET.
 
     For each node of the job two NKey seeds: OUT/JOB/NODE/launcher.nk (the node's launcher:
-    may publish elastic.evt.JOB.NODE.>) and OUT/JOB/NODE/member.nk (its members: may publish
-    elastic.evt.JOB.NODE.*.> but not as NODE/launcher). Both read only JOB's commands and
+    may publish elastic.evt.JOB.NODE.launcher.TYPE) and OUT/JOB/NODE/member.nk (its members:
+    elastic.evt.JOB.NODE.member.TYPE), TYPE each member event type, one literal subject each
+    (the server refuses any other), and their heartbeats on elastic.hb.JOB.NODE.launcher and
+    elastic.hb.JOB.NODE.member. Both read only JOB's commands and
     receive only on an inbox of their own. Also OUT/controlplane.nk (ELASTIC_NATS_CREDS of
     `elasticctl serve`: the only one that reads events), OUT/JOB/job-secret and
     OUT/JOB/command-key (what the launcher hands its members), and OUT/nats-users.conf: the
