@@ -82,6 +82,9 @@ REPLICATED_KEY = "__replicated__"
 _ARRIVAL_POLL_S = 0.05
 #: The least time forming a generation's group waits for its ranks (``Elastic._form_timeout``).
 FORM_TIMEOUT_S = 60.0
+#: The least a step open when a newer generation is decided may run before its group's
+#: connections are ended (``Elastic._on_command``): twice the longest recent step, or this.
+RELEASE_GRACE_S = 0.25
 #: Modes whose world keeps the restore step's layout: a rank needs only its own shard.
 _SAME_LAYOUT = frozenset({ReallocationMode.REPLACE, ReallocationMode.ROLLBACK})
 
@@ -749,23 +752,50 @@ class Elastic:
 
     def _on_command(self, command: Start | Reallocate | Stop) -> None:
         """On the client's thread, as a command arrives: a newer generation ends this one, so
-        a step blocked in its collectives is released now (the group's connections ended:
+        a step blocked in its collectives is released (the group's connections ended:
         ``rank_runtime.group``) rather than at the collective timeout, which is the only
         release when the peer it waits for is on a host cut off from this one (its own end
         of the connections, closed when it is fenced, never reaches here). ``recover`` then
-        follows the decision without reporting the failure it caused."""
+        follows the decision without reporting the failure it caused.
+
+        A step still running its course (begun less than twice the longest recent step ago,
+        and at least ``RELEASE_GRACE_S``) is left to end: the member then finds the newer
+        generation between steps and leaves a group with nothing in flight. Ending
+        connections under collectives in flight is what can leave a gloo send waiting the
+        whole timeout (``rank_runtime.group``); a step that waits on a peer the decision
+        removed has run past its course by the time the decision comes, and is released at
+        once. A decision that rolls back a healthy world comes mid-step, to every member."""
         # Read before the world: a member that entered the newer generation meanwhile holds
         # that one's connections, and its world says so (nothing is ended then).
         sockets = self.group_sockets
         world = self.world
         if isinstance(command, Stop) or world is None or command.generation <= world.generation:
             return
-        if self.client.open_step() is None:
+        opened = self.client.open_step()
+        if opened is None:
             return  # between steps: the next one finds the newer generation first
+        course = opened.began + max(2 * opened.longest, RELEASE_GRACE_S) - time.monotonic()
+        if course <= 0:
+            self._release(sockets, command.generation, world, opened.began)
+            return
+        timer = threading.Timer(
+            course, self._release, (sockets, command.generation, world, opened.began)
+        )
+        timer.daemon = True
+        timer.start()
+
+    def _release(self, sockets: GroupSockets, generation: int, world: World, began: float) -> None:
+        """End ``world``'s connections if the step that began at ``began`` is still open in
+        it (a later step, a recovery or a newer group: nothing to release)."""
+        opened = self.client.open_step()
+        if opened is None or opened.began != began or self.world is not world:
+            return
+        if self.group_sockets is not sockets:
+            return
         ended = sockets.shutdown()
         if ended:
             log.warning("generation %d decided during a step of generation %d: ended the"
-                        " group's %d connections", command.generation, world.generation,
+                        " group's %d connections", generation, world.generation,
                         ended)  # fmt: skip
 
     def _watch(self) -> None:

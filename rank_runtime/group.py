@@ -10,11 +10,20 @@ easily outlive (measured here: a peer blocked in ``all_reduce`` waited the whole
 this side had destroyed its group and dropped its model). ``GroupSockets`` records the sockets
 ``init_process_group`` opened — gloo connects its full mesh there — and those the loop's
 ``build`` opened (a device mesh's sub-groups, ``new_group``), and ``shutdown`` ends the
-connected ones (never a listener):
-every peer blocked on this member gets "connection closed" in milliseconds and goes to the
-control plane, as a peer of a dead rank does. A socket another thread opened meanwhile (a peer
-store transfer) may be among them; ending it fails that one transfer, which is retried as any
-failed replication is.
+connected ones (never a listener) for reading: gloo's own loop then reads the end of each
+connection, fails what waits on it and closes it, and every peer blocked on this member gets
+"connection closed" in milliseconds and goes to the control plane, as a peer of a dead rank
+does. Only reading: a send gloo writes in the meantime still goes out. A connection ended for
+writing too fails that write with EPIPE, which gloo's asynchronous path takes as "try again
+later" and queues; once the connection is found closed, gloo fails the connection's pending
+receives and its sends still waiting for the peer, but not a send already queued for writing,
+whose waiter then waits the whole collective timeout (``pair.cc``: ``signalException`` fails
+the queued writes of bound buffers only). Ending for reading narrows that window to a peer's
+reset arriving before gloo's loop saw the connection end; it does not close it, which is why
+a decision does not end the connections of a step still running its course
+(``Elastic._on_command``). A socket another thread opened meanwhile (a peer store transfer) may
+be among them; ending it fails that one transfer, which is retried as any failed replication
+is.
 """
 
 from __future__ import annotations
@@ -98,8 +107,8 @@ class GroupSockets:
         return len(self._opened)
 
     def shutdown(self) -> int:
-        """End every recorded socket still open (both directions); how many were ended. Once:
-        the record is cleared."""
+        """End every recorded socket still open, for reading (see the module's docstring);
+        how many were ended. Once: the record is cleared."""
         ended = 0
         opened, self._opened = self._opened, {}
         for fd, what in opened.items():
@@ -115,7 +124,7 @@ class GroupSockets:
                         socket.SOL_SOCKET, socket.SO_ACCEPTCONN
                     ):
                         continue
-                    sock.shutdown(socket.SHUT_RDWR)
+                    sock.shutdown(socket.SHUT_RD)
                 ended += 1
             except OSError as exc:  # closed meanwhile, or not connected: nothing to end
                 log.debug("socket %d: %s", fd, exc)

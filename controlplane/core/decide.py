@@ -17,9 +17,9 @@ with a new generation (a spare replaces the failed member, same rack first, else
 shrinks if ``min_world`` members remain, else STOPPED); RECOVERING -> RUNNING at the first
 step of the new generation (the incident is resolved with its timeline); a fault while
 RECOVERING re-decides inside the same incident (a cascade); a recovery that misses its
-deadline drops the members that did not resume and re-decides, and an incident that needs more
-than ``max_decisions_per_incident`` decisions stops the job. RUNNING below ``max_world`` grows
-at a backup boundary when members joined after the start.
+deadline drops the members furthest behind (those the others wait on) and re-decides, and an
+incident that needs more than ``max_decisions_per_incident`` decisions stops the job. RUNNING
+below ``max_world`` grows at a backup boundary when members joined after the start.
 
 With a mesh (``JobPolicy.mesh``) the decider reasons in replicas (``controlplane.core.mesh``):
 the first world puts the workers on the mesh's coordinates (node-local groups on one node);
@@ -1183,11 +1183,16 @@ class _Round:
         late = (self.now - decision.at).total_seconds()
         if late <= policy.recovery_deadline_s:
             return
-        laggards = [
+        waiting = [
             m
             for m in decision.world
             if m not in decision.resumed and view.members[m].status is MemberStatus.ACTIVE
         ]
+        # Those furthest behind hold the others up (a group forms once every member acked, a
+        # world steps once every member restored): a member that acked and waits for one that
+        # never did is not late, and dropping it too would stop a job its spares could save.
+        behind = min((_stage(m, decision) for m in waiting), default=0)
+        laggards = [m for m in waiting if _stage(m, decision) == behind]
         if not laggards:
             self._stop(
                 f"generation {decision.generation} took no step within"
@@ -1291,6 +1296,16 @@ class _Round:
             decision_id(view.job_id, f"incident/{n}"),
             _Plan(ReallocationMode.GROW, world, step, source, sources, reason),
         )
+
+
+def _stage(member: str, decision: Decision) -> int:
+    """How far ``member`` got in ``decision``'s recovery: 0 never acked, 1 acked, 2 restored,
+    3 resumed."""
+    if member in decision.resumed:
+        return 3
+    if member in decision.restored:
+        return 2
+    return 1 if member in decision.acked else 0
 
 
 def _progress(member: str, decision: Decision) -> str:

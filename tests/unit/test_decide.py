@@ -1142,7 +1142,22 @@ def test_next_deadline_is_the_recovery_deadline_when_that_comes_first():
     after = decide(s.v, deadline + timedelta(microseconds=1), s.context)
     detected = only(after, "fault.detected")
     assert detected.reason is FaultReason.RECOVERY_DEADLINE
-    assert detected.members == ["w00", "spare0", "w10", "w11"]
+    # w11 never acked; the others acked and wait for it to form the group: w11 alone is late,
+    # and the last spare takes its place.
+    assert detected.members == ["w11"]
+    assert detected.detail == "w11 did not resume generation 2 within 60s (never acked)"
+    assert only(after, "reallocation.issued").world == ["w00", "spare0", "w10", "spare1"]
+    assert not [e for e in after if e.type == "job.stopped"]
+
+
+def test_members_equally_behind_at_the_recovery_deadline_are_all_dropped():
+    """Every member acked and none restored: nothing tells who holds the others up."""
+    s, _ = crash_w01(spares=2, heartbeat_timeout_s=HANG_TIMEOUTS)
+    s.at(3)
+    report(s, "command.acked")
+    alive_tick(s, 62)
+    after = decide(s.v, at(62.001), s.context)
+    assert only(after, "fault.detected").members == ["w00", "spare0", "w10", "w11"]
     assert only(after, "job.stopped").reason.startswith("too few members to go on")
 
 

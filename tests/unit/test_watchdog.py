@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from rank_runtime.elastic import Elastic, World
+from rank_runtime.elastic import RELEASE_GRACE_S, Elastic, World
 from rank_runtime.group import GroupSockets
 from rank_runtime.identity import Identity
 from schemas.commands import Reallocate
@@ -60,19 +60,28 @@ def faults(elastic: Elastic) -> list[dict[str, Any]]:
 
 @contextmanager
 def connection(elastic: Elastic) -> Iterator[socket.socket]:
-    """A TCP connection whose near end the member's group recorded; yields the far end."""
+    """A TCP connection whose near end the member's group recorded; yields the near end, as
+    gloo's loop reads it (its end, once ended, is what fails gloo's pair and closes it)."""
     with socket.create_server(("127.0.0.1", 0)) as server:
         opened = GroupSockets({})
         with opened.recording():
             near = socket.create_connection(server.getsockname())
         far, _ = server.accept()
     elastic.group_sockets = opened
-    far.settimeout(5)
     try:
-        yield far
+        yield near
     finally:
         near.close()
         far.close()
+
+
+def ended(near: socket.socket) -> bool:
+    """Whether the connection's near end reads its end now (ended), without waiting."""
+    near.settimeout(0)
+    try:
+        return near.recv(1) == b""
+    except BlockingIOError:
+        return False
 
 
 def test_the_client_tells_which_step_is_open():
@@ -100,30 +109,48 @@ def test_the_client_tells_which_step_is_open():
     assert client.open_step() is None
 
 
-def test_a_newer_generation_decided_during_a_step_ends_the_group_connections():
+def test_a_newer_generation_decided_during_a_step_past_its_course_ends_the_connections():
+    """The step has run longer than twice the longest recent step (and the grace): it waits
+    on a peer, and the decision releases it at once."""
     elastic = member()
-    with connection(elastic) as far:
+    with connection(elastic) as near:
+        elastic.client.finished_step(6, 0.05)
         elastic.client.step_began(7)
+        time.sleep(RELEASE_GRACE_S + 0.05)
         arrives(elastic, reallocate(2))
-        assert far.recv(1) == b""  # the near end was shut down: the peer sees it closed
+        assert ended(near)  # at once: gloo's loop reads the end and fails what waits
     assert elastic.client.newest_generation == 2
     assert elastic.client.next_command() is not None  # queued all the same, to be followed
 
 
-@pytest.mark.parametrize("case", ["between steps", "same generation"])
+def test_a_step_still_running_its_course_is_released_only_at_its_end():
+    elastic = member()
+    with connection(elastic) as near:
+        elastic.client.step_began(7)
+        began = time.monotonic()
+        arrives(elastic, reallocate(2))
+        assert not ended(near)  # left to end on its own
+        while not ended(near) and time.monotonic() - began < 5:
+            time.sleep(0.01)
+        waited = time.monotonic() - began
+        assert RELEASE_GRACE_S - 0.01 <= waited < 5  # still open at the end of its course
+
+
+@pytest.mark.parametrize("case", ["between steps", "same generation", "ended in its course"])
 def test_the_connections_stay_when_no_step_waits_or_nothing_newer_is_decided(case: str):
     elastic = member()
-    with connection(elastic) as far:
+    with connection(elastic) as near:
+        elastic.client.step_began(7)
         if case == "between steps":
-            elastic.client.step_began(7)
             elastic.client.finished_step(7, 0.1)
             arrives(elastic, reallocate(2))
-        else:
-            elastic.client.step_began(7)
+        elif case == "same generation":
             arrives(elastic, reallocate(1))
-        far.settimeout(0.2)
-        with pytest.raises(TimeoutError):
-            far.recv(1)  # still open: nothing arrives, nothing closed
+        else:  # the step ends before its course is run: the member leaves between steps
+            arrives(elastic, reallocate(2))
+            elastic.client.finished_step(7, 0.1)
+        time.sleep(RELEASE_GRACE_S + 0.1)
+        assert not ended(near)  # still open: nothing ended
 
 
 @contextmanager
