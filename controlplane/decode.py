@@ -91,7 +91,7 @@ def _decode(subject: str, data: bytes, stream_seq: int | None) -> EnvelopeBase |
         return dead(f"forged: {event.type} is recorded only by the control plane")
     if not parsed.binds(event.source):
         return dead(
-            f"forged source: envelope says {event.source!r}, subject binds {_bound(parsed)!r}"
+            f"forged source: envelope says {event.source!r}, subject binds {parsed.bound!r}"
         )
     if event.job_id != parsed.job_id:
         return dead(f"job mismatch: envelope says {event.job_id!r}, subject says {parsed.job_id!r}")
@@ -100,13 +100,6 @@ def _decode(subject: str, data: bytes, stream_seq: int | None) -> EnvelopeBase |
     if event.type == "member.joined" and event.payload.node != parsed.node:
         return dead(f"forged node: joined as {event.payload.node!r} on node {parsed.node!r}")
     return event
-
-
-def _bound(parsed: EventSubject) -> str:
-    """What a subject binds a source to, as its reasons name it."""
-    if parsed.role == LAUNCHER_MEMBER:
-        return f"{parsed.node}/{LAUNCHER_MEMBER}"
-    return f"{parsed.node}/<member>"
 
 
 def decode_heartbeats(subject: str, data: bytes) -> Beats | str:
@@ -134,9 +127,7 @@ def decode_heartbeats(subject: str, data: bytes) -> Beats | str:
         except ValidationError as exc:
             return _explain_heartbeat(exc)
         if not parsed.binds(message.source):
-            return (
-                f"forged source: message says {message.source!r}, subject binds {_bound(parsed)!r}"
-            )
+            return f"forged source: message says {message.source!r}, subject binds {parsed.bound!r}"
         if message.job_id != parsed.job_id:
             return f"job mismatch: message says {message.job_id!r}, subject says {parsed.job_id!r}"
         job, node = parsed.job_id, parsed.node

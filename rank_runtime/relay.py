@@ -2,7 +2,8 @@
 
 A member started by the launcher sends each heartbeat as a datagram to the launcher's Unix
 socket (``ELASTIC_HEARTBEAT_RELAY``, in a directory only the launcher's user can enter) rather
-than to NATS. The launcher keeps each member's latest heartbeat and, once an interval, sends
+than to NATS. The launcher keeps each member's latest heartbeat (with the longest step of any
+it replaced) and, once an interval, sends
 the node's as one ``node.heartbeat`` on its own subject ``elastic.hb.<job>.<node>.launcher``:
 the control plane receives one message per node and interval instead of one per rank (eight
 times fewer at eight ranks a node), and hears each beat at the time the launcher heard it
@@ -155,9 +156,19 @@ class HeartbeatRelay:
             if expected[1] != beat.incarnation:
                 return self._refuse(f"stale_incarnation: {beat.incarnation} of {beat.source}")
             p = beat.payload
+            step_seconds, compute = p.step_seconds, p.compute_seconds
+            earlier = self._latest.get(member)
+            if earlier is not None and earlier.generation == beat.generation:
+                # Two beats in one interval (the member's clock and the relay's drift): the
+                # message carries the latest, and what the earlier one said of the steps
+                # between: the longest step (each beat says the longest since the one
+                # before), the compute time when the latest has none.
+                step_seconds = max(step_seconds, earlier.step_seconds)
+                if compute is None:
+                    compute = earlier.compute_seconds
             self._latest[member] = _Latest(
                 self._clock(), beat.incarnation, beat.generation, p.step, p.phase.value,
-                p.step_seconds, p.compute_seconds, p.since_step_seconds, p.ready_seconds,
+                step_seconds, compute, p.since_step_seconds, p.ready_seconds,
             )  # fmt: skip
         return None
 

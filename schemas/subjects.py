@@ -60,6 +60,12 @@ class EventSubject(NamedTuple):
     role: str
     type: str
 
+    @property
+    def bound(self) -> str:
+        """The sources this subject binds, as a refusal names them (``<node>/launcher`` or
+        ``<node>/<member>``)."""
+        return f"{self.node}/{LAUNCHER_MEMBER if self.role == LAUNCHER_MEMBER else '<member>'}"
+
     def binds(self, source: str) -> bool:
         """Whether an envelope's ``source`` (``<node>/<member>``) may come on this subject:
         the subject's node, and the launcher exactly when the role is the launcher's."""

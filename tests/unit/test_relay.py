@@ -52,6 +52,27 @@ def test_the_relay_keeps_each_members_latest_beat_and_sends_one_message_per_node
     assert relay.flush() == {} and relay.stats.relayed == 2
 
 
+def test_two_beats_in_one_interval_keep_the_longest_step_either_reported() -> None:
+    """Each beat reports the longest step since the member's previous beat: one that lands in
+    the same interval as the next must not lose it (a 2 s step reported, then overwritten by
+    the next beat's 20 ms, never reached the control plane)."""
+    relay = HeartbeatRelay("unused", "job1", 0.25, lambda node, data: None)
+    relay.expect("m0", "n0", "i0")
+    slow = {"step": 13, "phase": "train", "step_seconds": 2.0, "compute_seconds": 0.01}
+    fast = {"step": 14, "phase": "train", "step_seconds": 0.02}
+    assert relay.take(_beat(payload=slow)) is None
+    assert relay.take(_beat(payload=fast)) is None
+    beats = decode_heartbeats("elastic.hb.job1.n0.launcher", relay.flush()["n0"][0])
+    assert not isinstance(beats, str)
+    assert (beats.step, beats.step_ms, beats.compute_ms) == ([14], [2000], [10])
+    # The next interval starts afresh; a beat of a newer generation does not inherit either.
+    assert relay.take(_beat(payload=slow)) is None
+    assert relay.take(_beat(generation=3, payload=fast)) is None
+    beats = decode_heartbeats("elastic.hb.job1.n0.launcher", relay.flush()["n0"][0])
+    assert not isinstance(beats, str)
+    assert (beats.generation, beats.step_ms, beats.compute_ms) == ([3], [20], None)
+
+
 def test_the_relay_takes_only_the_processes_its_launcher_started() -> None:
     relay = HeartbeatRelay("unused", "job1", 0.25, lambda node, data: None)
     relay.expect("m0", "n0", "i0")
