@@ -3,13 +3,13 @@
 A member started by the launcher sends each heartbeat as a datagram to the launcher's Unix
 socket (``ELASTIC_HEARTBEAT_RELAY``, in a directory only the launcher's user can enter) rather
 than to NATS. The launcher keeps each member's latest heartbeat (with the longest step of any
-it replaced) and, once an interval, sends
-the node's as one ``node.heartbeat`` on its own subject ``elastic.hb.<job>.<node>.launcher``:
-the control plane receives one message per node and interval instead of one per rank (eight
-times fewer at eight ranks a node), and hears each beat at the time the launcher heard it
-(the message says how long before sending: ``age_s``). A member the launcher did not hear
-from over an interval is not in that interval's message, so a hung member falls silent at
-the control plane as it would beating on its own; a dead launcher silences its node.
+it replaced) and, once an interval, sends the node's as one ``node.heartbeat`` on its own
+subject ``elastic.hb.<job>.<node>.launcher``: the control plane receives one message per node
+and interval instead of one per rank (eight times fewer at eight ranks a node), and hears each
+beat at the time the launcher heard it (the message says how long before sending: ``age_s``).
+A member the launcher did not hear from over an interval is not in that interval's message,
+so a hung member falls silent at the control plane as it would beating on its own; a dead
+launcher silences its node.
 
 The launcher relays only for the processes it started: a datagram is taken when it is a
 valid heartbeat of this job, from a member of the node the launcher started, naming the
