@@ -659,8 +659,8 @@ class HeartbeatListener:
     async def catch_up(self, timeout_s: float = 5.0) -> None:
         """Take every heartbeat that reached NATS before this call: a PING's PONG comes back
         behind every message the server sent before it, and nats-py's queue for this
-        subscription is then drained. A connection that does not
-        answer within ``timeout_s`` is given up on (what was heard is what there is)."""
+        subscription is then drained. A connection that does not answer within
+        ``timeout_s`` is given up on (what was heard is what there is)."""
         try:
             await self._nc.flush(timeout=timeout_s)  # type: ignore[arg-type]  # seconds
             sub = self._sub

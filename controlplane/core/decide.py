@@ -1308,12 +1308,12 @@ def _stage(member: str, decision: Decision) -> int:
     return 1 if member in decision.acked else 0
 
 
+#: What each stage short of resuming says of a member late at the recovery deadline.
+_PROGRESS = ("never acked", "acked, not restored", "restored, not resumed")
+
+
 def _progress(member: str, decision: Decision) -> str:
-    if member in decision.restored:
-        return "restored, not resumed"
-    if member in decision.acked:
-        return "acked, not restored"
-    return "never acked"
+    return _PROGRESS[_stage(member, decision)]
 
 
 def _summary(findings: list[Finding]) -> str:
